@@ -1,0 +1,19 @@
+"""paged-llm: a readable research implementation of vLLM and PagedAttention."""
+
+from paged_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.llm import LLM
+from paged_llm.outputs import CompletionOutput, RequestOutput
+from paged_llm.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineConfig",
+    "ModelConfig",
+    "CacheConfig",
+    "SchedulerConfig",
+]

@@ -1,0 +1,37 @@
+"""The attention backend interface: store this step's K/V, then attend through the cache."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from paged_llm.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """One way to lay out and read the KV cache. Chosen by config (``attention=torch|triton|...``).
+
+    Shapes: ``query`` [T, Hq, D]; ``key``/``value`` [T, Hkv, D]; caches
+    [num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
+    """
+
+    name: str = "base"
+    # Backends that need each sequence's blocks to be one contiguous run (the pre-vLLM layout).
+    requires_contiguous_blocks: bool = False
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise a clear error when this backend cannot run on ``device``."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write key/value into their slots, then return attention output for every query."""

@@ -1,0 +1,81 @@
+"""Per-step attention metadata: how the flat token batch maps onto sequences and KV slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one engine step's flattened batch of T tokens from B sequences.
+
+    Sequences are ordered decodes first (query length 1), then prefills/chunks, so backends
+    can send the first ``num_decodes`` sequences to a decode kernel.
+    Query token j of sequence b sits at position ``seq_lens[b] - query_len[b] + j`` and attends
+    causally to every context position <= its own (the prefix is already in the paged cache).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: flat slot (block_id * block_size + offset); -1 = skip
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int  # the first num_decodes sequences have query length 1
+    query_lens_cpu: list[int]  # [B] host copies, so reference paths avoid device syncs
+    seq_lens_cpu: list[int]  # [B]
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of sequences B in the step."""
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of query tokens T in the step."""
+        return int(sum(self.query_lens_cpu))
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Build metadata from host lists (sequences must already be ordered decodes first)."""
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+    slots: list[int] = []
+    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+        if q_len > s_len:
+            raise ValueError(f"query length {q_len} exceeds sequence length {s_len}")
+        if len(table) * block_size < s_len:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {s_len} tokens")
+        for pos in range(s_len - q_len, s_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    num_decodes = 0
+    for q_len in query_lens:
+        if q_len != 1:
+            break
+        num_decodes += 1
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
+            len(block_tables), max_blocks
+        ),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        num_decodes=num_decodes,
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+    )

@@ -1,0 +1,80 @@
+"""Engine configuration as data: dataclasses that Hydra composes (``configs/``) and that plain
+Python builds through ``LLM(**kwargs)``. Swappable parts (attention backend, KV policy) are a
+name, a dotted path or a ``{_target_: ...}`` mapping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Which model to run and how."""
+
+    model: str = "tiny"  # local Hugging Face checkpoint directory, or a built-in preset name
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: float32 on CPU)
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+
+@dataclass
+class CacheConfig:
+    """Size and layout of the paged KV cache."""
+
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
+    cpu_kv_cache_gib: float = 1.0  # CPU: bytes for the KV pool (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits and the KV allocation policy."""
+
+    policy: Any = "paged"  # paged | orca_max | orca_pow2 | orca_oracle | static | {_target_: ...}
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: max(max_model_len, 2048)
+    enable_chunked_prefill: bool = False
+    preemption_mode: str = "recompute"  # recompute | swap
+
+
+@dataclass
+class EngineConfig:
+    """Everything an LLMEngine needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: Any = "auto"  # auto | torch | triton | contiguous | {_target_: ...}
+    log_stats: bool = False
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from vLLM-style flat keyword arguments (``LLM(model=..., block_size=...)``)."""
+        cfg = cls()
+        sections = {"model": cfg.model, "cache": cfg.cache, "scheduler": cfg.scheduler}
+        owner = {f.name: sec for sec in sections.values() for f in fields(sec)}
+        for key, value in kwargs.items():
+            if key in ("attention_backend", "log_stats"):
+                setattr(cfg, key, value)
+            elif key in owner:
+                setattr(owner[key], key, value)
+            else:
+                raise ValueError(f"unknown engine argument '{key}'")
+        return cfg
+
+
+def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
+    """Build an EngineConfig from a resolved Hydra config (groups model/attention/policy and the
+    cache/scheduler sections); unknown keys raise, so typos in overrides are caught."""
+    return EngineConfig(
+        model=ModelConfig(**cfg["model"]),
+        cache=CacheConfig(**cfg["cache"]),
+        scheduler=SchedulerConfig(policy=cfg.get("policy", "paged"), **cfg["scheduler"]),
+        attention_backend=cfg.get("attention", "auto"),
+    )

@@ -1,0 +1,110 @@
+"""The KV cache manager interface shared by the paged policy and the reservation baselines."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from paged_llm.core.request import Request
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """The paper's Fig. 2 split of the KV pool, in token slots; the four parts sum to the pool."""
+
+    token_states: int  # prompt + generated-so-far tokens of live requests
+    reservation: int  # reserved for tokens the request will still generate
+    internal_fragmentation: int  # reserved or allocated, never to be used
+    external_fragmentation: int  # everything else: free space, allocator rounding
+
+    @property
+    def total(self) -> int:
+        """Pool size in slots."""
+        return (
+            self.token_states
+            + self.reservation
+            + self.internal_fragmentation
+            + self.external_fragmentation
+        )
+
+    def shares(self) -> dict[str, float]:
+        """Each part as a fraction of the pool."""
+        t = self.total or 1
+        return {
+            "token_states": self.token_states / t,
+            "reservation": self.reservation / t,
+            "internal_fragmentation": self.internal_fragmentation / t,
+            "external_fragmentation": self.external_fragmentation / t,
+        }
+
+
+class KVCacheManager(ABC):
+    """Answers 'can this request get slots for N more tokens?' and owns the block tables."""
+
+    name = "base"
+    supports_swap = False
+    # FasterTransformer-style static batching: admit a new batch only after the last one ends.
+    static_batching = False
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.block_tables: dict[str, list[int]] = {}
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` slots."""
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_slots(self) -> int:
+        """Pool size in token slots."""
+        return self.num_blocks * self.block_size
+
+    def get_block_table(self, request: Request) -> list[int]:
+        """Physical block ids of the request, in logical order."""
+        return self.block_tables.get(request.request_id, [])
+
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks not owned by any request."""
+
+    def usage(self) -> float:
+        """Fraction of blocks in use."""
+        return 1.0 - self.num_free_blocks() / self.num_blocks
+
+    @abstractmethod
+    def fits_ever(self, request: Request) -> bool:
+        """False when the request could not run even in an empty pool."""
+
+    @abstractmethod
+    def can_admit(self, request: Request, num_new_tokens: int) -> bool:
+        """Admission rule for a waiting request about to compute ``num_new_tokens``."""
+
+    @abstractmethod
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Ensure slots for num_computed + num_new tokens; False (and no change) if impossible."""
+
+    @abstractmethod
+    def free(self, request: Request) -> None:
+        """Release everything the request holds on the device."""
+
+    @abstractmethod
+    def memory_breakdown(self, requests: Iterable[Request]) -> MemoryBreakdown:
+        """Split the pool into the paper's four parts for the given live requests."""
+
+    # Swapping is optional; only policies that can preempt need it.
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to CPU; return (device, cpu) pairs or None if no room."""
+        return None
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """True when the swapped blocks and the next tokens' blocks fit on the device."""
+        return False
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request back; return (cpu, device) pairs."""
+        raise NotImplementedError(f"{self.name} does not swap")

@@ -1,0 +1,119 @@
+"""A request's bookkeeping state (plain Python, no torch).
+
+One counter, ``num_computed_tokens``, catches up to ``num_tokens`` every step: that single
+mechanism expresses prefill, chunked prefill, decode and re-prefill after preemption.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from paged_llm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        """True for the three terminal states."""
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class Request:
+    """One sequence to generate: prompt, outputs so far, and scheduling counters."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    eos_token_id: int | None = None
+    max_model_len: int = 2048
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    # timestamps on the engine's clock (wall clock in real runs, simulated time otherwise)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: prompt is empty")
+        if len(self.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {self.request_id}: prompt has {len(self.prompt_token_ids)} tokens, "
+                f"which leaves no room to generate within max_model_len={self.max_model_len}"
+            )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens (what the KV cache must eventually hold)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_output_tokens(self) -> int:
+        """The most tokens this request may generate (max_tokens, capped by max_model_len)."""
+        room = self.max_model_len - self.num_prompt_tokens
+        mt = self.sampling_params.max_tokens
+        return room if mt is None else min(mt, room)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the most tokens it can generate: the true final length with ignore_eos."""
+        return self.num_prompt_tokens + self.max_output_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request reached a terminal state."""
+        return self.status.finished
+
+    def append_token(self, token_id: int, now: float) -> None:
+        """Record one generated token and its time."""
+        self.output_token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def check_stop(self) -> RequestStatus | None:
+        """Return the finished status implied by the last token, or None to continue."""
+        params = self.sampling_params
+        n_out = self.num_output_tokens
+        if n_out >= self.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if n_out < params.min_tokens:
+            return None
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last == self.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        return None

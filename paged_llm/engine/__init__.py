@@ -1,0 +1,1 @@
+"""The engine: scheduler + model runner + detokenization behind vLLM's LLMEngine API."""

@@ -1,0 +1,321 @@
+"""LLMEngine: vLLM's add_request / step / abort_request loop over the paged engine."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from paged_llm.attention.registry import ATTENTION_BACKENDS
+from paged_llm.config import EngineConfig
+from paged_llm.core.kv import POLICIES
+from paged_llm.core.request import Request, RequestStatus
+from paged_llm.core.scheduler import Scheduler, SchedulerLimits
+from paged_llm.engine.inputs import to_token_ids, validate_token_ids
+from paged_llm.engine.loading import load_model_and_tokenizer, resolve_device
+from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
+from paged_llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paged_llm.runner.kv_cache import kv_bytes_per_block
+from paged_llm.runner.model_runner import ModelRunner
+from paged_llm.sampling_params import SamplingParams
+from paged_llm.utils.registry import build
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of a request that the scheduler does not need."""
+
+    request: Request
+    prompt: str | None
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class LLMEngine:
+    """Owns the scheduler and the model runner; each ``step()`` runs one iteration."""
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        mc, cc, sc = config.model, config.cache, config.scheduler
+        self.device = resolve_device(mc.device)
+        torch.manual_seed(mc.seed)
+        self.model, self.hf_config, self.tokenizer = load_model_and_tokenizer(mc, self.device)
+        self.dtype = next(self.model.parameters()).dtype
+        limit = max_context_len(self.hf_config)
+        self.max_model_len = mc.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {limit}")
+        self.vocab_size = self.hf_config.vocab_size
+        self.eos_token_id = self._eos_token_id()
+
+        backend_name = config.attention_backend
+        if backend_name == "auto":
+            backend_name = "triton" if self.device.type == "cuda" else "torch"
+        self.backend = build("attention backend", backend_name, ATTENTION_BACKENDS)
+        self.backend.check_device(self.device)
+
+        num_layers, num_kv_heads, head_dim = kv_cache_shape_info(self.hf_config)
+        self.runner = ModelRunner(
+            self.model, self.backend, self.device, self.dtype, cc.block_size,
+            num_layers, num_kv_heads, head_dim, seed=mc.seed,
+        )  # fmt: skip
+        block_bytes = kv_bytes_per_block(
+            num_layers, num_kv_heads, head_dim, cc.block_size, self.dtype
+        )
+        num_blocks = self._num_blocks(block_bytes)
+        num_cpu_blocks = 0
+        if sc.preemption_mode == "swap":
+            num_cpu_blocks = int(cc.swap_space * 2**30 // block_bytes)
+        kv = build(
+            "policy", sc.policy, POLICIES, num_blocks=num_blocks, block_size=cc.block_size,
+            max_model_len=self.max_model_len, num_cpu_blocks=num_cpu_blocks,
+        )  # fmt: skip
+        if self.backend.requires_contiguous_blocks and not kv.name.startswith(("orca", "static")):
+            raise ValueError(
+                f"attention backend '{self.backend.name}' needs contiguous per-request caches; "
+                f"use it with a reservation policy (orca_max/orca_pow2/orca_oracle/static), "
+                f"not '{kv.name}'"
+            )
+        limits = SchedulerLimits(
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens or max(self.max_model_len, 2048),
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+            preemption_mode=sc.preemption_mode,
+        )
+        self.scheduler = Scheduler(kv, limits)
+        self.runner.initialize_cache(num_blocks, num_cpu_blocks)
+        tokens = num_blocks * cc.block_size
+        logger.info(
+            "KV cache: %d blocks x %d = %d tokens (%.2f GiB, %s); maximum concurrency for "
+            "%d-token requests: %.2fx",
+            num_blocks, cc.block_size, tokens, num_blocks * block_bytes / 2**30, self.dtype,
+            self.max_model_len, tokens / self.max_model_len,
+        )  # fmt: skip
+        self.kv_cache_tokens = tokens
+        self._tracked: dict[str, _Tracked] = {}
+        self._counter = itertools.count()
+        self.iteration_stats: list[Any] = []
+
+    # ---- set-up helpers ---------------------------------------------------------------------
+    def _eos_token_id(self) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        return eos[0] if isinstance(eos, list) else eos
+
+    def _num_blocks(self, block_bytes: int) -> int:
+        cc = self.config.cache
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks(block_bytes)
+        return max(1, int(cc.cpu_kv_cache_gib * 2**30 // block_bytes))
+
+    def _profile_cuda_blocks(self, block_bytes: int) -> int:
+        """Blocks that fit in gpu_memory_utilization after weights and a peak forward pass."""
+        from paged_llm.runner.profiling import peak_forward_bytes
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = peak_forward_bytes(self.runner, self.config.scheduler, self.max_model_len)
+        budget = total * self.config.cache.gpu_memory_utilization - (total - free) - peak
+        if budget < block_bytes:
+            raise ValueError(
+                "no GPU memory left for the KV cache; raise gpu_memory_utilization or use a "
+                "smaller model"
+            )
+        return int(budget // block_bytes)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> _Tracked:
+        """Validate a prompt and its parameters; raise ValueError before any work is done."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if params.n > 1:
+            raise ValueError("n > 1 (parallel sampling) is not supported yet")
+        text, ids = to_token_ids(prompt, self.tokenizer)
+        validate_token_ids(ids, self.vocab_size, self.max_model_len)
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            eos_token_id=self.eos_token_id,
+            max_model_len=self.max_model_len,
+        )
+        tracked = _Tracked(request, text)
+        if params.logprobs is not None:
+            tracked.logprobs = []
+        return tracked
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; return its id. Bad input raises and changes nothing."""
+        request_id = str(next(self._counter)) if request_id is None else str(request_id)
+        if request_id in self._tracked:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        tracked = self.make_request(request_id, prompt, params, arrival_time)
+        self._enqueue(tracked)
+        return request_id
+
+    def _enqueue(self, tracked: _Tracked) -> None:
+        self.scheduler.add_request(tracked.request)
+        self._tracked[tracked.request.request_id] = tracked
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Abort one or more requests and free their blocks."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self.scheduler.abort_request(rid)
+            tracked = self._tracked.pop(rid, None)
+            if tracked is not None:
+                self.runner.sampler.forget(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting, running or swapped."""
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Number of requests not yet finished."""
+        return len(self.scheduler.requests)
+
+    # ---- one iteration ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, and return outputs of requests that progressed."""
+        out = self.scheduler.schedule(self.clock())
+        banned = self._banned_tokens(out)
+        results = self.runner.execute(out, banned)
+        now = self.clock()
+        sampled = {rid: [r.token_id] for rid, r in results.items()}
+        self.scheduler.update_from_output(out, sampled, now)
+        if out.stats is not None:
+            self.iteration_stats.append(out.stats)
+        outputs = []
+        for rid, result in results.items():
+            tracked = self._tracked.get(rid)
+            if tracked is None:
+                continue
+            self._record_logprobs(tracked, result)
+            self._detokenize(tracked, now)
+            outputs.append(self._output(tracked))
+            if tracked.request.is_finished:
+                del self._tracked[rid]
+                self.runner.sampler.forget(rid)
+        return outputs
+
+    def _banned_tokens(self, out: Any) -> dict[str, list[int]]:
+        """Tokens that may not be sampled yet: EOS and stop ids before min_tokens."""
+        banned = {}
+        for s in out.scheduled:
+            req = s.request
+            p = req.sampling_params
+            if req.num_output_tokens < p.min_tokens:
+                stops = list(p.stop_token_ids)
+                if self.eos_token_id is not None and not p.ignore_eos:
+                    stops.append(self.eos_token_id)
+                banned[req.request_id] = stops
+        return banned
+
+    @staticmethod
+    def _record_logprobs(tracked: _Tracked, result: Any) -> None:
+        if tracked.logprobs is not None and result.logprobs is not None:
+            tracked.logprobs.append(result.logprobs)
+            tracked.cumulative_logprob += result.logprobs[result.token_id]
+
+    def _detokenize(self, tracked: _Tracked, now: float) -> None:
+        """Update the text; finish the request at a stop string (text cut before it)."""
+        req = tracked.request
+        if self.tokenizer is None:
+            return
+        p = req.sampling_params
+        text = self.tokenizer.decode(
+            req.output_token_ids, skip_special_tokens=p.skip_special_tokens
+        )
+        if not req.is_finished and p.stop:
+            # only the tail can hold a new stop string
+            search_from = max(0, len(tracked.text) - max(len(s) for s in p.stop))
+            hits = [(text.find(s, search_from), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                idx, stop = min(hits)
+                text = text[: idx + len(stop)] if p.include_stop_str_in_output else text[:idx]
+                req.stop_reason = stop
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, now)
+        tracked.text = text
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        req = tracked.request
+        finish = req.status.value if req.is_finished else None
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
+            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
+            finish_reason=finish,
+            stop_reason=req.stop_reason,
+        )
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+            token_times=list(req.token_times),
+            num_preemptions=req.num_preemptions,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=req.is_finished,
+            metrics=metrics,
+        )
+
+    def iter_outputs(self) -> Iterator[RequestOutput]:
+        """Step until every request finishes, yielding each step's outputs (streaming)."""
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the device KV pool."""
+        return self.scheduler.kv.num_blocks
+
+    def kv_usage(self) -> float:
+        """Fraction of device KV blocks in use."""
+        return self.scheduler.kv.usage()
+
+    @classmethod
+    def from_engine_args(cls, **kwargs: Any) -> LLMEngine:
+        """Build from vLLM-style keyword arguments."""
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+
+__all__ = ["LLMEngine", "resolve_dtype"]

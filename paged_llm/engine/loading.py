@@ -1,0 +1,66 @@
+"""Resolving ``model=`` (a local checkpoint or a built-in preset), its tokenizer, the device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from paged_llm.config import ModelConfig
+from paged_llm.models import presets
+from paged_llm.models.loader import load_model, resolve_dtype
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` picks CUDA when present; an explicit CUDA request without one is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device '{device}' requested but CUDA is not available")
+    return dev
+
+
+def model_dtype(name: str, device: torch.device, hf_config: Any = None) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on CUDA, float32 on the CPU (fast and exact there)."""
+    if name == "auto" and device.type == "cpu":
+        return torch.float32
+    return resolve_dtype(name, hf_config)
+
+
+def load_tokenizer(path: str | Path) -> Any | None:
+    """A local Hugging Face tokenizer, or None when the directory has none."""
+    path = Path(path)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_model_and_tokenizer(
+    mc: ModelConfig, device: torch.device
+) -> tuple[nn.Module, Any, Any | None]:
+    """Load a checkpoint directory, the tiny default, or a random-weight shape preset."""
+    name = str(mc.model)
+    path = Path(name).expanduser()
+    if not path.exists() and name.lower() == presets.DEFAULT_PRESET:
+        path = presets.default_model_dir()
+    if path.exists():
+        from paged_llm.models.loader import load_config
+
+        dtype = model_dtype(mc.dtype, device, load_config(path))
+        model, hf_config = load_model(path, dtype, device)
+        tokenizer = load_tokenizer(Path(mc.tokenizer) if mc.tokenizer else path)
+        return model, hf_config, tokenizer
+    if name.lower() in presets.list_presets():
+        dtype = model_dtype(mc.dtype, device, presets.preset_config(name))
+        model, hf_config = presets.build_random_model(name, dtype, device, seed=mc.seed)
+        tokenizer = load_tokenizer(Path(mc.tokenizer)) if mc.tokenizer else None
+        return model, hf_config, tokenizer
+    raise ValueError(
+        f"model '{name}' is neither a local checkpoint directory nor a built-in preset "
+        f"({', '.join(presets.list_presets())}); nothing is downloaded from a hub"
+    )

@@ -1,0 +1,109 @@
+"""Rotary position embedding (RoPE) in the "rotate half" layout HF uses for LLaMA-family models.
+
+cos/sin are computed on the fly from float32 inverse frequencies (as HF does) rather than from a
+precomputed table, so positions are exact for any context length and nothing large is cached.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """Return the RoPE settings as one flat dict with at least ``rope_type`` and ``rope_theta``.
+
+    transformers 5.x keeps them in ``config.rope_parameters``; 4.x configs (and old config.json
+    files) use ``rope_theta`` plus an optional ``rope_scaling`` dict whose type key is ``type``
+    or ``rope_type``.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = dict(params or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type RoPE parameters are not supported")
+    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return params
+
+
+def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32 on the CPU for the given RoPE settings."""
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type '{rope_type}'; supported: {SUPPORTED_ROPE_TYPES}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    # Explicit device: models may be constructed under `with torch.device("meta")`.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    if rope_type == "linear":
+        # Position interpolation: scaling positions by 1/factor == scaling frequencies by 1/factor.
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: keep high frequencies, divide low ones by ``factor``, blend in between."""
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # Wavelengths longer than old_len / low never fit in the pretraining context: interpolate them.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Turns absolute positions into the cos/sin tables that :func:`apply_rotary` consumes."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope_type = params["rope_type"]
+        # A plain-attribute float32 master copy: Module.to(dtype) casts every floating buffer, and
+        # bf16 frequencies would visibly shift the angles at large positions (see _apply).
+        self._inv_freq_fp32 = compute_inv_freq(head_dim, params)
+        self.register_buffer("inv_freq", self._inv_freq_fp32.clone(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # Whatever .to()/.half()/.to_empty() did, keep exact float32 frequencies on the new device.
+        self.inv_freq = self._inv_freq_fp32.to(self.inv_freq.device)
+        return self
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> ([T, D], [T, D])
+        """cos and sin of position * frequency, computed in float32 and cast to ``dtype``."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]: both halves share each frequency
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Map (x1, x2) halves of the last dim to (-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(
+    x: torch.Tensor,  # [T, H, D]
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+) -> torch.Tensor:  # [T, H, D]
+    """Rotate every head of ``x`` by its token's angles."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,76 @@
+"""``LLM``: vLLM's offline entry point (``LLM(model=...).generate(prompts, params)``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from paged_llm.config import EngineConfig
+from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.outputs import RequestOutput
+from paged_llm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batched generation over the paged engine."""
+
+    def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """Build from an EngineConfig (e.g. composed by Hydra)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(config)
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (None if it has none)."""
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; return one RequestOutput per prompt, in order.
+
+        Every prompt is validated before any is run: a bad one raises ValueError naming its
+        index, and nothing is left queued.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts"
+                )
+        engine = self.llm_engine
+        tracked = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            try:
+                tracked.append(engine.make_request(f"offline-{i}-{id(self)}", prompt, params))
+            except ValueError as err:
+                raise ValueError(f"prompt {i}: {err}") from err
+        for t in tracked:
+            engine._enqueue(t)
+        index = {t.request.request_id: i for i, t in enumerate(tracked)}
+        results: list[RequestOutput | None] = [None] * len(tracked)
+        with tqdm(total=len(tracked), desc="generate", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in index:
+                        results[index[out.request_id]] = out
+                        bar.update(1)
+        return [r for r in results if r is not None]

@@ -1,0 +1,1 @@
+"""Experiment loggers and run metadata."""

@@ -1,0 +1,111 @@
+"""What every causal LM here shares: config helpers, tied embeddings, logits and weight loading.
+
+The model runner relies on exactly this interface::
+
+    forward(input_ids [T] int64, positions [T] int64, ctx: ForwardContext) -> hidden [T, H']
+    compute_logits(hidden [N, H']) -> [N, vocab] float32
+    load_weights(iterable of (hf_name, tensor)) -> None
+
+H' is the width the LM head reads (hidden_size, or word_embed_proj_dim for OPT-350m).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def head_dim_of(config: Any) -> int:
+    """Per-head width: ``config.head_dim`` when set (Mistral/Qwen variants), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config: Any) -> int:
+    """Number of K/V heads (grouped-query attention); plain multi-head models have one per query."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+class CausalLM(nn.Module):
+    """Base class: subclasses build ``self.model`` and ``self.lm_head`` and then call
+    :meth:`tie_weights`; module names mirror HF's so checkpoint names map one to one."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding table (the LM head shares it when embeddings are tied)."""
+        raise NotImplementedError
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the embedding Parameter itself when embeddings are tied."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.get_input_embeddings().weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H'] -> [N, V]
+        """Project selected hidden states onto the vocabulary, returned in float32."""
+        return self.lm_head(hidden).float()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Map a checkpoint tensor name onto a parameter name; None means "ignore this tensor"."""
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters; raise on unexpected or missing ones."""
+        renamed = ((self.checkpoint_name(n), t) for n, t in weights)
+        if self.tie_word_embeddings:
+            # A tied head has no storage of its own; some checkpoints still carry a copy of it.
+            renamed = ((n, t) for n, t in renamed if n != "lm_head.weight")
+        loaded = load_named_weights(self, renamed, optional={"lm_head.weight"})
+        if "lm_head.weight" not in loaded and not self.tie_word_embeddings:
+            logger.warning("checkpoint has no lm_head.weight: tying the LM head to the embeddings")
+            self.tie_word_embeddings = True
+            self.tie_weights()
+
+
+def load_named_weights(
+    module: nn.Module,
+    weights: Iterable[tuple[str | None, torch.Tensor]],
+    optional: Collection[str] = (),
+) -> set[str]:
+    """Copy each (name, tensor) into ``module``'s parameter of that name (None names are
+    skipped); return the names loaded. Raises ValueError listing unexpected names, shape
+    mismatches, and parameters never loaded (except those in ``optional``)."""
+    params = dict(module.named_parameters())  # shared (tied) parameters appear once
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name is None:
+            continue
+        param = params.get(name)
+        if param is None:
+            unexpected.append(name)
+            continue
+        if param.shape != tensor.shape:
+            raise ValueError(
+                f"shape mismatch for '{name}': checkpoint {tuple(tensor.shape)}, "
+                f"model {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor)  # casts to the model's dtype and device
+        loaded.add(name)
+    if unexpected:
+        raise ValueError(f"unexpected tensors in checkpoint: {_summary(unexpected)}")
+    missing = sorted(set(params) - loaded - set(optional))
+    if missing:
+        raise ValueError(f"tensors missing from checkpoint: {_summary(missing)}")
+    return loaded
+
+
+def _summary(names: list[str], limit: int = 8) -> str:
+    """A bounded, readable list of names for error messages."""
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

@@ -1,0 +1,159 @@
+"""LLaMA-family decoder (LLaMA 1/2/3, Mistral, Qwen2): RMSNorm, RoPE, grouped-query attention
+over the paged KV cache, and a SwiGLU MLP. The variants differ only in which projections carry
+a bias, which the subclasses at the bottom pick.
+
+Not implemented: sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window). It only
+matters for contexts longer than the window; see ``loader.max_context_len``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from paged_llm.layers.activation import get_activation
+from paged_llm.layers.attention import ForwardContext, PagedAttention
+from paged_llm.layers.norms import RMSNorm
+from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from paged_llm.models.base import CausalLM, head_dim_of, num_kv_heads_of
+
+
+class LlamaAttention(nn.Module):
+    """q/k/v projections, RoPE on q and k, paged attention, output projection."""
+
+    def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = num_kv_heads_of(config)
+        self.head_dim = head_dim_of(config)
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,  # [T, D]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [T, H]
+        """Attend every token to its sequence's cached context (this step's K/V included)."""
+        t = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(x), ctx)  # [T, Hq * D]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: Any, bias: bool) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act_fn = get_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        """Apply the gated MLP row-wise."""
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: Any, layer_idx: int, biases: tuple[bool, bool, bool]) -> None:
+        super().__init__()
+        qkv_bias, o_bias, mlp_bias = biases
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config, mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # [T, H] -> [T, H]
+        """Run one transformer block."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, the decoder stack and the final norm (HF's ``model.*`` namespace)."""
+
+    def __init__(self, config: Any, biases: tuple[bool, bool, bool]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, biases) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # One RoPE table for all layers: cos/sin depend only on positions, so compute them once.
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # [T], [T] -> [T, H]
+        """Hidden states after the final norm for every token of the flat batch."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    """LLaMA with an LM head; also the base of the Mistral and Qwen2 variants."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.model = LlamaModel(config, self.bias_flags(config))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @staticmethod
+    def bias_flags(config: Any) -> tuple[bool, bool, bool]:
+        """(q/k/v bias, o_proj bias, MLP bias); LLaMA takes both from the config."""
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return attention_bias, attention_bias, bool(getattr(config, "mlp_bias", False))
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding table."""
+        return self.model.embed_tokens
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # [T], [T] -> [T, H]
+        """Final hidden states of the flat batch; pass the rows to sample to compute_logits."""
+        return self.model(input_ids, positions, ctx)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Drop RoPE frequency buffers that older checkpoints saved; other names are HF's own."""
+        return None if name.endswith("rotary_emb.inv_freq") else name
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: LLaMA without any biases (sliding window not implemented, see module doc)."""
+
+    @staticmethod
+    def bias_flags(config: Any) -> tuple[bool, bool, bool]:
+        """Mistral has no bias anywhere."""
+        return False, False, False
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: LLaMA with biases on the q/k/v projections only."""
+
+    @staticmethod
+    def bias_flags(config: Any) -> tuple[bool, bool, bool]:
+        """Qwen2 biases q/k/v but not o_proj or the MLP."""
+        return True, False, False

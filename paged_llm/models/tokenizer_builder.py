@@ -1,0 +1,68 @@
+"""A small byte-level BPE tokenizer trained on the Python standard library's own source code.
+
+No tokenizer has to be downloaded: training on a few stdlib files takes about a second and is
+deterministic for a given Python version. It is saved in HF's format (tokenizer.json +
+tokenizer_config.json) so ``AutoTokenizer.from_pretrained(dir, local_files_only=True)`` loads it.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+DEFAULT_VOCAB_SIZE = 2048
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2 (trainer adds them first, in this order)
+# Long-lived stdlib modules with plenty of prose (docstrings) and code; present in 3.10-3.13.
+CORPUS_FILES = ("argparse.py", "difflib.py", "textwrap.py", "functools.py", "string.py")
+MODEL_MAX_LENGTH = 2048
+
+
+def corpus_files() -> list[Path]:
+    """Paths of the stdlib source files used as training text."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / name for name in CORPUS_FILES if (stdlib / name).is_file()]
+    if not files:
+        raise FileNotFoundError(f"none of {CORPUS_FILES} found in the stdlib at {stdlib}")
+    return files
+
+
+def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):  # -> tokenizers.Tokenizer
+    """Train a byte-level BPE on :func:`corpus_files`; encodings start with the BOS token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        # All 256 byte symbols up front, so any text (not just the corpus) can be encoded.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = [p.read_text(encoding="utf-8") for p in corpus_files()]
+    tok.train_from_iterator(texts, trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return tok
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
+    """Train the tokenizer and save it in HF format into ``out_dir``; return ``out_dir``."""
+    from transformers import PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab_size),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=MODEL_MAX_LENGTH,
+        clean_up_tokenization_spaces=False,
+    )
+    hf_tok.save_pretrained(str(out_dir))
+    return out_dir

@@ -1,0 +1,1 @@
+"""Write this step's new K/V into their paged slots."""

@@ -1,0 +1,89 @@
+"""Torch reference for paged attention: gather each sequence's K/V through its block table,
+then plain causal softmax attention in float32. Readable first; every kernel is tested
+against this."""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [max_blocks] int
+    seq_len: int,
+) -> torch.Tensor:
+    """Return the first ``seq_len`` cached vectors of one sequence: [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def attention_one_sequence(
+    q: torch.Tensor,  # [Lq, Hq, D]
+    k: torch.Tensor,  # [Lk, Hkv, D]
+    v: torch.Tensor,  # [Lk, Hkv, D]
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention where the Lq queries are the last Lq of the Lk positions: [Lq, Hq, D]."""
+    lq, hq, _ = q.shape
+    lk, hkv, _ = k.shape
+    group = hq // hkv
+    k = k.repeat_interleave(group, dim=1).float()  # [Lk, Hq, D]
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Lq, Lk]
+    q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
+    k_pos = torch.arange(lk, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_lens: list[int],  # [B]
+    seq_lens: list[int],  # [B], context length including the query tokens
+    scale: float,
+) -> torch.Tensor:
+    """Attention of each sequence's query tokens over its paged context: [T, Hq, D]."""
+    out = torch.empty_like(query)
+    start = 0
+    for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        k = gather_kv(k_cache, block_tables[b], s_len).to(query.dtype)
+        v = gather_kv(v_cache, block_tables[b], s_len).to(query.dtype)
+        out[start : start + q_len] = attention_one_sequence(
+            query[start : start + q_len], k, v, scale
+        )
+        start += q_len
+    return out
+
+
+def paged_decode_attention_batched(
+    query: torch.Tensor,  # [B, Hq, D], one query per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention for a whole batch at once (padded gather + mask): [B, Hq, D].
+
+    Same math as ``paged_attention_reference`` with query length 1; it avoids a Python loop
+    over sequences, which is what makes the torch backend usable on a CPU.
+    """
+    bsz, hq, dim = query.shape
+    _, block_size, hkv, _ = k_cache.shape
+    k = k_cache[block_tables.long()].reshape(bsz, -1, hkv, dim)  # [B, S, Hkv, D]
+    v = v_cache[block_tables.long()].reshape(bsz, -1, hkv, dim)
+    group = hq // hkv
+    q = query.float().view(bsz, hkv, group, dim)
+    scores = torch.einsum("bhgd,bshd->bhgs", q, k.float()) * scale  # [B, Hkv, G, S]
+    pos = torch.arange(k.shape[1], device=query.device)
+    mask = pos[None, :] >= seq_lens[:, None].to(pos.dtype)  # [B, S]
+    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bhgs,bshd->bhgd", probs, v.float())
+    return out.reshape(bsz, hq, dim).to(query.dtype)

@@ -1,0 +1,100 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paged_llm.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    """The token chosen for one request and, if asked, its logprobs."""
+
+    token_id: int
+    logprobs: dict[int, float] | None = None  # sampled token + top-k alternatives
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor:
+    """Mask one row of temperature-scaled logits [V] to the allowed tokens."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token once the mass before it already reaches top_p (keeps at least one)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Samples one token per row of logits with that row's SamplingParams."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seed_rng = torch.Generator().manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        gen = self._generators.get(request_id)
+        if gen is None:
+            seed = params.seed
+            if seed is None:
+                seed = int(torch.randint(2**62, (1,), generator=self._seed_rng))
+            gen = self._generators[request_id] = torch.Generator().manual_seed(seed)
+        return gen
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's random state."""
+        self._generators.pop(request_id, None)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [N, V] float32
+        request_ids: list[str],
+        params: list[SamplingParams],
+        banned: list[list[int]],  # per row: tokens masked out (EOS before min_tokens)
+    ) -> list[SampleResult]:
+        """Choose one token per row."""
+        logits = logits.float()
+        for row, ban in enumerate(banned):
+            if ban:
+                logits[row, ban] = float("-inf")
+        want_logprobs = any(p.logprobs is not None for p in params)
+        logprobs = logits.log_softmax(-1) if want_logprobs else None
+        greedy = logits.argmax(-1).tolist()
+        results = []
+        cpu_logits = None
+        for row, (rid, p) in enumerate(zip(request_ids, params)):
+            if p.greedy:
+                token = greedy[row]
+            else:
+                if cpu_logits is None:
+                    cpu_logits = logits.cpu()  # torch.Generator here lives on the CPU
+                scaled = apply_top_k_top_p_min_p(
+                    cpu_logits[row] / p.temperature, p.top_k, p.top_p, p.min_p
+                )
+                probs = scaled.softmax(-1)
+                token = int(torch.multinomial(probs, 1, generator=self._generator(rid, p)))
+            results.append(SampleResult(token, self._logprobs(logprobs, row, token, p)))
+        return results
+
+    @staticmethod
+    def _logprobs(
+        logprobs: torch.Tensor | None, row: int, token: int, p: SamplingParams
+    ) -> dict[int, float] | None:
+        if logprobs is None or p.logprobs is None:
+            return None
+        out = {token: float(logprobs[row, token])}
+        if p.logprobs > 0:
+            top = torch.topk(logprobs[row], p.logprobs)
+            out.update(zip(top.indices.tolist(), top.values.tolist()))
+        return out

@@ -1,0 +1,38 @@
+"""Name -> import path tables for swappable parts, so plain Python (``attention_backend="triton"``)
+and Hydra configs (``_target_: paged_llm...``) select the same classes."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+
+def import_target(path: str) -> Any:
+    """Import ``package.module.Name`` and return ``Name``."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"'{path}' is not a dotted import path")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def resolve(kind: str, name: str, table: dict[str, str]) -> Any:
+    """Look ``name`` up in ``table`` (or accept a dotted path) and import it."""
+    if name in table:
+        return import_target(table[name])
+    if "." in name:
+        return import_target(name)
+    raise ValueError(f"unknown {kind} '{name}'; choose one of {sorted(table)}")
+
+
+def build(kind: str, spec: Any, table: dict[str, str], **kwargs: Any) -> Any:
+    """Build a swappable part from a name, a dotted path, a ``{_target_: ...}`` mapping (as
+    Hydra configs write it) or return ``spec`` itself when it is already an object."""
+    if isinstance(spec, str):
+        return resolve(kind, spec, table)(**kwargs)
+    if isinstance(spec, Mapping):
+        if "_target_" not in spec:
+            raise ValueError(f"{kind} config needs a '_target_' key, got {dict(spec)}")
+        params = {k: v for k, v in spec.items() if k != "_target_"}
+        return import_target(spec["_target_"])(**params, **kwargs)
+    return spec

@@ -1,0 +1,1 @@
+"""Scripts that reproduce the vLLM paper figures."""

@@ -1,0 +1,203 @@
+"""End-to-end engine tests: greedy parity with transformers, preemption, policies, bad input."""
+
+import pytest
+import torch
+
+from paged_llm import LLM, SamplingParams
+
+PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(5)]  # lengths 5..25
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,  # like ignore_eos: EOS is an ordinary token, not masked
+        )
+    assert out.shape[1] == len(prompt) + n
+    return out[0, len(prompt) :].tolist()
+
+
+def generate_ids(llm, prompts, n, **params):
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **params)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    path, model = tiny_llama
+    return [hf_greedy(model, p, 12) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_greedy_matches_transformers_generate(tiny_llama, reference, block_size):
+    llm = LLM(str(tiny_llama[0]), block_size=block_size, cpu_kv_cache_gib=0.01)
+    assert generate_ids(llm, PROMPTS, 12) == reference
+
+
+def test_greedy_opt_matches_transformers_generate(tiny_opt):
+    path, model = tiny_opt
+    llm = LLM(str(path), block_size=8, cpu_kv_cache_gib=0.01)
+    assert generate_ids(llm, PROMPTS, 10) == [hf_greedy(model, p, 10) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_outputs_identical_under_preemption(tiny_llama, reference, mode):
+    # 20 blocks of 4 = 80 slots for 5 requests of up to 37 tokens: preemption is forced
+    llm = LLM(
+        str(tiny_llama[0]),
+        block_size=4,
+        num_gpu_blocks_override=64,
+        max_model_len=64,
+        preemption_mode=mode,
+        swap_space=0.01,
+    )
+    assert generate_ids(llm, PROMPTS * 2, 12) == reference * 2
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def test_chunked_prefill_gives_identical_outputs(tiny_llama, reference):
+    llm = LLM(
+        str(tiny_llama[0]),
+        block_size=4,
+        max_model_len=64,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=7,
+        cpu_kv_cache_gib=0.01,
+    )
+    assert generate_ids(llm, PROMPTS, 12) == reference
+
+
+@pytest.mark.parametrize("policy", ["orca_max", "orca_pow2", "orca_oracle", "static"])
+@pytest.mark.parametrize("backend", ["torch", "contiguous"])
+def test_reservation_policies_give_identical_outputs(tiny_llama, reference, policy, backend):
+    llm = LLM(
+        str(tiny_llama[0]),
+        block_size=4,
+        max_model_len=64,
+        num_gpu_blocks_override=64,
+        policy=policy,
+        attention_backend=backend,
+    )
+    assert generate_ids(llm, PROMPTS, 12) == reference
+
+
+def test_contiguous_backend_rejects_paged_policy(tiny_llama):
+    with pytest.raises(ValueError, match="contiguous"):
+        LLM(str(tiny_llama[0]), attention_backend="contiguous", cpu_kv_cache_gib=0.01)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama[0]), max_model_len=64, cpu_kv_cache_gib=0.01)
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ({"prompt_token_ids": []}, {}, "empty"),
+        ({"prompt_token_ids": [1] * 64}, {}, "max_model_len"),
+        ({"prompt_token_ids": [1, 999]}, {}, "vocabulary"),
+        ({"prompt_token_ids": [1, -1]}, {}, "vocabulary"),
+        ("some text", {}, "tokenizer"),
+    ],
+)
+def test_bad_prompts_raise_before_work(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([{"prompt_token_ids": [1, 2]}, prompt], SamplingParams(**params))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_bad_sampling_params_raise(params, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**params)
+
+
+def test_bad_engine_arguments_raise(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        LLM(str(tiny_llama[0]), attention_backend="flash9", cpu_kv_cache_gib=0.01)
+    with pytest.raises(ValueError, match="unknown policy"):
+        LLM(str(tiny_llama[0]), policy="lifo", cpu_kv_cache_gib=0.01)
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        LLM(str(tiny_llama[0]), blok_size=3)
+    with pytest.raises(ValueError, match="neither a local checkpoint"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_bad_request_does_not_disturb_running_ones(llm, reference):
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("good", {"prompt_token_ids": PROMPTS[0]}, sp)
+    engine.step()
+    with pytest.raises(ValueError):
+        engine.add_request("bad", {"prompt_token_ids": [10**6]}, sp)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", {"prompt_token_ids": [1]}, sp)
+    outs = [o for o in engine.iter_outputs() if o.finished]
+    assert [o.request_id for o in outs] == ["good"]
+    assert outs[0].outputs[0].token_ids == reference[0]
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[4]}, SamplingParams(max_tokens=30))
+    engine.step()
+    assert engine.kv_usage() > 0
+    engine.abort_request("a")
+    assert engine.kv_usage() == 0 and not engine.has_unfinished_requests()
+
+
+def test_sampling_seed_is_reproducible_and_top_k_1_is_greedy(llm, reference):
+    p = {"prompt_token_ids": PROMPTS[1]}
+    a = llm.generate(p, SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True))
+    b = llm.generate(p, SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True))
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+    k1 = llm.generate(p, SamplingParams(temperature=0.8, top_k=1, max_tokens=12, ignore_eos=True))
+    assert k1[0].outputs[0].token_ids == reference[1]
+    tiny_p = SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=12, ignore_eos=True)
+    assert llm.generate(p, tiny_p)[0].outputs[0].token_ids == reference[1]
+
+
+def test_stop_token_ids_max_tokens_and_logprobs(llm, reference):
+    p = {"prompt_token_ids": PROMPTS[2]}
+    stop = reference[2][3]
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))
+    c = out[0].outputs[0]
+    assert c.token_ids == reference[2][: reference[2].index(stop) + 1]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=3, logprobs=2))
+    c = out[0].outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 3 and len(c.logprobs) == 3
+    for tok, lp in zip(c.token_ids, c.logprobs):
+        assert tok in lp and max(lp.values()) == lp[tok]  # greedy picks the most likely
+    assert c.cumulative_logprob == pytest.approx(
+        sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs))
+    )
+
+
+def test_default_model_generates_text_with_stop_strings():
+    llm = LLM("tiny", cpu_kv_cache_gib=0.01)
+    first = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=16))[0]
+    text = first.outputs[0].text
+    assert isinstance(text, str) and first.outputs[0].token_ids
+    stop = text[2:4] if len(text) > 4 else None
+    if stop and stop.strip():
+        out = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=16, stop=stop))
+        assert out[0].outputs[0].finish_reason == "stop"
+        assert stop not in out[0].outputs[0].text
