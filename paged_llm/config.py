@@ -72,6 +72,11 @@ class EngineConfig:
 def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
     """Build an EngineConfig from a resolved Hydra config (groups model/attention/policy and the
     cache/scheduler sections); unknown keys raise, so typos in overrides are caught."""
+    sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    for name, cls in sections.items():
+        unknown = set(cfg[name]) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown {name} option(s) {sorted(unknown)}")
     return EngineConfig(
         model=ModelConfig(**cfg["model"]),
         cache=CacheConfig(**cfg["cache"]),

@@ -201,3 +201,45 @@ def test_default_model_generates_text_with_stop_strings():
         out = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=16, stop=stop))
         assert out[0].outputs[0].finish_reason == "stop"
         assert stop not in out[0].outputs[0].text
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_engine_runs(tiny_llama, reference, dtype):
+    llm = LLM(str(tiny_llama[0]), dtype=dtype, cpu_kv_cache_gib=0.01, max_model_len=64)
+    assert llm.llm_engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    ids = generate_ids(llm, PROMPTS, 12)
+    agree = sum(a == b for r, o in zip(reference, ids) for a, b in zip(r, o))
+    assert agree >= 0.5 * 12 * len(PROMPTS)  # low precision may flip a few near-ties
+
+
+def test_hydra_config_composes_and_rejects_typos():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from paged_llm.config import engine_config_from_dict
+
+    configs = str(__import__("pathlib").Path(__file__).parents[1] / "configs")
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        cfg = compose("config", overrides=["policy=orca_pow2", "attention=torch"])
+        ec = engine_config_from_dict(OmegaConf.to_container(cfg, resolve=True))
+        assert ec.scheduler.policy["_target_"].endswith("OrcaPow2KVCacheManager")
+        bad = compose("config", overrides=["+cache.blok_size=3"])
+        with pytest.raises(ValueError, match="blok_size"):
+            engine_config_from_dict(OmegaConf.to_container(bad, resolve=True))
+
+
+def test_main_job_writes_results(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from paged_llm.main import run
+
+    configs = str(__import__("pathlib").Path(__file__).parents[1] / "configs")
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=["job.num_throughput_requests=4", "job.sampling.max_tokens=4"],
+        )
+    result = run(cfg, tmp_path)
+    assert (tmp_path / "main.json").is_file()
+    assert result["mode"] == "real" and result["throughput"]["output_tokens_per_s"] > 0
+    assert len(result["samples"]) == 4

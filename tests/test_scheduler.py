@@ -209,3 +209,12 @@ def test_abort_releases_everything():
     for rid in list(s.requests):
         assert s.abort_request(rid).status is RequestStatus.FINISHED_ABORTED
     assert s.kv.num_free_blocks() == s.kv.num_blocks and not s.has_unfinished()
+
+
+def test_overhead_microbenchmark_runs():
+    from experiments.sched_overhead import measure
+
+    r = measure(
+        num_running=8, iterations=5, policy="paged", block_size=16, prompt_len=4, max_model_len=64
+    )
+    assert r["iterations"] == 4 and r["mean_ms"] > 0 and r["num_running"] == 8

@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,8 +37,6 @@ class _Tracked:
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -105,7 +103,8 @@ class LLMEngine:
         self.kv_cache_tokens = tokens
         self._tracked: dict[str, _Tracked] = {}
         self._counter = itertools.count()
-        self.iteration_stats: list[Any] = []
+        self.iteration_stats: list[Any] = []  # one IterationStats per step, for experiments
+        self._last_log = float("-inf")
 
     # ---- set-up helpers ---------------------------------------------------------------------
     def _eos_token_id(self) -> int | None:
@@ -216,6 +215,7 @@ class LLMEngine:
         self.scheduler.update_from_output(out, sampled, now)
         if out.stats is not None:
             self.iteration_stats.append(out.stats)
+            self._maybe_log_stats(out.stats, now)
         outputs = []
         for rid, result in results.items():
             tracked = self._tracked.get(rid)
@@ -228,6 +228,18 @@ class LLMEngine:
                 del self._tracked[rid]
                 self.runner.sampler.forget(rid)
         return outputs
+
+    def _maybe_log_stats(self, stats: Any, now: float) -> None:
+        """vLLM-style periodic status line (with ``log_stats=True``), every 5 s."""
+        if not self.config.log_stats or now - self._last_log < 5.0:
+            return
+        self._last_log = now
+        logger.info(
+            "Running: %d reqs, Swapped: %d reqs, Pending: %d reqs, KV cache usage: %.1f%%, "
+            "batched tokens: %d, preemptions so far: %d",
+            stats.num_running, stats.num_swapped, stats.num_waiting, 100 * stats.kv_usage,
+            stats.num_batched_tokens, self.scheduler.num_preemptions_total,
+        )  # fmt: skip
 
     def _banned_tokens(self, out: Any) -> dict[str, list[int]]:
         """Tokens that may not be sampled yet: EOS and stop ids before min_tokens."""
