@@ -1,5 +1,6 @@
 """paged-llm: a readable research implementation of vLLM and PagedAttention."""
 
+from paged_llm.beam_search import BeamSearchOutput, BeamSearchParams
 from paged_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.llm import LLM
@@ -8,6 +9,8 @@ from paged_llm.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
+    "BeamSearchOutput",
     "LLMEngine",
     "SamplingParams",
     "RequestOutput",

@@ -18,6 +18,9 @@ class ModelConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # Weights: None | int8 | int4_rtn | int4_gptq | int4_awq | fp8 | gptq | awq (a pre-quantized
+    # checkpoint) | {_target_: ...}; see paged_llm/quant/registry.py
+    quantization: Any = None
 
 
 @dataclass
@@ -30,6 +33,7 @@ class CacheConfig:
     cpu_kv_cache_gib: float = 1.0  # CPU: bytes for the KV pool (vLLM's VLLM_CPU_KVCACHE_SPACE)
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
     kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = False
 
 
 @dataclass
@@ -51,6 +55,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: Any = "auto"  # auto | torch | triton | contiguous | {_target_: ...}
+    # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k,
+    # "model": draft checkpoint dir, "prompt_lookup_max": n, ...}; None disables speculation
+    speculative_config: dict[str, Any] | None = None
     log_stats: bool = False
 
     @classmethod
@@ -60,7 +67,7 @@ class EngineConfig:
         sections = {"model": cfg.model, "cache": cfg.cache, "scheduler": cfg.scheduler}
         owner = {f.name: sec for sec in sections.values() for f in fields(sec)}
         for key, value in kwargs.items():
-            if key in ("attention_backend", "log_stats"):
+            if key in ("attention_backend", "log_stats", "speculative_config"):
                 setattr(cfg, key, value)
             elif key in owner:
                 setattr(owner[key], key, value)
@@ -82,4 +89,5 @@ def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
         cache=CacheConfig(**cfg["cache"]),
         scheduler=SchedulerConfig(policy=cfg.get("policy", "paged"), **cfg["scheduler"]),
         attention_backend=cfg.get("attention", "auto"),
+        speculative_config=cfg.get("speculative") or None,
     )

@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from paged_llm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from paged_llm.config import EngineConfig
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.outputs import RequestOutput
@@ -25,6 +26,12 @@ class LLM:
         llm = cls.__new__(cls)
         llm.llm_engine = LLMEngine(config)
         return llm
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search over the paged engine (beams fork and drop shared block tables)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return beam_search(self.llm_engine, list(prompts), params)
 
     def get_tokenizer(self) -> Any:
         """The checkpoint's tokenizer (None if it has none)."""
@@ -57,17 +64,17 @@ class LLM:
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts"
                 )
         engine = self.llm_engine
-        tracked = []
+        groups = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
-                tracked.append(engine.make_request(f"offline-{i}-{id(self)}", prompt, params))
+                groups.append(engine.make_request(f"offline-{i}-{id(self)}", prompt, params))
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from err
-        for t in tracked:
-            engine._enqueue(t)
-        index = {t.request.request_id: i for i, t in enumerate(tracked)}
-        results: list[RequestOutput | None] = [None] * len(tracked)
-        with tqdm(total=len(tracked), desc="generate", disable=not use_tqdm) as bar:
+        for g in groups:
+            engine._enqueue(g)
+        index = {g.request_id: i for i, g in enumerate(groups)}
+        results: list[RequestOutput | None] = [None] * len(groups)
+        with tqdm(total=len(groups), desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished and out.request_id in index:

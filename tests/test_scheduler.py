@@ -48,12 +48,16 @@ def make_request(rid, prompt_len, max_tokens, ignore_eos=True):
 def check_invariants(s: Scheduler):
     kv = s.kv
     held = [b for t in kv.block_tables.values() for b in t]
-    assert len(held) == len(set(held)), "a block is owned twice"
     live = {r.request_id for r in s.running}
     assert set(kv.block_tables) <= live | {r.request_id for r in s.waiting}
-    if kv.name == "paged":
-        assert kv.num_free_blocks() + len(held) == kv.num_blocks
-        assert sum(kv.pool.ref_counts) == len(held)
+    if kv.name == "paged":  # shared blocks: one reference per owning table
+        refs = [0] * kv.num_blocks
+        for b in held:
+            refs[b] += 1
+        assert refs == kv.pool.ref_counts
+        assert kv.num_free_blocks() == sum(c == 0 for c in refs)
+    else:
+        assert len(held) == len(set(held)), "a block is owned twice"
     for r in s.running:
         assert len(kv.get_block_table(r)) * kv.block_size >= r.num_computed_tokens
     mem = kv.memory_breakdown(s.running)
@@ -86,6 +90,16 @@ def run_ops(s: Scheduler, ops, rng_tokens):
         elif op == 2 and s.requests:
             rid = sorted(s.requests)[a % len(s.requests)]
             s.abort_request(rid)
+        elif op == 3 and s.kv.supports_sharing and s.running:  # fork a sample / beam
+            parent = s.running[a % len(s.running)]
+            if parent.num_computed_tokens == parent.num_tokens and parent.num_output_tokens:
+                parent.group_id = parent.group_id or parent.request_id
+                child = make_request(f"c{added}", parent.num_prompt_tokens, 1 + b % 30)
+                added += 1
+                child.output_token_ids = list(parent.output_token_ids)
+                child.num_computed_tokens = parent.num_computed_tokens - 1  # redo the last token
+                child.group_id = parent.group_id
+                s.fork_request(parent, child)
         check_invariants(s)
     # drain: every admitted request eventually finishes
     for _ in range(5000):
@@ -110,7 +124,7 @@ POLICY_MODES = [("paged", "recompute"), ("paged", "swap")] + [
 @settings(max_examples=150, deadline=None)
 @given(
     ops=st.lists(
-        st.tuples(st.sampled_from([0, 1, 1, 1, 2]), st.integers(0, 99), st.integers(0, 99)),
+        st.tuples(st.sampled_from([0, 1, 1, 1, 2, 3]), st.integers(0, 99), st.integers(0, 99)),
         max_size=80,
     ),
     tokens=st.lists(st.sampled_from([EOS, 5, 6]), min_size=1, max_size=8),
@@ -218,3 +232,39 @@ def test_overhead_microbenchmark_runs():
         num_running=8, iterations=5, policy="paged", block_size=16, prompt_len=4, max_model_len=64
     )
     assert r["iterations"] == 4 and r["mean_ms"] > 0 and r["num_running"] == 8
+
+
+@pytest.mark.parametrize("policy", ["paged", "orca_oracle"])
+@settings(max_examples=200, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30)), min_size=1, max_size=10),
+    accept=st.lists(st.integers(0, 3), min_size=1, max_size=20),
+)
+def test_lookahead_slots_roll_back(policy, lens, accept):
+    kv = import_target(POLICIES[policy])(num_blocks=40, block_size=4, max_model_len=MAX_LEN)
+    s = Scheduler(kv, SchedulerLimits(max_num_seqs=6, max_num_batched_tokens=64,
+                                      num_lookahead_slots=3), track_memory=True)  # fmt: skip
+    for i, (p, o) in enumerate(lens):
+        s.add_request(make_request(i, p, o))
+    step = 0
+    while s.has_unfinished():
+        out = s.schedule(step)
+        sampled = {}
+        for j, x in enumerate(out.scheduled):
+            if x.num_lookahead:  # a drafter proposed some tokens; some were accepted
+                drafts = [9] * (1 + (step + j) % x.num_lookahead)
+                x.request.spec_token_ids = drafts
+                x.num_new_tokens = 1 + len(drafts)
+                n_acc = min(accept[(step + j) % len(accept)], len(drafts))
+                sampled[x.request.request_id] = drafts[:n_acc] + [5]
+            elif x.samples:
+                sampled[x.request.request_id] = [5]
+        s.update_from_output(out, sampled, step)
+        check_invariants(s)
+        for r in s.running:  # no block is kept for rejected drafts
+            assert r.num_computed_tokens <= r.num_tokens
+            if policy == "paged" and r.num_output_tokens:
+                assert len(kv.get_block_table(r)) <= kv.blocks_for(r.num_tokens)
+        step += 1
+        assert step < 2000
+    assert kv.num_free_blocks() == kv.num_blocks

@@ -13,12 +13,15 @@ class AttentionBackend(ABC):
     """One way to lay out and read the KV cache. Chosen by config (``attention=torch|triton|...``).
 
     Shapes: ``query`` [T, Hq, D]; ``key``/``value`` [T, Hkv, D]; caches
-    [num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
+    [num_blocks, block_size, Hkv, D]; returns [T, Hq, D]. A quantized cache (int8 / fp8,
+    ``kv_cache_dtype``) also passes ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv].
     """
 
     name: str = "base"
     # Backends that need each sequence's blocks to be one contiguous run (the pre-vLLM layout).
     requires_contiguous_blocks: bool = False
+    # Backends that store into and read from a quantized cache with scales.
+    supports_quantized_kv: bool = False
 
     def check_device(self, device: torch.device) -> None:
         """Raise a clear error when this backend cannot run on ``device``."""
@@ -33,5 +36,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write key/value into their slots, then return attention output for every query."""

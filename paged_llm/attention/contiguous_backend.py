@@ -10,6 +10,7 @@ from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata
 from paged_llm.ops.kv_store.reference import store_kv_reference
 from paged_llm.ops.paged_attention.reference import attention_one_sequence
+from paged_llm.quant.kv_cache import KVCacheSpec
 
 
 class ContiguousAttentionBackend(AttentionBackend):
@@ -17,6 +18,7 @@ class ContiguousAttentionBackend(AttentionBackend):
 
     name = "contiguous"
     requires_contiguous_blocks = True
+    supports_quantized_kv = True
 
     def forward(
         self,
@@ -27,18 +29,26 @@ class ContiguousAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store K/V, then attend over each sequence's contiguous slice of the pool."""
-        store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping)
+        store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         block_size = k_cache.shape[1]
         flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, Hkv, D]
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        if k_scale is not None:  # quantized cache: one scale per (slot, head)
+            flat_ks = k_scale.view(-1, k_scale.shape[-1])  # [num_slots, Hkv]
+            flat_vs = v_scale.view(-1, v_scale.shape[-1])
         starts = (meta.block_tables[:, 0].long() * block_size).tolist()
         out = torch.empty_like(query)
         q_start = 0
         for start, q_len, s_len in zip(starts, meta.query_lens_cpu, meta.seq_lens_cpu):
-            k = flat_k[start : start + s_len].to(query.dtype)
-            v = flat_v[start : start + s_len].to(query.dtype)
+            k, v = flat_k[start : start + s_len], flat_v[start : start + s_len]
+            if k_scale is not None:
+                k = KVCacheSpec.dequantize(k, flat_ks[start : start + s_len], query.dtype)
+                v = KVCacheSpec.dequantize(v, flat_vs[start : start + s_len], query.dtype)
+            k, v = k.to(query.dtype), v.to(query.dtype)
             out[q_start : q_start + q_len] = attention_one_sequence(
                 query[q_start : q_start + q_len], k, v, scale
             )

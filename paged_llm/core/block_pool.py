@@ -1,8 +1,12 @@
-"""The pool of physical KV blocks: an O(1) free list plus reference counts (no torch)."""
+"""The pool of physical KV blocks: an O(1) free list in LRU order, reference counts, and the
+prefix cache's hash -> block map (no torch).
+
+A block whose last reference drops goes to the back of the free list but keeps its hash, so a
+later request with the same prefix can take it back; blocks are reused from the front, which
+evicts the least recently freed cached blocks first.
+"""
 
 from __future__ import annotations
-
-from collections import deque
 
 
 class BlockPool:
@@ -12,21 +16,29 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order = LRU
         self.ref_counts = [0] * num_blocks
+        # prefix cache: block -> (hash, token ids) and hash -> block, for full blocks only
+        self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._cached: dict[int, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        """Blocks no request references."""
+        """Blocks no request references (cached or not)."""
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (reference count 1 each); raise if there are fewer."""
+        """Take ``n`` free blocks (reference count 1 each), evicting their cached contents."""
         if n > len(self._free):
             raise MemoryError(f"asked for {n} blocks but only {len(self._free)} are free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b = next(iter(self._free))
+            del self._free[b]
+            self._evict(b)
             self.ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
     def share(self, blocks: list[int]) -> None:
@@ -43,4 +55,35 @@ class BlockPool:
                 raise RuntimeError(f"block {b} released more often than allocated")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def register(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Record that ``block`` holds the KV of ``tokens`` under ``block_hash`` (KV written)."""
+        if block_hash in self._cached or block in self._block_key:
+            return  # an identical block is already cached, or this one already is
+        self._cached[block_hash] = block
+        self._block_key[block] = (block_hash, tokens)
+
+    def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """The cached block for this hash whose stored tokens match (guards against collisions)."""
+        b = self._cached.get(block_hash)
+        if b is None or self._block_key[b][1] != tokens:
+            return None
+        return b
+
+    def take_cached(self, block: int) -> None:
+        """Add a reference to a cached block, pulling it off the free list if it was unused."""
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+
+    def is_cached(self, block: int) -> bool:
+        """True when the block is registered in the prefix cache."""
+        return block in self._block_key
+
+    def _evict(self, block: int) -> None:
+        key = self._block_key.pop(block, None)
+        if key is not None:
+            del self._cached[key[0]]
+            self.num_evictions += 1

@@ -28,7 +28,7 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort")
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: requests are compared and hashed by object
 class Request:
     """One sequence to generate: prompt, outputs so far, and scheduling counters."""
 
@@ -41,6 +41,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # sequences of one group (parallel samples, beams) share blocks and are preempted together
+    group_id: str | None = None
+    # speculative decoding: draft tokens to verify in this step (not yet part of the output)
+    spec_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
     # timestamps on the engine's clock (wall clock in real runs, simulated time otherwise)
     first_scheduled_time: float | None = None

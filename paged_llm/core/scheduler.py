@@ -26,6 +26,8 @@ class SchedulerLimits:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = False
     preemption_mode: str = "recompute"  # "recompute" or "swap"
+    # speculative decoding: slots reserved after each decode for draft tokens to verify
+    num_lookahead_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -47,6 +49,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_table: list[int]
+    num_lookahead: int = 0  # slots allocated beyond num_new_tokens for draft tokens
 
     @property
     def samples(self) -> bool:
@@ -78,6 +81,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    # all block moves above, in the order the runner must apply them (see take_block_ops)
+    block_ops: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     stats: IterationStats | None = None
 
@@ -89,7 +95,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """True when no request runs and no blocks move."""
-        return not (self.scheduled or self.swap_in or self.swap_out)
+        return not (self.scheduled or self.swap_in or self.swap_out or self.copy_blocks)
 
 
 class Scheduler:
@@ -113,7 +119,7 @@ class Scheduler:
         self.track_memory = track_memory
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last is preempted first
-        self.swapped: deque[Request] = deque()
+        self.swapped: deque[list[Request]] = deque()  # groups swapped out together
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self._batch_open = True  # static batching: is the current batch still taking requests?
@@ -146,13 +152,34 @@ class Scheduler:
             self._finish(req, status, now)
 
     def _finish(self, req: Request, status: RequestStatus, now: float | None) -> None:
-        for queue in (self.running, self.waiting, self.swapped):
+        for queue in (self.running, self.waiting):
             if req in queue:
                 queue.remove(req)
+        for group in list(self.swapped):
+            if req in group:
+                group.remove(req)
+                if not group:
+                    self.swapped.remove(group)
         self.kv.free(req)
         req.status = status
         req.finished_time = now
         del self.requests[req.request_id]
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Start ``child`` as a running sequence that shares the parent's blocks.
+
+        The caller sets the child's tokens and ``num_computed_tokens`` (at most the parent's);
+        both must carry the same ``group_id`` so they are preempted together.
+        """
+        if child.request_id in self.requests:
+            raise ValueError(f"request id '{child.request_id}' is already in use")
+        if parent.status is not RequestStatus.RUNNING:
+            raise ValueError(f"can only fork a running request, {parent.request_id} is not")
+        self.kv.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        child.first_scheduled_time = parent.first_scheduled_time
+        self.requests[child.request_id] = child
+        self.running.append(child)
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting, running or swapped."""
@@ -168,57 +195,85 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget, now)
+        out.block_ops = self.kv.take_block_ops()
+        out.copy_blocks = [
+            pair for kind, pairs in out.block_ops if kind == "copy" for pair in pairs
+        ]
         out.stats = self._stats(out, now)
         return out
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens to compute this step: all remaining, or a chunk with chunked prefill; 0 when
+        the budget cannot take them (the request waits a step)."""
         n = req.num_tokens - req.num_computed_tokens
         if self.limits.enable_chunked_prefill:
             n = min(n, budget)
         return n if n <= budget else 0
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running):
-            req = self.running[i]
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop together with its group
+            if req.num_computed_tokens >= req.num_tokens:
+                continue  # up to date, waiting for an outside decision (a beam's next token)
             n = self._num_new_tokens(req, budget)
             if n == 0:
                 break  # token budget exhausted; the rest wait a step
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
+            look = self._lookahead(req, n, budget)
+            while not self.kv.allocate_slots(req, n + look):
+                group = self._group_of(self.running[-1])
+                self._preempt(group, out)
+                if req in group:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
-                budget -= n
-                i += 1
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req), look))
+                budget -= n + look
         return budget
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.running.remove(req)
-        req.num_preemptions += 1
+    def _lookahead(self, req: Request, n: int, budget: int) -> int:
+        """Draft slots for a decode: all of num_lookahead_slots if the budget and length allow."""
+        look = self.limits.num_lookahead_slots
+        if not look or req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        room = req.max_total_tokens - req.num_tokens  # never draft past the request's end
+        return max(0, min(look, room, budget - n))
+
+    def _group_of(self, req: Request) -> list[Request]:
+        """The running sequences preempted together with ``req`` (its group, in order)."""
+        if req.group_id is None:
+            return [req]
+        return [r for r in self.running if r.group_id == req.group_id]
+
+    def _preempt(self, group: list[Request], out: SchedulerOutput) -> None:
+        if any(s.request in group for s in out.scheduled):  # a member already got this step
+            out.scheduled = [s for s in out.scheduled if s.request not in group]
+        for req in group:
+            self.running.remove(req)
+            req.num_preemptions += 1
         self.num_preemptions_total += 1
         free_blocks = self.kv.num_free_blocks()
-        mapping = self.kv.swap_out(req) if self.limits.preemption_mode == "swap" else None
+        mapping = self.kv.swap_out(group) if self.limits.preemption_mode == "swap" else None
+        names = ",".join(r.request_id for r in group)
         if mapping is not None:
-            req.status = RequestStatus.SWAPPED
-            self.swapped.append(req)
+            for req in group:
+                req.status = RequestStatus.SWAPPED
+            self.swapped.append(group)
             out.swap_out.extend(mapping)
             how = f"swapped out ({len(mapping)} blocks)"
         else:
             if self.limits.preemption_mode == "swap":
-                logger.warning("swap space full: recomputing request %s instead", req.request_id)
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.WAITING
-            self.waiting.appendleft(req)
+                logger.warning("swap space full: recomputing request(s) %s instead", names)
+            for req in reversed(group):
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
             how = "preempted for recomputation"
-        out.preempted.append(req.request_id)
+        out.preempted.extend(r.request_id for r in group)
         logger.warning(
             "request %s %s: the KV cache is out of blocks (%d of %d free); "
             "total preemptions %d. Raise the KV cache size or lower max_num_seqs to avoid this.",
-            req.request_id,
+            names,
             how,
             free_blocks,
             self.kv.num_blocks,
@@ -226,20 +281,22 @@ class Scheduler:
         )
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and len(self.running) < self.limits.max_num_seqs:
-            req = self.swapped[0]
-            n = self._num_new_tokens(req, budget)
-            if n == 0 or not self.kv.can_swap_in(req, n):
+        while self.swapped:
+            group = self.swapped[0]
+            if len(self.running) + len(group) > self.limits.max_num_seqs:
                 break
-            mapping = self.kv.swap_in(req)
-            ok = self.kv.allocate_slots(req, n)
-            assert ok, "can_swap_in promised room for the swapped blocks and the new tokens"
+            counts = [self._num_new_tokens(r, budget) for r in group]
+            if 0 in counts or sum(counts) > budget or not self.kv.can_swap_in(group, max(counts)):
+                break
+            out.swap_in.extend(self.kv.swap_in(group))
             self.swapped.popleft()
-            out.swap_in.extend(mapping)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
-            budget -= n
+            for req, n in zip(group, counts):
+                ok = self.kv.allocate_slots(req, n)
+                assert ok, "can_swap_in promised room for the swapped blocks and the new tokens"
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
+                budget -= n
         return budget
 
     def _may_admit(self) -> bool:
@@ -251,32 +308,54 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         while self.waiting and self._may_admit():
-            if len(self.running) >= self.limits.max_num_seqs:
+            head = self.waiting[0]
+            # a group (samples or beams back from recomputation) is admitted whole, or a part of
+            # it would sit on its blocks waiting for the rest forever
+            group = (
+                [head] if head.group_id is None
+                else [r for r in self.waiting if r.group_id == head.group_id]
+            )  # fmt: skip
+            if len(self.running) + len(group) > self.limits.max_num_seqs:
                 self._batch_open = False
                 break
-            req = self.waiting[0]
-            n = self._num_new_tokens(req, budget)
-            if n == 0:
+            counts = self._admit(group, budget)
+            if counts is None:
                 break
-            if not (self.kv.can_admit(req, n) and self.kv.allocate_slots(req, n)):
-                self._batch_open = False
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
-            budget -= n
+            for req, n in zip(group, counts):
+                self.waiting.remove(req)
+                req.status = RequestStatus.RUNNING
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
+                budget -= n
         if self.kv.static_batching and not self.waiting:
             self._batch_open = False
+
+    def _admit(self, group: list[Request], budget: int) -> list[int] | None:
+        """Give every member its slots for this step, or roll back and return None."""
+        counts: list[int] = []
+        for req in group:
+            self.kv.prepare_admission(req)
+            n = self._num_new_tokens(req, budget - sum(counts))
+            ok = n > 0 and self.kv.can_admit(req, n) and self.kv.allocate_slots(req, n)
+            counts.append(n)
+            if not ok:
+                for r in group[: len(counts)]:
+                    self.kv.cancel_admission(r)
+                    self.kv.free(r)
+                    r.num_computed_tokens = 0
+                if n > 0:  # out of memory rather than out of token budget
+                    self._batch_open = False
+                return None
+        return counts
 
     def _stats(self, out: SchedulerOutput, now: float) -> IterationStats:
         return IterationStats(
             now=now,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_swapped=len(self.swapped),
+            num_swapped=sum(len(g) for g in self.swapped),
             num_batched_tokens=out.num_batched_tokens,
             kv_usage=self.kv.usage(),
             num_preemptions=len(out.preempted),
@@ -296,11 +375,21 @@ class Scheduler:
             if req.is_finished:  # aborted between schedule and update
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            for token in sampled.get(req.request_id, ()):
+            tokens = sampled.get(req.request_id, ())
+            for token in tokens:
                 req.append_token(token, now)
                 status = req.check_stop()
                 if status is not None:
                     self._finish(req, status, now)
                     finished.append(req)
                     break
+            if req.is_finished:
+                continue
+            if s.num_lookahead or req.spec_token_ids:
+                # rejected drafts: their KV is invalid, so the count of computed tokens stops
+                # before the newest token, and blocks past it go back to the pool
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                req.spec_token_ids = []
+                self.kv.truncate(req, req.num_tokens)
+            self.kv.on_computed(req)
         return finished

@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,9 +20,12 @@ from paged_llm.engine.inputs import to_token_ids, validate_token_ids
 from paged_llm.engine.loading import load_model_and_tokenizer, resolve_device
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
 from paged_llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paged_llm.quant.kv_cache import SCALE_DTYPE, kv_cache_spec
 from paged_llm.runner.kv_cache import kv_bytes_per_block
 from paged_llm.runner.model_runner import ModelRunner
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.spec.metrics import SpecDecodeStats
+from paged_llm.spec.registry import build_drafter
 from paged_llm.utils.registry import build
 
 logger = logging.getLogger(__name__)
@@ -30,13 +33,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Tracked:
-    """Engine-side state of a request that the scheduler does not need."""
+    """Engine-side state of one sequence that the scheduler does not need."""
 
     request: Request
     prompt: str | None
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
+
+
+@dataclass
+class _Group:
+    """A user request: one sequence, or n parallel samples of one prompt."""
+
+    request_id: str
+    members: list[_Tracked]
+    unforked: list[_Tracked]  # samples waiting to share the first member's prompt blocks
 
 
 class LLMEngine:
@@ -64,22 +76,39 @@ class LLMEngine:
         self.backend.check_device(self.device)
 
         num_layers, num_kv_heads, head_dim = kv_cache_shape_info(self.hf_config)
+        kv_spec = kv_cache_spec(cc.kv_cache_dtype, self.dtype)  # auto: the model dtype
+        if kv_spec.quantized and not self.backend.supports_quantized_kv:
+            raise ValueError(
+                f"attention backend '{self.backend.name}' cannot read a quantized KV cache "
+                f"(kv_cache_dtype='{cc.kv_cache_dtype}'); use attention_backend='torch'"
+            )
         self.runner = ModelRunner(
             self.model, self.backend, self.device, self.dtype, cc.block_size,
-            num_layers, num_kv_heads, head_dim, seed=mc.seed,
+            num_layers, num_kv_heads, head_dim, seed=mc.seed, kv_spec=kv_spec,
         )  # fmt: skip
+        # A 1-byte cache (+ a scale per vector) fits about twice the blocks of a 2-byte one.
         block_bytes = kv_bytes_per_block(
-            num_layers, num_kv_heads, head_dim, cc.block_size, self.dtype
-        )
+            num_layers, num_kv_heads, head_dim, cc.block_size, kv_spec.dtype,
+            SCALE_DTYPE if kv_spec.quantized else None,
+        )  # fmt: skip
+        self.drafter = build_drafter(config.speculative_config)
+        if self.drafter is not None:
+            self.drafter.load(self)
+            block_bytes += self.drafter.bytes_per_block(cc.block_size)  # both pools share blocks
+        self.spec_stats = SpecDecodeStats()
         num_blocks = self._num_blocks(block_bytes)
         num_cpu_blocks = 0
         if sc.preemption_mode == "swap":
             num_cpu_blocks = int(cc.swap_space * 2**30 // block_bytes)
-        kv = build(
-            "policy", sc.policy, POLICIES, num_blocks=num_blocks, block_size=cc.block_size,
-            max_model_len=self.max_model_len, num_cpu_blocks=num_cpu_blocks,
-        )  # fmt: skip
-        if self.backend.requires_contiguous_blocks and not kv.name.startswith(("orca", "static")):
+        extra = {"enable_prefix_caching": True} if cc.enable_prefix_caching else {}
+        try:
+            kv = build(
+                "policy", sc.policy, POLICIES, num_blocks=num_blocks, block_size=cc.block_size,
+                max_model_len=self.max_model_len, num_cpu_blocks=num_cpu_blocks, **extra,
+            )  # fmt: skip
+        except TypeError as err:
+            raise ValueError(f"policy {sc.policy!r} does not take these options: {err}") from err
+        if self.backend.requires_contiguous_blocks and not kv.contiguous_blocks:
             raise ValueError(
                 f"attention backend '{self.backend.name}' needs contiguous per-request caches; "
                 f"use it with a reservation policy (orca_max/orca_pow2/orca_oracle/static), "
@@ -90,18 +119,22 @@ class LLMEngine:
             max_num_batched_tokens=sc.max_num_batched_tokens or max(self.max_model_len, 2048),
             enable_chunked_prefill=sc.enable_chunked_prefill,
             preemption_mode=sc.preemption_mode,
+            num_lookahead_slots=self.drafter.k if self.drafter is not None else 0,
         )
         self.scheduler = Scheduler(kv, limits)
         self.runner.initialize_cache(num_blocks, num_cpu_blocks)
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks, cc.block_size)
         tokens = num_blocks * cc.block_size
         logger.info(
             "KV cache: %d blocks x %d = %d tokens (%.2f GiB, %s); maximum concurrency for "
             "%d-token requests: %.2fx",
-            num_blocks, cc.block_size, tokens, num_blocks * block_bytes / 2**30, self.dtype,
+            num_blocks, cc.block_size, tokens, num_blocks * block_bytes / 2**30, kv_spec.dtype,
             self.max_model_len, tokens / self.max_model_len,
         )  # fmt: skip
         self.kv_cache_tokens = tokens
-        self._tracked: dict[str, _Tracked] = {}
+        self._groups: dict[str, _Group] = {}  # user request id -> its samples
+        self._seqs: dict[str, tuple[_Group, _Tracked]] = {}  # sequence id -> (group, state)
         self._counter = itertools.count()
         self.iteration_stats: list[Any] = []  # one IterationStats per step, for experiments
         self._last_log = float("-inf")
@@ -142,31 +175,33 @@ class LLMEngine:
         prompt: Any,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
-    ) -> _Tracked:
+    ) -> _Group:
         """Validate a prompt and its parameters; raise ValueError before any work is done."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         params.validate()
-        if params.n > 1:
-            raise ValueError("n > 1 (parallel sampling) is not supported yet")
         text, ids = to_token_ids(prompt, self.tokenizer)
         validate_token_ids(ids, self.vocab_size, self.max_model_len)
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary")
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            sampling_params=params,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
-            eos_token_id=self.eos_token_id,
-            max_model_len=self.max_model_len,
-        )
-        tracked = _Tracked(request, text)
-        if params.logprobs is not None:
-            tracked.logprobs = []
-        return tracked
+        arrival = self.clock() if arrival_time is None else arrival_time
+        members = []
+        for i in range(params.n):
+            # each sample draws its own random stream; a user seed stays reproducible
+            p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+            request = Request(
+                request_id=request_id if i == 0 else f"{request_id}#{i}",
+                prompt_token_ids=ids,
+                sampling_params=p,
+                arrival_time=arrival,
+                eos_token_id=self.eos_token_id,
+                max_model_len=self.max_model_len,
+                group_id=request_id if params.n > 1 else None,
+            )
+            members.append(_Tracked(request, text, logprobs=[] if p.logprobs is not None else None))
+        return _Group(request_id, members, unforked=[])
 
     def add_request(
         self,
@@ -177,57 +212,117 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; return its id. Bad input raises and changes nothing."""
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
-        if request_id in self._tracked:
+        if request_id in self._groups:
             raise ValueError(f"request id '{request_id}' is already in use")
-        tracked = self.make_request(request_id, prompt, params, arrival_time)
-        self._enqueue(tracked)
+        self._enqueue(self.make_request(request_id, prompt, params, arrival_time))
         return request_id
 
-    def _enqueue(self, tracked: _Tracked) -> None:
-        self.scheduler.add_request(tracked.request)
-        self._tracked[tracked.request.request_id] = tracked
+    def _enqueue(self, group: _Group) -> None:
+        """Queue a validated group. With a sharing policy, samples 2..n wait for the first one's
+        prefill and then fork its blocks; otherwise each sample is an independent request."""
+        first, rest = group.members[0], group.members[1:]
+        self.scheduler.add_request(first.request)
+        if self.scheduler.kv.supports_sharing:
+            group.unforked = list(rest)
+        else:
+            for t in rest:
+                self.scheduler.add_request(t.request)
+        self._groups[group.request_id] = group
+        for t in group.members:
+            self._seqs[t.request.request_id] = (group, t)
+
+    def _fork_samples(self, out: Any) -> None:
+        """Fork waiting samples off a first sample whose prefill completes in this step."""
+        for s in out.scheduled:
+            entry = self._seqs.get(s.request.request_id)
+            if entry is None or not entry[0].unforked or not s.samples:
+                continue
+            group, first = entry
+            for t in group.unforked:
+                # recompute the last prompt token so each sample draws its own first token
+                t.request.num_computed_tokens = first.request.num_prompt_tokens - 1
+                self.scheduler.fork_request(first.request, t.request)
+            group.unforked = []
 
     def abort_request(self, request_id: str | list[str]) -> None:
-        """Abort one or more requests and free their blocks."""
+        """Abort one or more requests (all their samples) and free their blocks."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            self.scheduler.abort_request(rid)
-            tracked = self._tracked.pop(rid, None)
-            if tracked is not None:
-                self.runner.sampler.forget(rid)
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            for t in group.members:
+                seq_id = t.request.request_id
+                self.scheduler.abort_request(seq_id)
+                self.runner.sampler.forget(seq_id)
+                self._seqs.pop(seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting, running or swapped."""
-        return self.scheduler.has_unfinished()
+        return bool(self._groups) or self.scheduler.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
-        """Number of requests not yet finished."""
-        return len(self.scheduler.requests)
+        """Number of user requests not yet finished."""
+        return len(self._groups)
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return outputs of requests that progressed."""
         out = self.scheduler.schedule(self.clock())
+        self._fork_samples(out)
+        draft_probs = self._propose_drafts(out)
         banned = self._banned_tokens(out)
-        results = self.runner.execute(out, banned)
+        results = self.runner.execute(out, banned, draft_probs)
         now = self.clock()
-        sampled = {rid: [r.token_id] for rid, r in results.items()}
+        sampled = {rid: r.token_ids for rid, r in results.items()}
+        for r in results.values():
+            self.spec_stats.record(r.num_drafts, r.num_accepted)
         self.scheduler.update_from_output(out, sampled, now)
         if out.stats is not None:
             self.iteration_stats.append(out.stats)
             self._maybe_log_stats(out.stats, now)
-        outputs = []
+        touched: dict[str, _Group] = {}
         for rid, result in results.items():
-            tracked = self._tracked.get(rid)
-            if tracked is None:
+            entry = self._seqs.get(rid)
+            if entry is None:
                 continue
+            group, tracked = entry
             self._record_logprobs(tracked, result)
             self._detokenize(tracked, now)
-            outputs.append(self._output(tracked))
-            if tracked.request.is_finished:
-                del self._tracked[rid]
-                self.runner.sampler.forget(rid)
+            touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            output = self._output(group)
+            outputs.append(output)
+            if output.finished:
+                self._release(group)
         return outputs
+
+    def _propose_drafts(self, out: Any) -> dict[str, Any]:
+        """Fill the lookahead slots of this step's decodes with draft tokens to verify."""
+        if self.drafter is None:
+            return {}
+        # logprobs are reported one token per step, so those requests decode plainly
+        entries = [
+            s for s in out.scheduled
+            if s.num_lookahead and s.samples and s.request.sampling_params.logprobs is None
+        ]  # fmt: skip
+        if not entries:
+            return {}
+        drafts, probs = self.drafter.propose(entries, self.runner.sampler)
+        for s in entries:
+            d = drafts.get(s.request.request_id, [])[: s.num_lookahead]
+            s.request.spec_token_ids = d
+            s.num_new_tokens = 1 + len(d)
+        return probs
+
+    def _release(self, group: _Group) -> None:
+        del self._groups[group.request_id]
+        for t in group.members:
+            self._seqs.pop(t.request.request_id, None)
+            self.runner.sampler.forget(t.request.request_id)
+            if self.drafter is not None:
+                self.drafter.forget(t.request.request_id)
 
     def _maybe_log_stats(self, stats: Any, now: float) -> None:
         """vLLM-style periodic status line (with ``log_stats=True``), every 5 s."""
@@ -281,32 +376,38 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, now)
         tracked.text = text
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
+    @staticmethod
+    def _completion(index: int, tracked: _Tracked) -> CompletionOutput:
         req = tracked.request
-        finish = req.status.value if req.is_finished else None
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=index,
             text=tracked.text,
             token_ids=list(req.output_token_ids),
             cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
             logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
-            finish_reason=finish,
+            finish_reason=req.status.value if req.is_finished else None,
             stop_reason=req.stop_reason,
         )
+
+    def _output(self, group: _Group) -> RequestOutput:
+        first = group.members[0]
+        req = first.request
+        finished = not group.unforked and all(t.request.is_finished for t in group.members)
+        times = [t.request.finished_time for t in group.members if t.request.finished_time]
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
-            finished_time=req.finished_time,
+            finished_time=max(times) if finished and times else None,
             token_times=list(req.token_times),
-            num_preemptions=req.num_preemptions,
+            num_preemptions=sum(t.request.num_preemptions for t in group.members),
         )
         return RequestOutput(
-            request_id=req.request_id,
-            prompt=tracked.prompt,
+            request_id=group.request_id,
+            prompt=first.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=req.is_finished,
+            outputs=[self._completion(i, t) for i, t in enumerate(group.members)],
+            finished=finished,
             metrics=metrics,
         )
 

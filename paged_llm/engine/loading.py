@@ -10,7 +10,9 @@ from torch import nn
 
 from paged_llm.config import ModelConfig
 from paged_llm.models import presets
-from paged_llm.models.loader import load_model, resolve_dtype
+from paged_llm.models.loader import resolve_dtype
+from paged_llm.quant.checkpoint import load_checkpoint
+from paged_llm.quant.registry import apply_quantization
 
 
 def resolve_device(device: str) -> torch.device:
@@ -52,14 +54,14 @@ def load_model_and_tokenizer(
         from paged_llm.models.loader import load_config
 
         dtype = model_dtype(mc.dtype, device, load_config(path))
-        model, hf_config = load_model(path, dtype, device)
+        model, hf_config = load_checkpoint(path, dtype, device)  # plain, or GPTQ / AWQ
         tokenizer = load_tokenizer(Path(mc.tokenizer) if mc.tokenizer else path)
-        return model, hf_config, tokenizer
+        return apply_quantization(model, mc.quantization, tokenizer), hf_config, tokenizer
     if name.lower() in presets.list_presets():
         dtype = model_dtype(mc.dtype, device, presets.preset_config(name))
         model, hf_config = presets.build_random_model(name, dtype, device, seed=mc.seed)
         tokenizer = load_tokenizer(Path(mc.tokenizer)) if mc.tokenizer else None
-        return model, hf_config, tokenizer
+        return apply_quantization(model, mc.quantization, tokenizer), hf_config, tokenizer
     raise ValueError(
         f"model '{name}' is neither a local checkpoint directory nor a built-in preset "
         f"({', '.join(presets.list_presets())}); nothing is downloaded from a hub"

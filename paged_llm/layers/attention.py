@@ -20,6 +20,8 @@ class ForwardContext:
     backend: AttentionBackend
     # kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # kv_scales[layer] = (k_scale, v_scale) [num_blocks, block_size, Hkv]: int8 / fp8 cache only
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class PagedAttention(nn.Module):
@@ -47,6 +49,11 @@ class PagedAttention(nn.Module):
         """Store this step's K/V in the cache and attend over each sequence's context."""
         t = q.shape[0]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        # Scales only travel with a quantized cache, so backends without support never see them.
+        scales = {}
+        if ctx.kv_scales:
+            k_scale, v_scale = ctx.kv_scales[self.layer_idx]
+            scales = {"k_scale": k_scale, "v_scale": v_scale}
         out = ctx.backend.forward(
             q.view(t, self.num_heads, self.head_dim),
             k.view(t, self.num_kv_heads, self.head_dim),
@@ -55,5 +62,6 @@ class PagedAttention(nn.Module):
             v_cache,
             ctx.attn_metadata,
             self.scale,
+            **scales,
         )
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -8,11 +8,17 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v) [blocks,
 
 
 def kv_bytes_per_block(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    scale_dtype: torch.dtype | None = None,  # quantized cache: one scale per (token, head)
 ) -> int:
-    """Bytes one block occupies across all layers, K and V."""
+    """Bytes one block occupies across all layers, K and V (and their scales, if any)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    scale = torch.empty((), dtype=scale_dtype).element_size() if scale_dtype else 0
+    return 2 * num_layers * block_size * num_kv_heads * (head_dim * elem + scale)
 
 
 def allocate_kv_caches(
@@ -36,6 +42,23 @@ def allocate_kv_caches(
     ]
 
 
+def allocate_kv_scales(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    pin_memory: bool = False,
+) -> KVCaches:
+    """Per layer (k_scale, v_scale) [num_blocks, block_size, Hkv] for a quantized cache: the
+    same slots as the cache, so block moves treat them exactly like the caches."""
+    pools = allocate_kv_caches(
+        num_layers, num_blocks, block_size, num_kv_heads, 1, dtype, device, pin_memory
+    )
+    return [(k[..., 0], v[..., 0]) for k, v in pools]
+
+
 def move_blocks(src: KVCaches, dst: KVCaches, mapping: list[tuple[int, int]]) -> None:
     """Copy block src_id of every layer's pools in ``src`` to block dst_id in ``dst``."""
     if not mapping:
@@ -45,5 +68,6 @@ def move_blocks(src: KVCaches, dst: KVCaches, mapping: list[tuple[int, int]]) ->
     for (src_k, src_v), (dst_k, dst_v) in zip(src, dst):
         s_idx = src_ids.to(src_k.device)
         d_idx = dst_ids.to(dst_k.device)
-        dst_k.index_copy_(0, d_idx, src_k.index_select(0, s_idx).to(dst_k.device))
-        dst_v.index_copy_(0, d_idx, src_v.index_select(0, s_idx).to(dst_v.device))
+        # Indexed assignment rather than index_copy_, which has no float8 (fp8 cache) kernel.
+        dst_k[d_idx] = src_k.index_select(0, s_idx).to(dst_k.device)
+        dst_v[d_idx] = src_v.index_select(0, s_idx).to(dst_v.device)

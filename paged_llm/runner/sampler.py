@@ -11,10 +11,18 @@ from paged_llm.sampling_params import SamplingParams
 
 @dataclass
 class SampleResult:
-    """The token chosen for one request and, if asked, its logprobs."""
+    """The token(s) chosen for one request and, if asked, their logprobs."""
 
-    token_id: int
-    logprobs: dict[int, float] | None = None  # sampled token + top-k alternatives
+    token_id: int  # the (last) new token
+    logprobs: dict[int, float] | None = None  # of token_id: it + top-k alternatives
+    # speculative decoding: every token of the step, accepted drafts first (else [token_id])
+    token_ids: list[int] | None = None
+    num_drafts: int = 0
+    num_accepted: int = 0
+
+    def __post_init__(self) -> None:
+        if self.token_ids is None:
+            self.token_ids = [self.token_id]
 
 
 def apply_top_k_top_p_min_p(
@@ -55,6 +63,41 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         """Drop a finished request's random state."""
         self._generators.pop(request_id, None)
+
+    def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The distribution sampling draws from for rows of logits [R, V] (CPU, float32)."""
+        p = params
+        rows = [
+            apply_top_k_top_p_min_p(r / p.temperature, p.top_k, p.top_p, p.min_p)
+            for r in logits.float().cpu()
+        ]
+        return torch.stack(rows).softmax(-1)
+
+    def verify(
+        self,
+        logits: torch.Tensor,  # [k + 1, V]: after the last token and after each draft
+        request_id: str,
+        params: SamplingParams,
+        drafts: list[int],
+        draft_probs: torch.Tensor | None,  # [k, V], or None for deterministic drafts
+        banned: list[int],
+    ) -> SampleResult:
+        """Accept a prefix of the drafts exactly (rejection sampling) plus one more token."""
+        from paged_llm.spec.rejection import verify_greedy, verify_sampled
+
+        logits = logits.float()
+        if banned:
+            logits[:, banned] = float("-inf")
+        if params.greedy:
+            tokens = verify_greedy(logits, drafts)
+        else:
+            gen = self._generator(request_id, params)
+            tokens = verify_sampled(self.probs(logits, params), draft_probs, drafts, gen)
+        lp = None
+        if params.logprobs is not None:
+            row = logits[len(tokens) - 1].log_softmax(-1)
+            lp = self._logprobs(row[None], 0, tokens[-1], params)
+        return SampleResult(tokens[-1], lp, tokens, len(drafts), len(tokens) - 1)
 
     def __call__(
         self,

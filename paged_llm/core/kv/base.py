@@ -44,6 +44,8 @@ class KVCacheManager(ABC):
 
     name = "base"
     supports_swap = False
+    # True when each request's blocks form one contiguous run (what the contiguous backend reads)
+    contiguous_blocks = False
     # FasterTransformer-style static batching: admit a new batch only after the last one ends.
     static_batching = False
 
@@ -96,15 +98,39 @@ class KVCacheManager(ABC):
     def memory_breakdown(self, requests: Iterable[Request]) -> MemoryBreakdown:
         """Split the pool into the paper's four parts for the given live requests."""
 
-    # Swapping is optional; only policies that can preempt need it.
-    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
-        """Move the request's blocks to CPU; return (device, cpu) pairs or None if no room."""
+    # ---- optional capabilities; the defaults suit policies without them -------------------
+    supports_sharing = False
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let ``child`` share the parent's blocks (sharing policies only)."""
+        raise NotImplementedError(f"policy '{self.name}' cannot share blocks")
+
+    def take_block_ops(self) -> list[tuple[str, list[tuple[int, int]]]]:
+        """Block moves of this step, in the order they were decided: ("copy" | "swap_out" |
+        "swap_in", [(src, dst), ...]). Order matters: a block freed by a swap-out can be the
+        destination of a copy-on-write later in the same step, and vice versa."""
+        return []
+
+    def prepare_admission(self, request: Request) -> None:
+        """Hook before admission (prefix caching sets num_computed_tokens from cache hits)."""
+
+    def cancel_admission(self, request: Request) -> None:
+        """Undo ``prepare_admission`` for a request that was not admitted."""
+
+    def on_computed(self, request: Request) -> None:
+        """Hook after the request's num_computed_tokens advanced (prefix cache registration)."""
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Give back blocks beyond what ``num_tokens`` tokens need (speculative rollback)."""
+
+    def swap_out(self, requests: list[Request]) -> list[tuple[int, int]] | None:
+        """Move the requests' blocks to CPU; return (device, cpu) pairs or None if no room."""
         return None
 
-    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+    def can_swap_in(self, requests: list[Request], num_new_tokens: int) -> bool:
         """True when the swapped blocks and the next tokens' blocks fit on the device."""
         return False
 
-    def swap_in(self, request: Request) -> list[tuple[int, int]]:
-        """Bring a swapped request back; return (cpu, device) pairs."""
+    def swap_in(self, requests: list[Request]) -> list[tuple[int, int]]:
+        """Bring swapped requests back; return (cpu, device) pairs."""
         raise NotImplementedError(f"{self.name} does not swap")

@@ -1,5 +1,7 @@
-"""vLLM's policy: blocks are allocated on demand, one at a time, so waste is confined to each
-request's last block; preempted requests can be swapped to a CPU block pool (no torch)."""
+"""vLLM's policy: blocks are allocated on demand, so waste is confined to each request's last
+block. Blocks can be shared (forked sequences, prefix caching) by reference count; a shared
+block that must be written is copied first (copy-on-write). Preempted requests can be swapped
+to a CPU block pool, each shared block once (no torch)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ from paged_llm.core.request import Request
 
 
 class PagedKVCacheManager(KVCacheManager):
-    """On-demand paged allocation with an optional CPU swap pool."""
+    """On-demand paged allocation with sharing, optional prefix caching and a CPU swap pool."""
 
     name = "paged"
     supports_swap = True
+    supports_sharing = True
 
     def __init__(
         self,
@@ -23,6 +26,7 @@ class PagedKVCacheManager(KVCacheManager):
         max_model_len: int,
         num_cpu_blocks: int = 0,
         watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
     ) -> None:
         super().__init__(num_blocks, block_size, max_model_len)
         self.pool = BlockPool(num_blocks)
@@ -31,6 +35,11 @@ class PagedKVCacheManager(KVCacheManager):
         # Keep a few blocks free at admission so running requests can grow a little
         # before anyone has to be preempted (vLLM's watermark).
         self.watermark_blocks = int(watermark * num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hashes: dict[str, list[int]] = {}  # request -> chained hashes of its full blocks
+        self._ops: list[tuple[str, list[tuple[int, int]]]] = []  # this step's block moves
+        self.prefix_queries = 0  # blocks looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
 
     def num_free_blocks(self) -> int:
         """Free device blocks."""
@@ -41,8 +50,18 @@ class PagedKVCacheManager(KVCacheManager):
         return self.blocks_for(request.num_prompt_tokens + 1) <= self.num_blocks
 
     def _blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        held = len(self.block_tables.get(request.request_id, ()))
-        return max(0, self.blocks_for(request.num_computed_tokens + num_new_tokens) - held)
+        table = self.block_tables.get(request.request_id, ())
+        new = max(0, self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(table))
+        return new + len(self._shared_blocks_to_write(request, num_new_tokens))
+
+    def _shared_blocks_to_write(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Indices in the block table of shared blocks the new tokens would write into."""
+        table = self.block_tables.get(request.request_id)
+        if not table or num_new_tokens <= 0:
+            return []
+        first = request.num_computed_tokens // self.block_size
+        last = min(len(table), self.blocks_for(request.num_computed_tokens + num_new_tokens))
+        return [i for i in range(first, last) if self.pool.ref_counts[table[i]] > 1]
 
     def can_admit(self, request: Request, num_new_tokens: int) -> bool:
         """Admit when the new tokens' blocks fit above the watermark."""
@@ -50,58 +69,181 @@ class PagedKVCacheManager(KVCacheManager):
         return self.pool.num_free - need >= min(self.watermark_blocks, self.num_blocks - need)
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Append just enough blocks for the new tokens."""
-        need = self._blocks_needed(request, num_new_tokens)
-        if need > self.pool.num_free:
+        """Append just enough blocks for the new tokens, copying shared blocks they write."""
+        if self._blocks_needed(request, num_new_tokens) > self.pool.num_free:
             return False
         table = self.block_tables.setdefault(request.request_id, [])
-        table.extend(self.pool.allocate(need))
+        for i in self._shared_blocks_to_write(request, num_new_tokens):
+            (fresh,) = self.pool.allocate(1)
+            self._log("copy", [(table[i], fresh)])
+            self.pool.release([table[i]])
+            table[i] = fresh
+        need = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
+        table.extend(self.pool.allocate(max(0, need)))
         return True
+
+    def _log(self, kind: str, pairs: list[tuple[int, int]]) -> None:
+        """Append block moves; consecutive moves of one kind batch while no block is reused."""
+        if self._ops and self._ops[-1][0] == kind:
+            batch = self._ops[-1][1]
+            touched = {b for pair in batch for b in pair}
+            if not any(src in touched or dst in touched for src, dst in pairs):
+                batch.extend(pairs)
+                return
+        self._ops.append((kind, list(pairs)))
+
+    def take_block_ops(self) -> list[tuple[str, list[tuple[int, int]]]]:
+        """This step's copy-on-write copies and swaps, in decision order."""
+        ops, self._ops = self._ops, []
+        return ops
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's blocks, shared by reference (no copy until a write)."""
+        table = list(self.block_tables.get(parent.request_id, []))
+        self.pool.share(table)
+        self.block_tables[child.request_id] = table
+        if parent.request_id in self._hashes:
+            self._hashes[child.request_id] = list(self._hashes[parent.request_id])
 
     def free(self, request: Request) -> None:
         """Release device and swapped blocks of the request."""
         table = self.block_tables.pop(request.request_id, None)
         if table:
-            self.pool.release(table)
+            # tail first: a prefix's later blocks are evicted before its first ones, which
+            # every longer match needs (vLLM does the same)
+            self.pool.release(table[::-1])
         cpu_table = self.cpu_block_tables.pop(request.request_id, None)
         if cpu_table and self.cpu_pool is not None:
             self.cpu_pool.release(cpu_table)
+        self._hashes.pop(request.request_id, None)
 
-    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
-        """All-or-nothing: move every block of the request to the CPU pool."""
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Free the blocks past ``num_tokens`` (slots of rejected draft tokens)."""
+        table = self.block_tables.get(request.request_id)
+        keep = self.blocks_for(num_tokens)
+        if table and len(table) > keep:
+            self.pool.release(table[keep:])
+            del table[keep:]
+
+    # ---- prefix caching ---------------------------------------------------------------------
+    def _block_hashes(self, request: Request, num_tokens: int) -> list[int]:
+        """Chained hashes of the request's first num_tokens // block_size full blocks."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        tokens = None
+        while len(hashes) < num_tokens // bs:
+            tokens = tokens or request.all_token_ids
+            i = len(hashes)
+            prev = hashes[-1] if hashes else None
+            hashes.append(hash((prev, tuple(tokens[i * bs : (i + 1) * bs]))))
+        return hashes
+
+    def prepare_admission(self, request: Request) -> None:
+        """Share cached blocks of the longest cached prefix; one token at least is left to run."""
+        if not self.enable_prefix_caching or request.request_id in self.block_tables:
+            return
+        # never the whole prompt: the last token must run to produce logits
+        hashes = self._block_hashes(request, request.num_tokens - 1)
+        tokens = request.all_token_ids
+        bs = self.block_size
+        hits: list[int] = []
+        for i, h in enumerate(hashes):
+            b = self.pool.lookup(h, tuple(tokens[i * bs : (i + 1) * bs]))
+            if b is None:
+                break
+            hits.append(b)
+        self.prefix_queries += len(hashes)
+        self.prefix_hits += len(hits)
+        for b in hits:
+            self.pool.take_cached(b)
+        if hits:
+            self.block_tables[request.request_id] = hits
+            request.num_computed_tokens = len(hits) * bs
+
+    def cancel_admission(self, request: Request) -> None:
+        """Undo prepare_admission for a request that did not get in after all."""
+        table = self.block_tables.pop(request.request_id, None)
+        if table:
+            self.pool.release(table)
+            request.num_computed_tokens = 0
+
+    def on_computed(self, request: Request) -> None:
+        """Register the request's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
         table = self.block_tables.get(request.request_id, [])
-        if self.cpu_pool is None or len(table) > self.cpu_pool.num_free:
+        hashes = self._block_hashes(request, request.num_computed_tokens)
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i, h in enumerate(hashes[: len(table)]):
+            if not self.pool.is_cached(table[i]):
+                self.pool.register(table[i], h, tuple(tokens[i * bs : (i + 1) * bs]))
+
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of looked-up prompt blocks found in the cache."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # ---- swapping ---------------------------------------------------------------------------
+    def swap_out(self, requests: list[Request]) -> list[tuple[int, int]] | None:
+        """All-or-nothing: move the requests' blocks to CPU, each shared block once."""
+        tables = [self.block_tables.get(r.request_id, []) for r in requests]
+        unique = list(dict.fromkeys(b for t in tables for b in t))
+        if self.cpu_pool is None or len(unique) > self.cpu_pool.num_free:
             return None
-        cpu_table = self.cpu_pool.allocate(len(table))
-        self.cpu_block_tables[request.request_id] = cpu_table
-        self.pool.release(self.block_tables.pop(request.request_id))
-        return list(zip(table, cpu_table))
+        cpu_of = dict(zip(unique, self.cpu_pool.allocate(len(unique))))
+        for r, table in zip(requests, tables):
+            cpu_table = [cpu_of[b] for b in table]
+            self.cpu_block_tables[r.request_id] = cpu_table
+            self.block_tables.pop(r.request_id, None)
+            self.pool.release(table[::-1])
+        # the CPU copy is owned by as many requests as owned the device block
+        for table in tables:
+            self.cpu_pool.share([cpu_of[b] for b in table])
+        self.cpu_pool.release(list(cpu_of.values()))
+        self._log("swap_out", list(cpu_of.items()))
+        return list(cpu_of.items())
 
-    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+    def can_swap_in(self, requests: list[Request], num_new_tokens: int) -> bool:
         """True when the swapped blocks and the next tokens' blocks fit on the device."""
-        held = len(self.cpu_block_tables.get(request.request_id, ()))
-        need = max(held, self.blocks_for(request.num_computed_tokens + num_new_tokens))
-        return need <= self.pool.num_free
+        unique = {b for r in requests for b in self.cpu_block_tables.get(r.request_id, ())}
+        extra = sum(
+            max(0, self.blocks_for(r.num_computed_tokens + num_new_tokens)
+                - len(self.cpu_block_tables.get(r.request_id, ())))
+            for r in requests
+        )  # fmt: skip
+        # worst case every shared block is copied on the first write
+        return len(unique) + extra + len(requests) <= self.pool.num_free
 
-    def swap_in(self, request: Request) -> list[tuple[int, int]]:
-        """Move every swapped block of the request back to the device."""
-        cpu_table = self.cpu_block_tables.pop(request.request_id)
-        table = self.pool.allocate(len(cpu_table))
-        self.block_tables[request.request_id] = table
+    def swap_in(self, requests: list[Request]) -> list[tuple[int, int]]:
+        """Move the requests' swapped blocks back to the device, each shared block once."""
         assert self.cpu_pool is not None
-        self.cpu_pool.release(cpu_table)
-        return list(zip(cpu_table, table))
+        tables = [self.cpu_block_tables.pop(r.request_id) for r in requests]
+        unique = list(dict.fromkeys(b for t in tables for b in t))
+        dev_of = dict(zip(unique, self.pool.allocate(len(unique))))
+        for r, cpu_table in zip(requests, tables):
+            table = [dev_of[b] for b in cpu_table]
+            self.block_tables[r.request_id] = table
+            self.pool.share(table)
+            self.cpu_pool.release(cpu_table)
+        self.pool.release(list(dev_of.values()))
+        self._log("swap_in", list(dev_of.items()))
+        return list(dev_of.items())
 
     def memory_breakdown(self, requests: Iterable[Request]) -> MemoryBreakdown:
-        """Token states vs. unfilled slots in allocated blocks vs. free blocks."""
-        token_states = allocated = 0
+        """Token states vs. unfilled slots in allocated blocks vs. free blocks.
+
+        A block shared by several requests counts once, with the most tokens any owner keeps
+        in it, so sharing shows up as saved memory rather than as double counting.
+        """
+        filled: dict[int, int] = {}
+        bs = self.block_size
         for req in requests:
-            table = self.block_tables.get(req.request_id)
-            if not table:
-                continue
-            slots = len(table) * self.block_size
-            allocated += slots
-            token_states += min(req.num_tokens, slots)
+            table = self.block_tables.get(req.request_id, ())
+            for i, b in enumerate(table):
+                used = min(bs, max(0, req.num_tokens - i * bs))
+                filled[b] = max(filled.get(b, 0), used)
+        allocated = len(filled) * bs
+        token_states = sum(filled.values())
         return MemoryBreakdown(
             token_states=token_states,
             reservation=0,

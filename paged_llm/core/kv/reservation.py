@@ -14,6 +14,7 @@ class ReservationKVCacheManager(KVCacheManager):
     """Contiguous reservation; subclasses say how many slots a request reserves."""
 
     name = "reservation"
+    contiguous_blocks = True
 
     def __init__(
         self, num_blocks: int, block_size: int, max_model_len: int, num_cpu_blocks: int = 0

@@ -6,17 +6,26 @@ from __future__ import annotations
 
 import torch
 
+from paged_llm.quant.kv_cache import KVCacheSpec
+
 
 def gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_table: torch.Tensor,  # [max_blocks] int
     seq_len: int,
+    scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
+    dtype: torch.dtype | None = None,  # dequantize into this dtype (default float32)
 ) -> torch.Tensor:
-    """Return the first ``seq_len`` cached vectors of one sequence: [seq_len, Hkv, D]."""
+    """Return the first ``seq_len`` cached vectors of one sequence: [seq_len, Hkv, D]
+    (dequantized when the cache comes with scales)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+    ids = block_table[:num_blocks].long()
+    vectors = cache.index_select(0, ids).reshape(-1, *cache.shape[2:])[:seq_len]
+    if scale is None:
+        return vectors
+    scales = scale.index_select(0, ids).reshape(-1, scale.shape[-1])[:seq_len]
+    return KVCacheSpec.dequantize(vectors, scales, dtype or torch.float32)
 
 
 def attention_one_sequence(
@@ -47,13 +56,15 @@ def paged_attention_reference(
     query_lens: list[int],  # [B]
     seq_lens: list[int],  # [B], context length including the query tokens
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's query tokens over its paged context: [T, Hq, D]."""
     out = torch.empty_like(query)
     start = 0
     for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
-        k = gather_kv(k_cache, block_tables[b], s_len).to(query.dtype)
-        v = gather_kv(v_cache, block_tables[b], s_len).to(query.dtype)
+        k = gather_kv(k_cache, block_tables[b], s_len, k_scale, query.dtype).to(query.dtype)
+        v = gather_kv(v_cache, block_tables[b], s_len, v_scale, query.dtype).to(query.dtype)
         out[start : start + q_len] = attention_one_sequence(
             query[start : start + q_len], k, v, scale
         )
@@ -68,6 +79,8 @@ def paged_decode_attention_batched(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention for a whole batch at once (padded gather + mask): [B, Hq, D].
 
@@ -78,6 +91,10 @@ def paged_decode_attention_batched(
     _, block_size, hkv, _ = k_cache.shape
     k = k_cache[block_tables.long()].reshape(bsz, -1, hkv, dim)  # [B, S, Hkv, D]
     v = v_cache[block_tables.long()].reshape(bsz, -1, hkv, dim)
+    if k_scale is not None:  # quantized cache: [B, S, Hkv] scales gathered alike
+        tables = block_tables.long()
+        k = KVCacheSpec.dequantize(k, k_scale[tables].reshape(bsz, -1, hkv), query.dtype)
+        v = KVCacheSpec.dequantize(v, v_scale[tables].reshape(bsz, -1, hkv), query.dtype)
     group = hq // hkv
     q = query.float().view(bsz, hkv, group, dim)
     scores = torch.einsum("bhgd,bshd->bhgs", q, k.float()) * scale  # [B, Hkv, G, S]
@@ -85,5 +102,6 @@ def paged_decode_attention_batched(
     mask = pos[None, :] >= seq_lens[:, None].to(pos.dtype)  # [B, S]
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
-    out = torch.einsum("bhgs,bshd->bhgd", probs, v.float())
+    v = v.float().masked_fill(mask[:, :, None, None], 0.0)  # unused slots may hold NaN/garbage
+    out = torch.einsum("bhgs,bshd->bhgd", probs, v)
     return out.reshape(bsz, hq, dim).to(query.dtype)

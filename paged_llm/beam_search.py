@@ -1,0 +1,171 @@
+"""Beam search in the style of vLLM's ``llm.beam_search(prompts, BeamSearchParams(...))``.
+
+Each beam is a sequence in the scheduler. After every step the driver ranks all extensions of
+a prompt's live beams, forks the winners' block tables (shared by reference, copied on write)
+and drops the losers, whose blocks free the moment no beam references them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from paged_llm.core.request import Request, RequestStatus
+from paged_llm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_llm.engine.llm_engine import LLMEngine
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # only 0 (deterministic beam search) is supported
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature != 0.0:
+            raise ValueError("beam search is deterministic: temperature must be 0")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam: all tokens (prompt included), per-step logprobs, total logprob."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    cum_logprob: float
+    text: str | None = None
+    finish_reason: str = "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)
+
+
+@dataclass
+class _Beam:
+    request: Request
+    logprobs: list[float]
+    cum_logprob: float
+
+
+def _score(seq: BeamSearchSequence, num_prompt: int, length_penalty: float) -> float:
+    """Cumulative logprob over generated length ** length_penalty (transformers' convention)."""
+    return seq.cum_logprob / max(1, len(seq.tokens) - num_prompt) ** length_penalty
+
+
+def beam_search(
+    engine: LLMEngine, prompts: list[Any], params: BeamSearchParams
+) -> list[BeamSearchOutput]:
+    """Run beam search for every prompt in one batch; return the beams of each, best first."""
+    sched = engine.scheduler
+    if not sched.kv.supports_sharing:
+        raise ValueError(f"beam search needs a block-sharing policy, not '{sched.kv.name}'")
+    width = params.beam_width
+    ids = itertools.count()
+    base = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True)
+    live: list[list[_Beam]] = []
+    done: list[list[BeamSearchSequence]] = []
+    num_prompt: list[int] = []
+    for i, prompt in enumerate(prompts):
+        group = engine.make_request(f"beam-{i}", prompt, base)
+        req = group.members[0].request
+        req.group_id = f"beam-{i}"  # a prompt's beams are preempted together
+        sched.add_request(req)
+        live.append([_Beam(req, [], 0.0)])
+        done.append([])
+        num_prompt.append(req.num_prompt_tokens)
+    rows: dict[str, Any] = {}
+    while any(live):
+        out = sched.schedule(engine.clock())
+        rows.update(engine.runner.execute_logprobs(out))
+        sched.update_from_output(out, {}, engine.clock())
+        for p, beams in enumerate(live):
+            if beams and all(_ready(b, rows) for b in beams):
+                live[p] = _advance(engine, beams, rows, done[p], params, width, ids, p)
+    results = []
+    for p, seqs in enumerate(done):
+        seqs.sort(key=lambda s: _score(s, num_prompt[p], params.length_penalty), reverse=True)
+        if engine.tokenizer is not None:
+            for s in seqs:
+                s.text = engine.tokenizer.decode(s.tokens[num_prompt[p] :])
+        results.append(BeamSearchOutput(seqs[:width]))
+    return results
+
+
+def _ready(beam: _Beam, rows: dict[str, Any]) -> bool:
+    """A beam can be extended once its next-token logprobs exist and its KV is all computed."""
+    r = beam.request
+    return (
+        r.request_id in rows
+        and r.status is RequestStatus.RUNNING
+        and r.num_computed_tokens == r.num_tokens
+    )
+
+
+def _advance(
+    engine: LLMEngine,
+    beams: list[_Beam],
+    rows: dict[str, Any],
+    done: list[BeamSearchSequence],
+    params: BeamSearchParams,
+    width: int,
+    ids: Any,
+    p: int,
+) -> list[_Beam]:
+    """Keep the best ``width`` extensions of a prompt's beams; fork them, drop the parents."""
+    sched = engine.scheduler
+    eos = engine.eos_token_id
+    candidates = []
+    for b in beams:
+        row = rows.pop(b.request.request_id)
+        top = row.topk(min(2 * width, row.shape[0]))
+        for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
+            candidates.append((b.cum_logprob + lp, lp, tok, b))
+    best = heapq.nlargest(2 * width, candidates, key=lambda c: c[0])
+    final = len(beams[0].logprobs) + 1 >= params.max_tokens  # all of a prompt's beams align
+    new_beams: list[_Beam] = []
+    kept = 0
+    for rank, (cum, lp, tok, parent) in enumerate(best):
+        if kept == width:
+            break
+        tokens = parent.request.all_token_ids + [tok]
+        if not params.ignore_eos and tok == eos:
+            # an ended hypothesis counts only if it ranks among the best `width` (transformers)
+            if rank < width:
+                done.append(BeamSearchSequence(tokens, parent.logprobs + [lp], cum, None, "stop"))
+            continue
+        kept += 1
+        if final:
+            done.append(BeamSearchSequence(tokens, parent.logprobs + [lp], cum))
+            continue
+        child = Request(
+            request_id=f"beam-{p}-{next(ids)}",
+            prompt_token_ids=parent.request.prompt_token_ids,
+            sampling_params=parent.request.sampling_params,
+            arrival_time=parent.request.arrival_time,
+            eos_token_id=eos,
+            max_model_len=engine.max_model_len,
+            output_token_ids=parent.request.output_token_ids + [tok],
+            num_computed_tokens=parent.request.num_computed_tokens,
+            group_id=parent.request.group_id,
+        )
+        sched.fork_request(parent.request, child)
+        new_beams.append(_Beam(child, parent.logprobs + [lp], cum))
+    for b in beams:
+        sched.abort_request(b.request.request_id)
+    return new_beams

@@ -1,0 +1,160 @@
+"""Built-in trained models: a small Llama target and a much smaller draft, trained on the
+Python standard library's own source with one shared BPE tokenizer (nothing is downloaded).
+
+    python -m paged_llm.models.trained              # build target and draft (a few minutes)
+    python -m paged_llm.models.trained test-target  # the fast variants the tests use
+
+:func:`trained_model_dir` returns an ordinary Hugging Face checkpoint directory (config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json, plus training.json with the recipe,
+the loss curve and the held-out perplexity) that ``transformers`` and ``paged_llm`` both load.
+Each model is trained once per machine into $PAGED_LLM_CACHE (default ~/.cache/paged_llm),
+keyed by a hash of its recipe and of the stdlib it read; concurrent first uses wait for one
+build. Training is seeded; the held-out split (5% of the files) never reaches training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from paged_llm.recipes.cache import cache_root, cached_dir
+from paged_llm.recipes.corpus import CorpusSpec, build_corpus
+from paged_llm.recipes.training import (
+    ModelShape,
+    TrainSpec,
+    llama_config,
+    resolve_precision,
+    train_llama,
+)
+
+# Bump when code changes what a recipe produces, so stale cache entries are not reused.
+RECIPE_VERSION = "v1"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that determines a built-in model: corpus + tokenizer, shape, training."""
+
+    corpus: CorpusSpec
+    shape: ModelShape
+    train: TrainSpec
+    threads: int = 2  # CPU threads to train with (not part of the key: results are the same)
+
+    def key(self) -> str:
+        """Hash of the recipe, the code version and the corpus it reads."""
+        fields = {k: v for k, v in asdict(self).items() if k != "threads"}
+        # "auto" precision trains differently on different CPUs, so key the resolved one.
+        fields["train"]["precision"] = resolve_precision(self.train.precision)
+        blob = json.dumps([RECIPE_VERSION, fields, self.corpus.key()], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# Hidden and intermediate sizes are multiples of 128 so int4 with group size 128 divides every
+# linear layer of the target. Targets and drafts of a pair share one corpus, hence one tokenizer.
+_FULL = CorpusSpec(vocab_size=4096)
+_TEST = CorpusSpec(vocab_size=1024, max_files=60)
+RECIPES: dict[str, Recipe] = {
+    "target": Recipe(
+        _FULL,
+        ModelShape(384, 1024, 10, 6, 2),
+        TrainSpec(steps=1000, batch_size=4, seq_len=256, warmup_steps=50, precision="auto"),
+    ),
+    "draft": Recipe(
+        _FULL,
+        ModelShape(256, 512, 2, 4, 2, tie_word_embeddings=True),
+        TrainSpec(
+            steps=1200, batch_size=4, seq_len=256, lr=3e-3, warmup_steps=50, precision="auto"
+        ),
+    ),
+    # Tiny matmuls gain nothing from a second thread, and one thread is robust on busy machines.
+    "test-target": Recipe(
+        _TEST,
+        ModelShape(128, 256, 2, 4, 2),
+        TrainSpec(steps=300, batch_size=8, seq_len=64, lr=3e-3, eval_windows=32),
+        threads=1,
+    ),
+    "test-draft": Recipe(
+        _TEST,
+        ModelShape(64, 128, 1, 2, 1, tie_word_embeddings=True),
+        TrainSpec(steps=200, batch_size=8, seq_len=64, lr=3e-3, eval_windows=32),
+        threads=1,
+    ),
+}
+# The draft model that shares each target's tokenizer (for speculative decoding).
+DRAFT_FOR = {"target": "draft", "test-target": "test-draft"}
+
+
+def recipe(name: str) -> Recipe:
+    """The recipe of built-in model ``name``."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown built-in model '{name}'; choose one of {list(RECIPES)}"
+        ) from None
+
+
+def corpus_dir(spec: CorpusSpec) -> Path:
+    """Cached directory with the tokenizer and the train / held-out token streams."""
+    final = cache_root() / "corpus" / f"stdlib-bpe{spec.vocab_size}-{spec.key()}"
+    return cached_dir(final, lambda tmp: build_corpus(spec, tmp))
+
+
+def corpus_tokens(name: str, split: str = "heldout") -> np.ndarray:
+    """Token stream of a built-in model's corpus split ("train" or "heldout"): [N] uint16."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got '{split}'")
+    return np.load(corpus_dir(recipe(name).corpus) / f"{split}.npy")
+
+
+def _build_model(name: str, r: Recipe, out_dir: Path) -> None:
+    """Train model ``name`` and save it with its tokenizer as an HF checkpoint in out_dir."""
+    data = corpus_dir(r.corpus)
+    train, heldout = np.load(data / "train.npy"), np.load(data / "heldout.npy")
+    config = llama_config(r.shape, r.corpus.vocab_size)
+    model, log = train_llama(config, train, heldout, r.train, f"training {name}", r.threads)
+    model.save_pretrained(str(out_dir))
+    for f in TOKENIZER_FILES:
+        if (data / f).is_file():
+            shutil.copy(data / f, out_dir / f)
+    info = {"name": name, "recipe_key": r.key(), "recipe": asdict(r), **log}
+    (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def trained_model_dir(name: str = "target") -> Path:
+    """Checkpoint directory of built-in model ``name`` ("target", "draft", "test-target",
+    "test-draft"), trained on first use and cached."""
+    r = recipe(name)
+    final = cache_root() / "trained" / f"{name}-{r.key()}"
+    return cached_dir(final, lambda tmp: _build_model(name, r, tmp))
+
+
+def training_info(name: str) -> dict:
+    """The training log (recipe, losses, held-out perplexity) of a built-in model."""
+    return json.loads((trained_model_dir(name) / "training.json").read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: build the named built-in models (default: target and draft); print where they are."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", default=["target", "draft"], choices=list(RECIPES))
+    args = parser.parse_args(argv)
+    for name in args.names:
+        path = trained_model_dir(name)
+        info = training_info(name)
+        print(
+            f"{name}: {path}\n  {info['parameters'] / 1e6:.2f}M parameters, "
+            f"held-out perplexity {info['heldout_perplexity']:.2f}, "
+            f"trained in {info['train_seconds']:.0f} s on {info['tokens_seen']} tokens"
+        )
+
+
+if __name__ == "__main__":
+    main()

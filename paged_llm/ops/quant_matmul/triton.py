@@ -1,0 +1,204 @@
+"""Triton dequantize-and-multiply for decode-shaped inputs (a few rows x a quantized weight).
+
+At decode time a linear layer multiplies a handful of activation rows by a large weight, so the
+cost is reading the weight: reading it as int8 (or int4) instead of fp16 halves (or quarters)
+the bytes. Each program owns ``BLOCK_N`` output columns for all (<= BLOCK_M) rows and walks K
+in tiles, expanding each weight tile to the activation dtype in registers right before
+``tl.dot``; the full-precision weight never exists in memory.
+
+Same contract as ``reference.int8_matmul_reference`` / ``int4_matmul_reference``. The int4
+kernel assumes the plain group order ``g_idx[k] = k // group_size`` (no act-order), which the
+caller checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # tl.dot needs >= 16 rows, so fewer are padded up to this tile
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """Exact fp32 dots for fp32 activations (a debug dtype); fp16/bf16 ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _int8_matmul_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K] int8
+    scale_ptr,  # [N] per-output-channel scales
+    out_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """out[:, n-tile] = (x @ w[n-tile].T) * scale[n-tile]."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        w = tl.load(
+            w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+            mask=k_mask[:, None] & n_mask[None, :],
+            other=0,
+        )  # [BLOCK_K, BLOCK_N] int8; |w| <= 127 is exact in every float dtype
+        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    out = acc * scale[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+@triton.jit
+def _int4_matmul_kernel(
+    x_ptr,  # [M, K]
+    qweight_ptr,  # [K/8, N] int32, GPTQ layout (eight input rows per int32)
+    qzeros_ptr,  # [G, N/8] int32 (eight output columns per int32)
+    scales_ptr,  # [G, N]
+    out_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    zero_offset,  # added to the stored zeros (GPTQ stores zero - 1)
+    stride_xm,
+    stride_xk,
+    stride_qk,
+    stride_qn,
+    stride_zg,
+    stride_zn,
+    stride_sg,
+    stride_sn,
+    stride_om,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides GROUP_SIZE, so one K tile lies in one group
+    DOT_PRECISION: tl.constexpr,
+):
+    """out[:, n-tile] = x @ ((q - z) * s)[:, n-tile], unpacking the int4 weight per tile."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    z_shift = (offs_n % 8) * 4  # nibble of column n inside its qzeros int32
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K is a multiple of GROUP_SIZE, hence of BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            mask=m_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        # Each int32 is loaded by its eight rows (from cache); row k takes nibble k % 8.
+        packed = tl.load(
+            qweight_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+            mask=n_mask[None, :],
+            other=0,
+        )  # [BLOCK_K, BLOCK_N]
+        q = (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF
+        g = k0 // GROUP_SIZE
+        zp = tl.load(qzeros_ptr + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
+        z = ((zp >> z_shift) & 0xF) + zero_offset  # [BLOCK_N]
+        s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
+        w = (q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]  # [BLOCK_K, BLOCK_N]
+        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+def _check_rows(x: torch.Tensor) -> None:
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        raise ValueError(
+            f"decode kernels take [M <= {MAX_ROWS}, K] inputs, got {tuple(x.shape)}; "
+            "use the reference (dequantize + matmul) path for larger batches"
+        )
+
+
+def int8_matmul_triton(
+    x: torch.Tensor,  # [M <= 16, K]
+    weight: torch.Tensor,  # [N, K] int8
+    scale: torch.Tensor,  # [N]
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:  # [M, N]
+    """``x @ (weight * scale[:, None]).T`` without materialising the dequantized weight."""
+    _check_rows(x)
+    n, k = weight.shape
+    if x.shape[1] != k or weight.dtype != torch.int8 or scale.shape != (n,):
+        raise ValueError(
+            f"x {tuple(x.shape)}, int8 weight {tuple(weight.shape)} {weight.dtype} and scale "
+            f"{tuple(scale.shape)} disagree"
+        )
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    _int8_matmul_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, scale, out, x.shape[0], n, k,
+        *x.stride(), *weight.stride(), *out.stride(),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=_dot_precision(x.dtype),
+    )  # fmt: skip
+    return out
+
+
+def int4_matmul_triton(
+    x: torch.Tensor,  # [M <= 16, K]
+    qweight: torch.Tensor,  # [K/8, N] int32
+    qzeros: torch.Tensor,  # [K/group_size, N/8] int32
+    scales: torch.Tensor,  # [K/group_size, N]
+    group_size: int,
+    zero_offset: int,
+    block_n: int = 64,
+) -> torch.Tensor:  # [M, N]
+    """``x @ dequant(W).T`` for a GPTQ-layout int4 weight with ``g_idx[k] = k // group_size``."""
+    _check_rows(x)
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if x.shape[1] != k or k % group_size or scales.shape != (k // group_size, n):
+        raise ValueError(
+            f"x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)} "
+            f"and group_size {group_size} disagree"
+        )
+    block_k = min(group_size, 64)  # divides every supported group size (32, 64, 128)
+    if group_size % block_k or block_k % 16:
+        raise ValueError(f"group_size must be a multiple of 16, got {group_size}")
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    _int4_matmul_kernel[(triton.cdiv(n, block_n),)](
+        x, qweight, qzeros, scales, out, x.shape[0], n, k, zero_offset,
+        *x.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *out.stride(),
+        GROUP_SIZE=group_size, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=_dot_precision(x.dtype),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,195 @@
+"""AWQ (Lin et al., 2024): activation-aware weight quantization. A few input channels carry
+large activations; scaling their weight columns up by ``s`` (and the activations down by
+``1/s``) before rounding protects them. ``s = mean|x|^alpha`` with alpha picked per layer group
+by a grid search that minimises the group's output error on calibration inputs; ``1/s`` is
+folded into the preceding norm or linear layer, so inference costs nothing extra. Optionally
+each group's weight range is then clipped to the error-minimising value (AWQ's auto-clip).
+Writes the same packed int4 format as RTN and GPTQ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paged_llm.quant.base import QuantMethod, linears_by_block, set_module
+from paged_llm.quant.calibration import run_with_input_hooks
+from paged_llm.quant.int4 import fake_quantize, rtn_quantize
+from paged_llm.quant.layers import Int4Linear, check_int4_shape
+
+# For each block type: (layer whose output feeds the group, linears sharing that input). The
+# scale is folded into the first; groups whose shapes do not line up (e.g. v_proj -> o_proj
+# under grouped-query attention, where heads are shared) are left unscaled, as in AWQ.
+SCALING_PLANS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "LlamaDecoderLayer": [
+        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ("mlp.up_proj", ("mlp.down_proj",)),
+    ],
+}
+
+
+def _out_channels(module: nn.Module) -> int:
+    """Size of a norm's or linear's output (what the scale divides)."""
+    return module.out_features if isinstance(module, nn.Linear) else module.weight.numel()
+
+
+@torch.no_grad()
+def fold_inverse_scale(prev: nn.Module, scale: torch.Tensor) -> None:
+    """Divide ``prev``'s output channels by ``scale`` (norm weight/bias or linear rows)."""
+    prev.weight.div_(scale.view(-1, *([1] * (prev.weight.dim() - 1))).to(prev.weight.dtype))
+    if getattr(prev, "bias", None) is not None:
+        prev.bias.div_(scale.to(prev.bias.dtype))
+
+
+def search_scale(
+    x: torch.Tensor,  # [T, K] calibration inputs
+    weight: torch.Tensor,  # [N, K] the group's weights stacked
+    group_size: int,
+    grid: int = 20,
+) -> torch.Tensor:  # [K]
+    """The per-input-channel scale ``mean|x|^alpha`` (normalised) with the smallest output MSE."""
+    y_ref = x @ weight.t()
+    x_mean = x.abs().mean(dim=0)
+    best_err, best = float("inf"), torch.ones_like(x_mean)
+    for i in range(grid):  # alpha = 0 is plain round-to-nearest, so AWQ never does worse here
+        s = x_mean.pow(i / grid).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()  # keep the scales centred around 1
+        wq = fake_quantize(weight * s, group_size) / s
+        err = (x @ wq.t() - y_ref).pow(2).mean().item()
+        if err < best_err:
+            best_err, best = err, s
+    return best
+
+
+def search_clip(
+    x: torch.Tensor,  # [T, K] inputs (already divided by the layer's AWQ scale)
+    weight: torch.Tensor,  # [N, K]
+    group_size: int,
+    grid: int = 20,
+    max_shrink: float = 0.5,
+    max_tokens: int = 512,
+    chunk: int = 64,
+) -> torch.Tensor:  # [N, K] the clipped weight
+    """Per (output row, group) clip ``|w| <= r * max|w|`` with the ratio r minimising that
+    group's partial output error on ``x`` (AWQ's auto-clip, on up to ``max_tokens`` rows)."""
+    n, k = weight.shape
+    if x.shape[0] > max_tokens:
+        x = x[torch.linspace(0, x.shape[0] - 1, max_tokens, device=x.device).long()]
+    g = k // group_size
+    xg = x.t().reshape(g, group_size, -1)  # [G, g, T]
+    out = weight.clone()
+    for r0 in range(0, n, chunk):  # rows in chunks bound the [rows, G, T] temporaries
+        w = weight[r0 : r0 + chunk].reshape(-1, g, group_size)  # [R, G, g]
+        ref = torch.einsum("rgc,gct->rgt", w, xg)
+        max_abs = w.abs().amax(dim=-1, keepdim=True)  # [R, G, 1]
+        best_err = torch.full_like(max_abs, float("inf"))
+        best_max = max_abs.clone()
+        for i in range(int(max_shrink * grid)):
+            m = max_abs * (1 - i / grid)
+            wc = torch.maximum(torch.minimum(w, m), -m)
+            wq = fake_quantize(wc.reshape(w.shape[0], k), group_size).reshape(w.shape)
+            err = (torch.einsum("rgc,gct->rgt", wq, xg) - ref).pow(2).mean(-1, keepdim=True)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better, m, best_max)
+        out[r0 : r0 + chunk] = torch.maximum(torch.minimum(w, best_max), -best_max).reshape(-1, k)
+    return out
+
+
+class AWQ(QuantMethod):
+    """int4 group-wise AWQ: activation-aware scaling search (+ optional clip search)."""
+
+    name = "int4_awq"
+    needs_calibration = True
+
+    def __init__(
+        self,
+        group_size: int = 128,
+        grid: int = 20,
+        clip: bool = True,
+        num_samples: int = 64,
+        seq_len: int = 256,
+        max_search_tokens: int = 4096,
+    ) -> None:
+        self.group_size = group_size
+        self.grid = grid
+        self.clip = clip
+        self.num_samples = num_samples  # calibration windows (when the caller gives none)
+        self.seq_len = seq_len
+        self.max_search_tokens = max_search_tokens  # inputs kept per layer for the searches
+
+    def _plan(self, model: nn.Module, block: str) -> list[tuple[str, tuple[str, ...]]]:
+        kind = type(model.get_submodule(block)).__name__
+        if kind not in SCALING_PLANS:
+            raise ValueError(
+                f"AWQ has no scaling plan for {kind} (block '{block}'); known: "
+                f"{sorted(SCALING_PLANS)}. Use int4_gptq or int4_rtn for this model."
+            )
+        return SCALING_PLANS[kind]
+
+    @torch.no_grad()
+    def quantize(self, model: nn.Module, calibration: torch.Tensor | None) -> nn.Module:
+        """Per block: capture inputs, search and fold scales, clip, round."""
+        if calibration is None:
+            raise ValueError("AWQ needs calibration token ids [N, L]")
+        blocks = linears_by_block(model)
+        for names in blocks.values():
+            for name in names:
+                lin = model.get_submodule(name)
+                try:
+                    check_int4_shape(lin.in_features, lin.out_features, self.group_size)
+                except ValueError as err:
+                    raise ValueError(f"{self.name}: layer '{name}': {err}") from None
+        for block, names in blocks.items():
+            plan = self._plan(model, block)
+            inputs = self._capture(model, calibration, names)
+            input_scale: dict[str, torch.Tensor] = {}
+            for prev_name, group in plan:
+                prev = model.get_submodule(f"{block}.{prev_name}")
+                linears = [model.get_submodule(f"{block}.{n}") for n in group]
+                if any(_out_channels(prev) != lin.in_features for lin in linears):
+                    continue  # e.g. GQA: v_proj has fewer outputs than o_proj has inputs
+                x = inputs[f"{block}.{group[0]}"]
+                stacked = torch.cat([lin.weight.float() for lin in linears])
+                s = search_scale(x, stacked, self.group_size, self.grid)
+                fold_inverse_scale(prev, s)
+                for n, lin in zip(group, linears):
+                    lin.weight.mul_(s.to(lin.weight.dtype))
+                    input_scale[f"{block}.{n}"] = s
+            for name in names:
+                lin = model.get_submodule(name)
+                w = lin.weight.float()
+                if self.clip:
+                    x = inputs[name]
+                    if name in input_scale:
+                        x = x / input_scale[name]
+                    w = search_clip(x, w, self.group_size, self.grid)
+                codes, scales, zeros = rtn_quantize(w, self.group_size)
+                set_module(
+                    model,
+                    name,
+                    Int4Linear.from_quantized(codes, scales, zeros, self.group_size, lin.bias),
+                )
+        return model
+
+    def _capture(
+        self, model: nn.Module, calibration: torch.Tensor, names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """Inputs [T, K] of each linear in ``names`` on the calibration windows (subsampled)."""
+        seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+
+        def keep(name: str):
+            return lambda x: seen[name].append(x)
+
+        run_with_input_hooks(model, calibration, {n: keep(n) for n in names}, names[-1])
+        out = {}
+        for name, chunks in seen.items():
+            x = torch.cat(chunks)
+            if x.shape[0] > self.max_search_tokens:  # an even spread keeps every window
+                idx = torch.linspace(0, x.shape[0] - 1, self.max_search_tokens, device=x.device)
+                idx = idx.long()
+                x = x[idx]
+            out[name] = x
+        return out

@@ -1,0 +1,90 @@
+"""What every weight-quantization method shares: which layers it touches and how it swaps them.
+
+A method replaces ``nn.Linear`` modules inside the model's numbered blocks (the decoder layers,
+``model.layers.<i>....``) with quantized layers from :mod:`paged_llm.quant.layers`. Embeddings
+and the LM head stay in float, as in GPTQ and AWQ: they are a small share of a large model's
+weights and quantizing them costs the most accuracy.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+
+def block_of(name: str) -> str | None:
+    """The numbered block of a module: ``model.layers.3.mlp.up_proj`` -> ``model.layers.3``."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def linears_by_block(model: nn.Module) -> OrderedDict[str, list[str]]:
+    """Names of the plain ``nn.Linear`` layers of each numbered block, in forward order."""
+    blocks: OrderedDict[str, list[str]] = OrderedDict()
+    for name, module in model.named_modules():
+        block = block_of(name)
+        if type(module) is nn.Linear and block is not None:
+            blocks.setdefault(block, []).append(name)
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.Linear layers inside numbered blocks to quantize "
+            "(is it already quantized?)"
+        )
+    return blocks
+
+
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule called ``name`` (dotted path) by ``module``."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Device of the model's first parameter."""
+    return next(model.parameters()).device
+
+
+class QuantMethod(ABC):
+    """A weight-quantization method; configured by its constructor arguments (the config)."""
+
+    name: str = "base"
+    needs_calibration: bool = False  # GPTQ / AWQ need activations from calibration text
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise a clear error when this method cannot run on ``device``."""
+
+    @abstractmethod
+    def quantize(self, model: nn.Module, calibration: torch.Tensor | None) -> nn.Module:
+        """Swap the model's linear layers in place; ``calibration`` is [N, L] token ids."""
+
+
+class PerLayerMethod(QuantMethod):
+    """A method that quantizes each linear layer on its own, from its weight alone."""
+
+    @abstractmethod
+    def quantize_linear(self, linear: nn.Linear) -> nn.Module:
+        """The quantized replacement of one layer."""
+
+    @torch.no_grad()
+    def quantize(self, model: nn.Module, calibration: torch.Tensor | None = None) -> nn.Module:
+        """Replace every block linear by :meth:`quantize_linear` of it."""
+        self.check_device(model_device(model))
+        for names in linears_by_block(model).values():
+            for name in names:
+                set_module(model, name, quantize_named(self, name, model.get_submodule(name)))
+        return model
+
+
+def quantize_named(method: PerLayerMethod, name: str, linear: nn.Linear) -> nn.Module:
+    """``method.quantize_linear(linear)``, with the layer's name in any error."""
+    try:
+        return method.quantize_linear(linear)
+    except ValueError as err:
+        raise ValueError(f"{method.name}: layer '{name}': {err}") from None

@@ -1,0 +1,268 @@
+"""Pre-quantized Hugging Face checkpoints: reading (and, for tests and tools, writing) the GPTQ
+and AWQ layouts of :mod:`paged_llm.quant.packing`.
+
+A checkpoint is pre-quantized when its config.json has a ``quantization_config`` with
+``quant_method`` "gptq" or "awq". Its quantized layers are found from the tensors themselves
+(every ``<layer>.qweight``), swapped for :class:`Int4Linear` shells, and filled by the normal
+weight loader; AWQ tensors are repacked into the GPTQ layout on the way (a lossless reorder).
+Every mismatch between the config and the tensors raises an error naming the tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from paged_llm.models.checkpoint import find_weight_files, iter_weight_files
+from paged_llm.models.loader import instantiate_model, load_config, load_model
+from paged_llm.models.registry import get_model_class
+from paged_llm.quant.base import set_module
+from paged_llm.quant.layers import Int4Linear
+from paged_llm.quant.packing import AWQ_ORDER, pack_int4, unpack_int4
+
+PREQUANTIZED_METHODS = ("gptq", "awq")
+QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """What a checkpoint's quantization_config says about its int4 tensors."""
+
+    method: str  # "gptq" | "awq"
+    group_size: int  # -1: one group per row (as GPTQ writes it)
+    zero_offset: int  # added to stored zeros: 1 for GPTQ's zero-minus-one, else 0
+
+    def layer_group_size(self, in_features: int) -> int:
+        """The group size of a layer with ``in_features`` inputs."""
+        return in_features if self.group_size == -1 else self.group_size
+
+
+def quantization_config(hf_config: Any) -> dict[str, Any] | None:
+    """The checkpoint's quantization_config as a dict, or None."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    return qc if isinstance(qc, dict) else qc.to_dict()
+
+
+def prequantized_method(hf_config: Any) -> str | None:
+    """ "gptq" / "awq" when the checkpoint is pre-quantized in that layout, else None."""
+    qc = quantization_config(hf_config)
+    return None if qc is None else str(qc.get("quant_method", "")).lower() or None
+
+
+def parse_format(qc: dict[str, Any]) -> CheckpointFormat:
+    """Validate a GPTQ / AWQ quantization_config; raise naming anything unsupported."""
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in PREQUANTIZED_METHODS:
+        raise ValueError(
+            f"checkpoint quantization_config has quant_method '{method}'; supported: "
+            f"{list(PREQUANTIZED_METHODS)}"
+        )
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{method} checkpoint with bits={bits}: only 4-bit is supported")
+    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(
+                f"AWQ checkpoint version '{version}': only the GEMM layout is supported"
+            )
+        if not qc.get("zero_point", True):
+            raise ValueError("AWQ checkpoint without zero points is not supported")
+        return CheckpointFormat("awq", group_size, zero_offset=0)
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"GPTQ checkpoint_format '{fmt}' is not supported (gptq, gptq_v2)")
+    return CheckpointFormat("gptq", group_size, zero_offset=1 if fmt == "gptq" else 0)
+
+
+def _tensor_names(files: list[Path]) -> list[str]:
+    """All tensor names of a checkpoint (without reading safetensors data)."""
+    names: list[str] = []
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names.extend(f.keys())
+        else:
+            names.extend(name for name, _ in iter_weight_files([path]))
+    return names
+
+
+def _expect(name: str, tensor: torch.Tensor, shape: tuple[int, ...], fmt: CheckpointFormat) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)} but the {fmt.method} quantization_config "
+            f"(bits=4, group_size={fmt.group_size}) implies {shape} for this layer"
+        )
+
+
+def translate(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    layers: dict[str, Int4Linear],
+    fmt: CheckpointFormat,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors -> our parameter names and GPTQ layout, shape-checked against the
+    quantization config; g_idx is supplied where the checkpoint has none (AWQ)."""
+    has_g_idx: set[str] = set()
+    for name, tensor in weights:
+        prefix, _, suffix = name.rpartition(".")
+        layer = layers.get(prefix)
+        if layer is None or suffix not in QUANT_SUFFIXES:
+            yield name, tensor
+            continue
+        k, n = layer.in_features, layer.out_features
+        groups = k // fmt.layer_group_size(k)
+        if suffix == "scales":
+            _expect(name, tensor, (groups, n), fmt)
+        elif suffix == "g_idx":
+            _expect(name, tensor, (k,), fmt)
+            if int(tensor.min()) < 0 or int(tensor.max()) >= groups:
+                raise ValueError(
+                    f"{name} indexes groups {int(tensor.min())}..{int(tensor.max())} but the "
+                    f"{fmt.method} quantization_config (group_size={fmt.group_size}) implies "
+                    f"{groups} groups for this layer"
+                )
+            has_g_idx.add(prefix)
+        elif fmt.method == "gptq":
+            _expect(name, tensor, (k // 8, n) if suffix == "qweight" else (groups, n // 8), fmt)
+        elif suffix == "qweight":  # AWQ: [K, N/8] interleaved -> GPTQ [K/8, N]
+            _expect(name, tensor, (k, n // 8), fmt)
+            tensor = pack_int4(unpack_int4(tensor, dim=1, order=AWQ_ORDER), dim=0)
+        else:  # AWQ qzeros: same shape as GPTQ's, columns interleaved
+            _expect(name, tensor, (groups, n // 8), fmt)
+            tensor = pack_int4(unpack_int4(tensor, dim=1, order=AWQ_ORDER), dim=1)
+        yield name, tensor
+    for prefix, layer in layers.items():
+        if prefix not in has_g_idx:
+            yield f"{prefix}.g_idx", layer.g_idx.detach().clone()  # plain k // group_size
+
+
+def load_checkpoint(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, Any]:
+    """Load a checkpoint directory, plain or pre-quantized (GPTQ / AWQ): (model, HF config)."""
+    model_dir = Path(model_dir).expanduser().resolve()
+    hf_config = load_config(model_dir)
+    qc = quantization_config(hf_config)
+    if qc is None:
+        return load_model(model_dir, dtype, device)
+    fmt = parse_format(qc)
+    get_model_class(hf_config)  # fail on an unsupported architecture before reading weights
+    files = find_weight_files(model_dir)
+    model = instantiate_model(hf_config, dtype, device)
+    quantized = sorted(
+        {n[: -len(".qweight")] for n in _tensor_names(files) if n.endswith(".qweight")}
+    )
+    if not quantized:
+        raise ValueError(f"config.json says {fmt.method} but no tensor in {model_dir} is a qweight")
+    layers: dict[str, Int4Linear] = {}
+    for name in quantized:
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(
+                f"checkpoint has {name}.qweight but the model has no layer {name}"
+            ) from None
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(
+                f"{name}.qweight belongs to {type(linear).__name__}, not a linear layer"
+            )
+        k, n = linear.in_features, linear.out_features
+        try:
+            shell = Int4Linear.shell(
+                k, n, fmt.layer_group_size(k), linear.bias is not None, fmt.zero_offset
+            )
+        except ValueError as err:
+            raise ValueError(
+                f"{name}: {err} (quantization_config group_size={fmt.group_size})"
+            ) from None
+        layers[name] = shell.to(device)
+        set_module(model, name, layers[name])
+    model.load_weights(translate(iter_weight_files(files), layers, fmt))
+    for layer in layers.values():
+        layer.plain_groups = layer._plain_groups()  # g_idx came from the checkpoint
+    return model.eval(), hf_config
+
+
+def save_quantized(
+    model: nn.Module, out_dir: str | Path, method: str = "gptq", tokenizer_dir: Path | None = None
+) -> Path:
+    """Write ``model`` (int4 layers + float rest) as a GPTQ- or AWQ-layout HF checkpoint."""
+    if method not in PREQUANTIZED_METHODS:
+        raise ValueError(f"method must be one of {list(PREQUANTIZED_METHODS)}, got '{method}'")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    if not layers:
+        raise ValueError("the model has no int4 layers to save")
+    sizes = {m.group_size for m in layers.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"int4 layers use different group sizes {sorted(sizes)}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        prefix, _, suffix = name.rpartition(".")
+        layer = layers.get(prefix)
+        if layer is not None and suffix in QUANT_SUFFIXES:
+            continue
+        if model.checkpoint_name(name) is not None:
+            tensors[name] = param.detach().cpu().contiguous()
+    for prefix, layer in layers.items():
+        tensors.update(_layer_tensors(prefix, layer, method))
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(model.config)
+    config.quantization_config = _quant_config(method, sizes.pop())
+    config.save_pretrained(str(out_dir))
+    if tokenizer_dir is not None:
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(tokenizer_dir) / f).is_file():
+                (out_dir / f).write_bytes((Path(tokenizer_dir) / f).read_bytes())
+    return out_dir
+
+
+def _quant_config(method: str, group_size: int) -> dict[str, Any]:
+    if method == "gptq":
+        return {
+            "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False,
+            "sym": False, "checkpoint_format": "gptq",
+        }  # fmt: skip
+    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+            "version": "gemm"}  # fmt: skip
+
+
+def _layer_tensors(prefix: str, layer: Int4Linear, method: str) -> dict[str, torch.Tensor]:
+    """One int4 layer's tensors in the GPTQ (v1) or AWQ layout."""
+    q = unpack_int4(layer.qweight.detach().cpu(), dim=0)  # [K, N]
+    zeros = unpack_int4(layer.qzeros.detach().cpu(), dim=1) + layer.zero_offset  # true zeros
+    out = {f"{prefix}.scales": layer.scales.detach().cpu().to(torch.float16).contiguous()}
+    if layer.bias is not None:
+        out[f"{prefix}.bias"] = layer.bias.detach().cpu().contiguous()
+    if method == "gptq":
+        if int(zeros.min()) < 1:
+            raise ValueError(f"{prefix}: zero point 0 cannot be stored in GPTQ format (z - 1)")
+        out[f"{prefix}.qweight"] = pack_int4(q, dim=0)
+        out[f"{prefix}.qzeros"] = pack_int4(zeros - 1, dim=1)
+        out[f"{prefix}.g_idx"] = layer.g_idx.detach().cpu().to(torch.int32)
+    else:
+        if not layer.plain_groups:
+            raise ValueError(f"{prefix}: act-order g_idx cannot be stored in AWQ format")
+        if int(zeros.max()) > 15:
+            raise ValueError(f"{prefix}: zero point 16 cannot be stored in AWQ format")
+        out[f"{prefix}.qweight"] = pack_int4(q, dim=1, order=AWQ_ORDER)
+        out[f"{prefix}.qzeros"] = pack_int4(zeros, dim=1, order=AWQ_ORDER)
+    return out
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """config.json of a checkpoint directory as a dict (for tools and tests)."""
+    return json.loads((Path(model_dir) / "config.json").read_text())

@@ -1,0 +1,68 @@
+"""Measuring a (quantized) model: held-out perplexity, weight bytes, greedy agreement."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from paged_llm.quant.base import linears_by_block
+from paged_llm.quant.calibration import dense_forward
+from paged_llm.quant.layers import QuantLinear
+
+
+@torch.no_grad()
+def perplexity(
+    model: nn.Module, windows: torch.Tensor, batch_size: int = 8, kv_cache_dtype: str = "auto"
+) -> float:
+    """exp(mean next-token NLL) of our model over [N, L] token windows (each its own sequence),
+    attending through a KV cache of ``kv_cache_dtype``."""
+    total, count = 0.0, 0
+    for batch in windows.split(batch_size):
+        bsz, length = batch.shape
+        hidden = dense_forward(model, batch, kv_cache_dtype).view(bsz, length, -1)
+        logits = model.compute_logits(hidden[:, :-1].reshape(-1, hidden.shape[-1]))  # float32
+        targets = batch[:, 1:].reshape(-1).to(logits.device)
+        total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        count += targets.numel()
+    return math.exp(total / count)
+
+
+def linear_weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the block linear layers' weights as stored, and their size in float16.
+
+    ``weight_bytes``: quantized layers count their packed weights, zeros and scales; float
+    layers count at 2 bytes per weight (the fp16 baseline the issue compares against).
+    """
+    stored, fp16 = 0, 0
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            stored += module.weight_bytes()
+            fp16 += 2 * module.in_features * module.out_features
+        elif type(module) is nn.Linear and _in_block(name):
+            stored += 2 * module.weight.numel()
+            fp16 += 2 * module.weight.numel()
+    return {"weight_bytes": stored, "fp16_weight_bytes": fp16}
+
+
+def _in_block(name: str) -> bool:
+    from paged_llm.quant.base import block_of
+
+    return block_of(name) is not None
+
+
+def quantizable_parameter_count(model: nn.Module) -> int:
+    """Weights of the layers a method would quantize."""
+    return sum(
+        model.get_submodule(n).weight.numel() for ns in linears_by_block(model).values() for n in ns
+    )
+
+
+def token_agreement(reference: list[list[int]], candidate: list[list[int]]) -> float:
+    """Share of positions where two sets of greedy outputs pick the same token (ragged ok)."""
+    same = total = 0
+    for ref, cand in zip(reference, candidate):
+        total += max(len(ref), len(cand))
+        same += sum(a == b for a, b in zip(ref, cand))
+    return same / total if total else 1.0

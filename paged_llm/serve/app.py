@@ -1,0 +1,284 @@
+"""The FastAPI app: OpenAI routes, /health, /metrics, API-key check and OpenAI-style errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest
+from paged_llm.serve.errors import APIError, ModelNotFound, Unauthorized, error_body
+from paged_llm.serve.prompts import chat_prompt, text_prompt, token_prompt
+from paged_llm.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    completion_prompts,
+    parse_request,
+    sampling_params,
+)
+from paged_llm.serve.render import (
+    Choices,
+    chat_chunks,
+    completion_chunk,
+    usage_chunk,
+    whole_response,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSettings:
+    """What the app needs beyond the engine."""
+
+    served_model_names: list[str]
+    model_root: str = ""  # the --model argument, shown as ``root`` in /v1/models
+    api_key: str | None = None
+    chat_template: str | None = None  # overrides the tokenizer's
+    max_logprobs: int = 20
+    log_requests: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    """The app; its lifespan starts the engine thread and stops it on shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="paged-llm OpenAI-compatible server", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.settings = settings
+    _add_error_handlers(app)
+    app.include_router(_public_routes(engine))
+    app.include_router(
+        _openai_routes(engine, settings), dependencies=[Depends(_api_key_check(settings))]
+    )
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        body = error_body(str(err.detail), "invalid_request_error", code=str(err.status_code))
+        return JSONResponse(body, status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s", request.url.path)
+        body = error_body(f"internal server error: {err!r}", "internal_server_error")
+        return JSONResponse(body, status_code=500)
+
+
+def _api_key_check(settings: ServerSettings) -> Any:
+    expected = settings.api_key.encode() if settings.api_key is not None else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), expected
+        ):
+            raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')")
+
+    return check
+
+
+def _public_routes(engine: AsyncEngine) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            body = error_body("the engine is not running", "service_unavailable")
+            return JSONResponse(body, status_code=503)
+        return Response(status_code=200)
+
+    @router.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        text = engine.metrics.render(engine.gauges)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return {"version": version("paged-llm")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
+    return router
+
+
+def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+    max_model_len = engine.engine.max_model_len
+
+    def model_name(requested: str | None) -> str:
+        if requested is None:
+            return settings.served_model_names[0]
+        if requested not in settings.served_model_names:
+            raise ModelNotFound(f"The model `{requested}` does not exist.", param="model")
+        return requested
+
+    @router.get("/models")
+    async def models() -> dict[str, Any]:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": settings.created,
+                "owned_by": "paged-llm",
+                "root": settings.model_root or name,
+                "parent": None,
+                "max_model_len": max_model_len,
+            }
+            for name in settings.served_model_names
+        ]
+        return {"object": "list", "data": data}
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_request(await request.body(), CompletionRequest)
+        model = model_name(req.model)
+        params = sampling_params(req, settings.max_logprobs)
+        subs = [
+            SubRequest(
+                text_prompt(p, req.add_special_tokens) if isinstance(p, str) else token_prompt(p),
+                sp,
+            )
+            for p in completion_prompts(req.prompt)
+            for sp in params
+        ]
+        return await _generate(request, req, subs, model, chat=False)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse_request(await request.body(), ChatCompletionRequest)
+        model = model_name(req.model)
+        params = sampling_params(req, settings.max_logprobs)
+        render = chat_prompt(
+            chat_messages(req.messages),
+            settings.chat_template,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+        )
+        subs = [SubRequest(render, sp) for sp in params]
+        return await _generate(request, req, subs, model, chat=True)
+
+    async def _generate(
+        request: Request, req: Any, subs: list[SubRequest], model: str, chat: bool
+    ) -> Response:
+        prefix = "chatcmpl" if chat else "cmpl"
+        group = await engine.submit(subs, request_id=f"{prefix}-{uuid.uuid4().hex}")
+        if settings.log_requests:
+            logger.info("request %s: %d engine request(s)", group.request_id, len(subs))
+        choices = Choices([s.params for s in subs], req.n)
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = _sse(group, choices, model, created, chat, include_usage)
+            return _GroupStream(group, events)
+        try:
+            done = await _unless_disconnected(request, _collect(group, choices))
+        finally:
+            group.close()
+        if not done:
+            return Response(status_code=499)  # nobody is listening any more
+        return JSONResponse(whole_response(group.request_id, created, model, choices, chat))
+
+    return router
+
+
+class _GroupStream(StreamingResponse):
+    """An SSE response that closes (and so aborts, if unfinished) its group however it ends:
+    finished, failed, or cancelled by the client's disconnect before it even started."""
+
+    def __init__(self, group: RequestGroup, events: AsyncIterator[str]):
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self.group = group
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.group.close()
+
+
+def _event(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def _sse(
+    group: RequestGroup, choices: Choices, model: str, created: int, chat: bool, usage: bool
+) -> AsyncIterator[str]:
+    rid = group.request_id
+    async for update in group.updates():
+        if update.error is not None:
+            yield _event(update.error.body())
+            break
+        delta = choices.apply(update)
+        if chat:
+            for chunk in chat_chunks(rid, created, model, choices, delta):
+                yield _event(chunk)
+        else:
+            yield _event(completion_chunk(rid, created, model, choices, delta))
+    else:
+        if usage:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            yield _event(usage_chunk(rid, created, model, obj, choices))
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(group: RequestGroup, choices: Choices) -> bool:
+    async for update in group.updates():
+        if update.error is not None:
+            raise update.error
+        choices.apply(update)
+    return True
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[bool]) -> bool:
+    """Run ``work`` but cancel it if the client disconnects first; False in that case."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return task.result() if not task.cancelled() else False
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

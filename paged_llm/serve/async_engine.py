@@ -1,0 +1,372 @@
+"""AsyncEngine: the blocking LLMEngine behind asyncio handlers.
+
+One dedicated thread owns the engine (and its tokenizer): between steps it drains a queue of
+add / abort / stop commands, then runs ``step()`` while any request is unfinished, and hands
+each step's outputs to the event loop with one ``call_soon_threadsafe``. Handlers never touch
+the engine; they submit a group of engine requests (one per prompt and choice) and read its
+updates from an asyncio queue. Closing a group that has not finished aborts it, which frees its
+KV blocks: that is how a client disconnect reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.outputs import RequestOutput
+from paged_llm.sampling_params import SamplingParams
+from paged_llm.serve.errors import APIError, BadRequest, EngineUnavailable, ServerBusy
+from paged_llm.serve.metrics import EngineGauges, ServerMetrics
+from paged_llm.serve.prompts import PromptRenderer, check_fits
+
+logger = logging.getLogger(__name__)
+
+_LIVENESS_S = 1.0  # how often waiting handlers check that the engine thread is still alive
+
+
+@dataclass
+class SubRequest:
+    """One engine request of a server request: its prompt renderer and sampling params."""
+
+    render: PromptRenderer
+    params: SamplingParams
+
+
+@dataclass
+class Update:
+    """Progress of one engine request: its latest output, or why it ended without one."""
+
+    index: int  # position in the group's sub-requests
+    output: RequestOutput | None = None  # cumulative text / token ids / logprobs so far
+    token_strings: dict[int, str] = field(default_factory=dict)  # for logprob token ids
+    aborted: bool = False
+    error: APIError | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True for the last update of this sub-request."""
+        return self.aborted or self.error is not None or bool(self.output and self.output.finished)
+
+
+class RequestGroup:
+    """Handler-side view of the engine requests behind one HTTP request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, subs: list[SubRequest]):
+        self.engine = engine
+        self.request_id = request_id
+        self.subs = subs
+        self.sub_ids = [f"{request_id}-{i}" for i in range(len(subs))]
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self.unstarted = set(range(len(subs)))  # no output yet: counts against max_waiting
+        self.unfinished = set(range(len(subs)))
+        self.closed = False
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """Yield updates until every sub-request has reported its last one."""
+        pending = set(range(len(self.subs)))
+        while pending:
+            try:
+                update = await asyncio.wait_for(self.queue.get(), timeout=_LIVENESS_S)
+            except asyncio.TimeoutError:
+                if self.engine.thread_alive:
+                    continue
+                # the engine thread is gone without telling us: end instead of hanging
+                error = EngineUnavailable("the engine stopped")
+                for i in sorted(pending):
+                    yield Update(i, error=error)
+                return
+            if update.finished:
+                pending.discard(update.index)
+            yield update
+
+    def close(self) -> None:
+        """Forget the group; abort its unfinished engine requests. Idempotent."""
+        self.engine._close(self)
+
+
+@dataclass
+class _Add:
+    group: RequestGroup
+    future: asyncio.Future
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    sub_ids: list[str]
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping of one submitted engine request."""
+
+    group: RequestGroup
+    index: int
+    wants_logprobs: bool
+    num_tokens: int = 0  # generated tokens already reported
+
+
+class AsyncEngine:
+    """Runs an LLMEngine on a background thread and serves it to asyncio code."""
+
+    def __init__(
+        self, engine: LLMEngine, metrics: ServerMetrics, max_waiting: int | None = None
+    ) -> None:
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.gauges = EngineGauges()
+        self.num_unstarted = 0  # event-loop side: submitted sub-requests without output yet
+        self._ids = itertools.count()
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._groups: dict[str, RequestGroup] = {}  # event-loop side, by request id
+        self._live: dict[str, _Live] = {}  # engine-thread side, by sub-request id
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead: BaseException | None = None
+
+    # ---- lifecycle (event loop) ---------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on ``loop`` (default: the running)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already running")
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort whatever is still in flight and stop the engine thread."""
+        self._stopping = True
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine thread did not stop within %.0f s", timeout)
+
+    @property
+    def thread_alive(self) -> bool:
+        """True while the engine thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread accepts requests."""
+        return self.thread_alive and not self._stopping and self.dead is None
+
+    # ---- requests (event loop) ----------------------------------------------------------------
+    async def submit(self, subs: list[SubRequest], request_id: str | None = None) -> RequestGroup:
+        """Validate and queue engine requests; raise an APIError (nothing queued) if any is bad.
+
+        The caller must ``close()`` the returned group when done (also on cancellation).
+        """
+        if not self.is_running:
+            raise EngineUnavailable("the engine is not running (shutting down or failed)")
+        if self.max_waiting is not None and len(subs) > self.max_waiting:
+            raise BadRequest(
+                f"this request needs {len(subs)} sequences (prompts x n), more than the server's "
+                f"waiting limit of {self.max_waiting}"
+            )
+        if self.max_waiting is not None and self.num_unstarted + len(subs) > self.max_waiting:
+            raise ServerBusy(
+                f"too many waiting requests ({self.num_unstarted} waiting, limit "
+                f"{self.max_waiting}); retry later"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._groups:
+            raise BadRequest(f"request id '{request_id}' is already in use")
+        group = RequestGroup(self, request_id, subs)
+        self._groups[group.request_id] = group
+        self.num_unstarted += len(subs)
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Add(group, future, self.engine.clock()))
+        try:
+            while not future.done():
+                await asyncio.wait({future}, timeout=_LIVENESS_S)
+                if not future.done() and not self.thread_alive:
+                    raise EngineUnavailable("the engine stopped")
+            future.result()
+        except BaseException:  # invalid input, or the handler was cancelled meanwhile
+            group.close()
+            raise
+        return group
+
+    def _close(self, group: RequestGroup) -> None:
+        if group.closed:
+            return
+        group.closed = True
+        self._groups.pop(group.request_id, None)
+        self.num_unstarted -= len(group.unstarted)
+        group.unstarted.clear()
+        if group.unfinished:
+            # FIFO after the _Add, so a group closed while being added is aborted too
+            self._commands.put(_Abort([group.sub_ids[i] for i in sorted(group.unfinished)]))
+
+    def _deliver(self, batch: list[tuple[RequestGroup, Update]]) -> None:
+        """Event-loop callback: route one step's updates to their groups."""
+        for group, update in batch:
+            if group.closed:
+                continue
+            if update.index in group.unstarted:
+                group.unstarted.discard(update.index)
+                self.num_unstarted -= 1
+            if update.finished:
+                group.unfinished.discard(update.index)
+            group.queue.put_nowait(update)
+
+    def _resolve(self, future: asyncio.Future, error: BaseException | None) -> None:
+        if future.done():  # the handler was cancelled meanwhile
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _post(self, callback: Any, *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed first at interpreter exit
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain(block=not self.engine.has_unfinished_requests()):
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._snapshot()
+        except BaseException as err:  # a bug in the engine: fail every request, stay down
+            logger.exception("the engine loop failed; the server cannot serve requests")
+            self.dead = err
+            self._fail_all(EngineUnavailable(f"the engine failed: {err!r}"))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if idle); False once told to stop."""
+        try:
+            command = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Stop):
+                self._abort_all()
+                self._snapshot()
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.sub_ids)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, command: _Add) -> None:
+        group, added = command.group, []
+        try:
+            for index, (sub_id, sub) in enumerate(zip(group.sub_ids, group.subs)):
+                prompt = sub.render(self.engine.tokenizer)
+                check_fits(
+                    len(prompt["prompt_token_ids"]),
+                    sub.params.max_tokens,
+                    self.engine.max_model_len,
+                )
+                try:
+                    self.engine.add_request(sub_id, prompt, sub.params, command.arrival_time)
+                except ValueError as err:
+                    raise BadRequest(str(err)) from None
+                added.append(sub_id)
+                wants = sub.params.logprobs is not None
+                self._live[sub_id] = _Live(group, index, wants)
+        except Exception as err:
+            self._abort(added, notify=False)  # all or nothing: no half-added request stays
+            if not isinstance(err, APIError):
+                logger.exception("unexpected error while adding request %s", group.request_id)
+                err = BadRequest(f"could not process the prompt: {err}")
+            self._post(self._resolve, command.future, err)
+            return
+        self._post(self._resolve, command.future, None)
+
+    def _abort(self, sub_ids: list[str], notify: bool = True) -> None:
+        live = [sid for sid in sub_ids if sid in self._live]
+        if not live:
+            return
+        self.engine.abort_request(live)
+        entries = [self._live.pop(sid) for sid in live]
+        if notify:  # a rejected add was never visible to anyone: not counted, not delivered
+            self.metrics.record_aborted(len(entries))
+            self._post(self._deliver, [(e.group, Update(e.index, aborted=True)) for e in entries])
+
+    def _abort_all(self) -> None:
+        self._abort(list(self._live))
+
+    def _fail_all(self, error: APIError) -> None:
+        batch = [(e.group, Update(e.index, error=error)) for e in self._live.values()]
+        self._live.clear()
+        # release handlers whose add is still queued, too
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                self._post(self._resolve, command.future, error)
+        if batch:
+            self._post(self._deliver, batch)
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        # the engine keeps per-step stats for experiments; a server would grow them forever
+        self.engine.iteration_stats.clear()
+        batch = []
+        for out in outputs:
+            entry = self._live.get(out.request_id)
+            if entry is None:
+                continue
+            completion = out.outputs[0]
+            new_tokens = len(completion.token_ids) - entry.num_tokens
+            prompt_tokens = len(out.prompt_token_ids) if entry.num_tokens == 0 else 0
+            self.metrics.record_tokens(prompt_tokens, new_tokens)
+            strings = {}
+            if entry.wants_logprobs and completion.logprobs:
+                strings = self._token_strings(completion.logprobs[entry.num_tokens :])
+            entry.num_tokens = len(completion.token_ids)
+            if out.finished:
+                del self._live[out.request_id]
+                self.metrics.record_finished(out)
+            batch.append((entry.group, Update(entry.index, out, strings)))
+        if batch:
+            self._post(self._deliver, batch)
+
+    def _token_strings(self, logprobs: list[dict[int, float]]) -> dict[int, str]:
+        tokenizer = self.engine.tokenizer
+        ids = {t for entry in logprobs for t in entry}
+        if tokenizer is None:
+            return {t: f"token_id:{t}" for t in ids}
+        return {t: tokenizer.decode([t]) for t in ids}
+
+    def _snapshot(self) -> None:
+        sched = self.engine.scheduler
+        self.gauges = EngineGauges(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            swapped=len(sched.swapped),
+            kv_usage=self.engine.kv_usage(),
+            preemptions=sched.num_preemptions_total,
+        )

@@ -1,0 +1,268 @@
+"""``python -m paged_llm.serve`` / ``paged-llm-serve``: vLLM's ``serve`` flags, then uvicorn.
+
+A vLLM command line works with the program name changed. Flags for features the engine does
+not have yet (tensor parallelism, quantization, a non-default KV cache dtype, and prefix
+caching or speculative decoding until the engine accepts them) are refused at startup when set
+to anything but their default, instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("paged_llm.serve")
+
+DEFAULT_MODEL = "tiny"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The argument parser (vLLM's names and defaults where they exist)."""
+    p = argparse.ArgumentParser(
+        prog="paged-llm-serve",
+        description="OpenAI-compatible server for paged-llm (vLLM's serve flags).",
+    )
+    p.add_argument("model_tag", nargs="?", help="model directory or preset (same as --model)")
+    p.add_argument("--model", help=f"model directory or built-in preset (default {DEFAULT_MODEL})")
+    p.add_argument("--served-model-name", nargs="+", help="name(s) clients use (default: --model)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+
+    srv = p.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (vLLM: all)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes",
+    )
+    srv.add_argument("--chat-template", help="chat template file (or inline Jinja text)")
+    srv.add_argument("--max-logprobs", type=int, default=20)
+    srv.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="requests allowed to wait for their first token; more get 429 (0: no limit)",
+    )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for in-flight requests before aborting them",
+    )
+    srv.add_argument("--timeout-keep-alive", type=int, default=5)
+    srv.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical", "trace"],
+    )
+    srv.add_argument("--disable-uvicorn-access-log", action="store_true")
+    srv.add_argument("--enable-log-requests", action="store_true")
+    srv.add_argument("--disable-log-requests", action="store_true", help="(default; accepted)")
+    srv.add_argument("--disable-log-stats", action="store_true")
+
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--dtype", default="auto")
+    eng.add_argument("--seed", type=int, default=0)
+    eng.add_argument("--device", default="auto")
+    eng.add_argument("--max-model-len", type=int)
+    eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    eng.add_argument(
+        "--cpu-kv-cache-gib",
+        type=float,
+        default=_env_float("VLLM_CPU_KVCACHE_SPACE"),
+        help="KV pool size on CPU (default: $VLLM_CPU_KVCACHE_SPACE or 1 GiB)",
+    )
+    eng.add_argument("--swap-space", type=float, default=4.0)
+    eng.add_argument("--num-gpu-blocks-override", type=int)
+    eng.add_argument("--kv-cache-dtype", default="auto")
+    eng.add_argument("--max-num-seqs", type=int, default=256)
+    eng.add_argument("--max-num-batched-tokens", type=int)
+    eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    eng.add_argument("--preemption-mode", choices=["recompute", "swap"])
+    eng.add_argument("--policy", help="KV allocation policy (paged, orca_max, ..., static)")
+    eng.add_argument("--attention-backend", help="auto, torch, triton or contiguous")
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    eng.add_argument("--speculative-config", type=json.loads, help="JSON, as in vLLM")
+    eng.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    eng.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    eng.add_argument("-q", "--quantization")
+    eng.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for compatibility; no remote code is ever run",
+    )
+    eng.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="accepted for compatibility; the engine always runs eagerly",
+    )
+    return p
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value else None
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The model to load: the positional argument or --model (they must agree)."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"model given twice: '{args.model_tag}' and --model '{args.model}'")
+    return args.model_tag or args.model or DEFAULT_MODEL
+
+
+def engine_accepts(key: str, value: Any) -> bool:
+    """True if EngineConfig knows ``key`` (so newer engine features pass straight through)."""
+    from paged_llm.config import EngineConfig
+
+    try:
+        EngineConfig.from_kwargs(**{key: value})
+    except ValueError as err:
+        if "unknown engine argument" in str(err):
+            return False
+        raise
+    return True
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments; ValueError for flags the engine cannot honour."""
+    refused = {
+        "--tensor-parallel-size": args.tensor_parallel_size != 1,
+        "--pipeline-parallel-size": args.pipeline_parallel_size != 1,
+        "--quantization": args.quantization is not None,
+        "--kv-cache-dtype": args.kv_cache_dtype != "auto",  # in the config but not implemented
+    }
+    for flag, bad in refused.items():
+        if bad:
+            raise ValueError(
+                f"{flag} is not supported by paged-llm yet (single device, "
+                "unquantized weights, KV cache in the model dtype)"
+            )
+    kwargs: dict[str, Any] = {
+        "model": model_name(args),
+        "tokenizer": args.tokenizer,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "cpu_kv_cache_gib": args.cpu_kv_cache_gib,
+        "swap_space": args.swap_space,
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
+        "preemption_mode": args.preemption_mode,
+        "policy": args.policy,
+        "attention_backend": args.attention_backend,
+        "log_stats": not args.disable_log_stats,
+    }
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}  # None: the engine's default
+    optional = {
+        "enable_prefix_caching": ("--enable-prefix-caching", bool(args.enable_prefix_caching)),
+        "speculative_config": ("--speculative-config", args.speculative_config),
+    }
+    for key, (flag, value) in optional.items():
+        if not value:
+            continue
+        if not engine_accepts(key, value):
+            raise ValueError(f"{flag} is not supported by the engine yet; leave it unset")
+        kwargs[key] = value
+    return kwargs
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A template file's contents, or the argument itself if it is inline Jinja."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template: no such file '{value}'")
+
+
+def server_settings(args: argparse.Namespace) -> Any:
+    """The app's settings from the server flags (raises ValueError on bad ones)."""
+    from paged_llm.serve.app import ServerSettings
+
+    if args.max_waiting < 0:
+        raise ValueError("--max-waiting must be >= 0 (0: no limit)")
+    if args.max_logprobs < 0:
+        raise ValueError("--max-logprobs must be >= 0")
+    model = model_name(args)
+    return ServerSettings(
+        served_model_names=args.served_model_name or [model],
+        model_root=model,
+        api_key=args.api_key,
+        chat_template=load_chat_template(args.chat_template),
+        max_logprobs=args.max_logprobs,
+        log_requests=args.enable_log_requests and not args.disable_log_requests,
+    )
+
+
+def build(args: argparse.Namespace) -> Any:
+    """Load the engine and return the app (raises ValueError/OSError on bad settings)."""
+    from paged_llm.config import EngineConfig
+    from paged_llm.engine.llm_engine import LLMEngine
+    from paged_llm.serve.app import build_app
+    from paged_llm.serve.async_engine import AsyncEngine
+    from paged_llm.serve.metrics import ServerMetrics
+
+    kwargs = engine_kwargs(args)
+    settings = server_settings(args)
+    engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
+    metrics = ServerMetrics(settings.served_model_names[0])
+    async_engine = AsyncEngine(engine, metrics, max_waiting=args.max_waiting or None)
+    return build_app(async_engine, settings)
+
+
+def _exit_cleanly(signum: int, frame: Any) -> None:
+    # uvicorn handles SIGTERM itself while serving (graceful shutdown) and re-raises it when
+    # done; this handler makes that, or a SIGTERM during model loading, an exit with status 0
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, load the engine, serve until SIGTERM / Ctrl-C."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        engine_kwargs(args)  # flag errors first, before the slow model load
+        server_settings(args)
+        app = build(args)
+    except (ValueError, OSError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    except KeyboardInterrupt:
+        return
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    logger.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn already shut down
+        uvicorn.Server(config).run()
+
+
+if __name__ == "__main__":
+    main()

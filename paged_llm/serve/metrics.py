@@ -1,0 +1,180 @@
+"""Server metrics in Prometheus' text format (0.0.4), written by hand, with vLLM's metric names.
+
+Counters and histograms are fed by the engine thread and read by ``/metrics`` on the event
+loop, so every access holds one lock. Gauges are a snapshot the engine thread takes after each
+step. Speculative-decoding acceptance counters are not exported: they appear once the engine
+implements speculative decoding.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from paged_llm.outputs import RequestOutput
+
+# vLLM's bucket boundaries (seconds), so dashboards built for vLLM read these unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """Scheduler state after the engine thread's latest step."""
+
+    running: int = 0
+    waiting: int = 0
+    swapped: int = 0
+    kv_usage: float = 0.0
+    preemptions: int = 0
+
+
+class Histogram:
+    """Cumulative-bucket histogram, as Prometheus exposes it."""
+
+    def __init__(self, buckets: Iterable[float]):
+        self.buckets = tuple(sorted(buckets))
+        self.counts = [0] * len(self.buckets)  # per bucket, not yet cumulative
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Add one observation."""
+        self.count += 1
+        self.sum += value
+        i = bisect.bisect_left(self.buckets, value)  # first bucket with le >= value
+        if i < len(self.buckets):
+            self.counts[i] += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le label, cumulative count) pairs ending with +Inf."""
+        out, total = [], 0
+        for le, n in zip(self.buckets, self.counts):
+            total += n
+            out.append((_num(le), total))
+        out.append(("+Inf", self.count))
+        return out
+
+
+def _num(value: float) -> str:
+    return repr(float(value))
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class ServerMetrics:
+    """Token counters, finished-request counters and latency histograms of one server."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished = dict.fromkeys(FINISH_REASONS, 0)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+        self.e2e = Histogram(LATENCY_BUCKETS)
+        self.queue = Histogram(LATENCY_BUCKETS)
+
+    def record_tokens(self, prompt: int, generation: int) -> None:
+        """Count prompt tokens (once, at the first output) and newly generated tokens."""
+        with self._lock:
+            self.prompt_tokens += prompt
+            self.generation_tokens += generation
+
+    def record_finished(self, output: RequestOutput) -> None:
+        """Observe the latencies of a request the engine finished (stop or length)."""
+        reason = output.outputs[0].finish_reason or "stop"
+        m = output.metrics
+        with self._lock:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+            if m is None:
+                return
+            if m.first_token_time is not None:
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+            for a, b in zip(m.token_times, m.token_times[1:]):
+                self.tpot.observe(b - a)
+            if m.finished_time is not None:
+                self.e2e.observe(m.finished_time - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.queue.observe(m.first_scheduled_time - m.arrival_time)
+
+    def record_aborted(self, count: int = 1) -> None:
+        """Count requests aborted by a client disconnect or a shutdown."""
+        with self._lock:
+            self.finished["abort"] += count
+
+    def render(self, gauges: EngineGauges) -> str:
+        """The whole exposition text."""
+        lbl = f'model_name="{_label(self.model_name)}"'
+        lines: list[str] = []
+
+        def header(name: str, kind: str, help_: str) -> None:
+            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
+
+        with self._lock:
+            for name, kind, help_, value in self._scalars(gauges):
+                header(name, kind, help_)
+                lines.append(f"{name}{{{lbl}}} {_num(value)}")
+            name = "vllm:request_success_total"
+            header(name, "counter", "Count of finished requests, by finish reason.")
+            for reason, n in self.finished.items():
+                lines.append(f'{name}{{finished_reason="{reason}",{lbl}}} {_num(n)}')
+            for name, help_, h in self._histograms():
+                header(name, "histogram", help_)
+                lines.extend(
+                    f'{name}_bucket{{le="{le}",{lbl}}} {_num(n)}' for le, n in h.cumulative()
+                )
+                lines.append(f"{name}_count{{{lbl}}} {_num(h.count)}")
+                lines.append(f"{name}_sum{{{lbl}}} {_num(h.sum)}")
+        return "\n".join(lines) + "\n"
+
+    def _scalars(self, g: EngineGauges) -> list[tuple[str, str, str, float]]:
+        return [
+            ("vllm:num_requests_running", "gauge", "Number of requests in the running batch.",
+             g.running),
+            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be scheduled.",
+             g.waiting),
+            ("vllm:num_requests_swapped", "gauge", "Number of requests swapped out to CPU.",
+             g.swapped),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+             g.kv_usage),
+            ("vllm:gpu_cache_usage_perc", "gauge",
+             "KV-cache usage (vLLM's older name of vllm:kv_cache_usage_perc).", g.kv_usage),
+            ("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.",
+             g.preemptions),
+            ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+             self.prompt_tokens),
+            ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+             self.generation_tokens),
+        ]  # fmt: skip
+
+    def _histograms(self) -> list[tuple[str, str, Histogram]]:
+        return [
+            ("vllm:time_to_first_token_seconds", "Time to first token in seconds.", self.ttft),
+            ("vllm:time_per_output_token_seconds",
+             "Time per output token (gap between consecutive tokens) in seconds.", self.tpot),
+            ("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+             self.e2e),
+            ("vllm:request_queue_time_seconds", "Time waiting before first being scheduled.",
+             self.queue),
+        ]  # fmt: skip
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sample name (with labels) -> value; for tests and quick scripts."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out

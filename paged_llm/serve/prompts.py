@@ -1,0 +1,102 @@
+"""Prompt renderers: turn a request's prompt (text, token ids, chat messages) into engine input.
+
+A renderer is called on the engine thread with the tokenizer, so tokenizers are only ever used
+from one thread. Problems raise BadRequest before anything is queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from paged_llm.serve.errors import BadRequest
+
+# (tokenizer or None) -> {"prompt_token_ids": [...], "prompt": text or None}
+PromptRenderer = Callable[[Any], dict[str, Any]]
+
+
+def text_prompt(text: str, add_special_tokens: bool = True) -> PromptRenderer:
+    """A completion prompt given as text."""
+
+    def render(tokenizer: Any) -> dict[str, Any]:
+        if tokenizer is None:
+            raise BadRequest(
+                "this model has no tokenizer; send the prompt as a list of token ids",
+                param="prompt",
+            )
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return {"prompt_token_ids": list(ids), "prompt": text}
+
+    return render
+
+
+def token_prompt(token_ids: list[int]) -> PromptRenderer:
+    """A completion prompt given as token ids (checked against the vocabulary by the engine)."""
+
+    def render(tokenizer: Any) -> dict[str, Any]:
+        return {"prompt_token_ids": list(token_ids), "prompt": None}
+
+    return render
+
+
+def chat_prompt(
+    messages: list[dict[str, Any]],
+    chat_template: str | None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> PromptRenderer:
+    """A conversation rendered with the server's or the tokenizer's chat template."""
+
+    rendered: dict[str, Any] = {}  # the n choices of a request share one rendering
+
+    def render(tokenizer: Any) -> dict[str, Any]:
+        if not rendered:
+            rendered.update(_render_chat(tokenizer))
+        return rendered
+
+    def _render_chat(tokenizer: Any) -> dict[str, Any]:
+        if tokenizer is None:
+            raise BadRequest("this model has no tokenizer, so chat completions are unavailable")
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise BadRequest(
+                "this model's tokenizer has no chat template (no 'chat_template' in its "
+                "tokenizer_config.json); start the server with --chat-template FILE or use "
+                "/v1/completions",
+                param="messages",
+            )
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
+            )
+        except Exception as err:  # jinja errors: the template rejected these messages
+            raise BadRequest(f"the chat template failed on these messages: {err}") from None
+        # the template writes any BOS itself, so the tokenizer must not add another
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt_token_ids": list(ids), "prompt": text}
+
+    return render
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Refuse prompt + max_tokens beyond the context (vLLM's server rule; the offline engine
+    silently caps max_tokens instead)."""
+    if num_prompt_tokens >= max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt "
+            f"has {num_prompt_tokens} tokens, leaving no room to generate.",
+            param="prompt",
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+        )

@@ -1,0 +1,235 @@
+"""Request bodies of the OpenAI API (completions, chat) and their translation to SamplingParams.
+
+Fields beyond OpenAI's are vLLM's extensions with vLLM's names (``top_k``, ``min_p``,
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ...), so clients written for vLLM work.
+Unknown fields are ignored (and logged), as vLLM does; known fields of the wrong type are a 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from paged_llm.sampling_params import SamplingParams
+from paged_llm.serve.errors import BadRequest
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 128  # choices per request; each is a separate engine request
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: whether the last chunk reports token usage."""
+
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None  # None: the (only) served model
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation; content is text or a list of text parts."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def parse_request(raw: bytes, model_cls: type[BaseModel]) -> Any:
+    """Parse and validate a JSON body; any problem is a BadRequest naming the field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadRequest(f"malformed JSON body: {err}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        req = model_cls.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = [str(p) for p in first["loc"]]
+        param = loc[0] if loc else None
+        got = repr(first.get("input"))[:80] if first["type"] != "missing" else "nothing"
+        raise BadRequest(f"invalid '{param}': {first['msg']} (got {got})", param=param) from None
+    if req.model_extra:
+        logger.warning("ignoring unknown request fields: %s", sorted(req.model_extra))
+    return req
+
+
+def _reject_unsupported(req: _GenerationRequest) -> None:
+    """Fields we parse but cannot honour yet: refuse rather than silently ignore them."""
+    checks = [
+        ("presence_penalty", req.presence_penalty not in (None, 0.0)),
+        ("frequency_penalty", req.frequency_penalty not in (None, 0.0)),
+        ("repetition_penalty", req.repetition_penalty not in (None, 1.0)),
+        ("logit_bias", bool(req.logit_bias)),
+    ]
+    if isinstance(req, CompletionRequest):
+        checks += [
+            ("echo", req.echo),
+            ("suffix", req.suffix is not None),
+            ("best_of", req.best_of is not None and req.best_of != req.n),
+        ]
+    if isinstance(req, ChatCompletionRequest):
+        checks += [
+            ("tools", bool(req.tools)),
+            ("response_format", (req.response_format or {}).get("type", "text") != "text"),
+        ]
+    for name, bad in checks:
+        if bad:
+            raise BadRequest(f"'{name}' is not supported by this server yet", param=name)
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams errors start with the field name ("top_p must be ...")."""
+    word = message.split(" ", 1)[0]
+    return word if word in {f.name for f in dataclasses.fields(SamplingParams)} else None
+
+
+def sampling_params(req: _GenerationRequest, max_logprobs: int) -> list[SamplingParams]:
+    """One SamplingParams per choice (``n`` of them); seeds are derived as seed + index."""
+    _reject_unsupported(req)
+    if not 1 <= req.n <= MAX_N:
+        raise BadRequest(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+    max_tokens, max_tokens_field = req.max_tokens, "max_tokens"
+    if isinstance(req, ChatCompletionRequest):
+        if req.max_completion_tokens is not None:
+            max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"
+        logprobs = _chat_logprobs(req, max_logprobs)
+    else:
+        logprobs = req.logprobs
+        if logprobs is not None and not 0 <= logprobs <= max_logprobs:
+            raise BadRequest(f"logprobs must be in [0, {max_logprobs}]", param="logprobs")
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest(
+            f"{max_tokens_field} must be at least 1, got {max_tokens}", param=max_tokens_field
+        )
+    try:
+        base = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as err:
+        raise BadRequest(str(err), param=_param_of(str(err))) from None
+    if req.seed is None:
+        return [dataclasses.replace(base) for _ in range(req.n)]
+    # torch generators take 64-bit seeds; wrap instead of rejecting large or negative ones
+    return [dataclasses.replace(base, seed=(req.seed + i) % 2**63) for i in range(req.n)]
+
+
+def _chat_logprobs(req: ChatCompletionRequest, max_logprobs: int) -> int | None:
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= max_logprobs:
+            raise BadRequest(f"top_logprobs must be in [0, {max_logprobs}]", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """Split ``prompt`` (text, token ids, or a batch of either) into single prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise BadRequest("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as plain dicts for a chat template; text parts are joined with newlines."""
+    if not messages:
+        raise BadRequest("messages must contain at least one message", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        if msg.role not in MESSAGE_ROLES:
+            raise BadRequest(
+                f"messages[{i}].role must be one of {list(MESSAGE_ROLES)}, got '{msg.role}'",
+                param=f"messages.{i}.role",
+            )
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest(
+                        f"messages[{i}].content: only text parts are supported",
+                        param=f"messages.{i}.content",
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        entry: dict[str, Any] = {"role": msg.role, "content": content or ""}
+        if msg.name is not None:
+            entry["name"] = msg.name
+        out.append(entry)
+    return out

@@ -1,0 +1,127 @@
+"""Drafting with a smaller model that shares the target's tokenizer.
+
+The draft model keeps its own paged KV pool with the same number of blocks and reads it through
+the target's block tables: the same tokens sit in the same slots, so one allocator (the target's
+KV manager) manages both, and a rollback of the target rolls back the draft too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from paged_llm.attention.metadata import build_attention_metadata
+from paged_llm.layers.attention import ForwardContext
+from paged_llm.runner.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from paged_llm.sampling_params import SamplingParams
+
+
+class DraftModelDrafter:
+    """Proposes k tokens per sequence by running the draft model k times (batched)."""
+
+    uses_probs = True
+
+    def __init__(self, num_speculative_tokens: int, model: str, **_: Any) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        self.k = num_speculative_tokens
+        self.model_path = model
+        self._computed: dict[str, tuple[int, int]] = {}  # request -> (preemptions, tokens)
+
+    def load(self, engine: Any) -> None:
+        """Load the draft model on the target's device and check the vocabularies agree."""
+        from paged_llm.models.loader import kv_cache_shape_info, load_model
+
+        self.model, cfg = load_model(self.model_path, engine.dtype, engine.device)
+        if cfg.vocab_size != engine.vocab_size:
+            raise ValueError(
+                f"draft model vocabulary ({cfg.vocab_size}) differs from the target's "
+                f"({engine.vocab_size}); drafts must share the tokenizer"
+            )
+        self.shape = kv_cache_shape_info(cfg)
+        self.device, self.dtype, self.backend = engine.device, engine.dtype, engine.backend
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Draft KV bytes that each block of the shared pool costs."""
+        return kv_bytes_per_block(*self.shape, block_size, self.dtype)
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """The draft's KV pool, block for block beside the target's."""
+        self.block_size = block_size
+        layers, heads, dim = self.shape
+        self.kv_caches = allocate_kv_caches(
+            layers, num_blocks, block_size, heads, dim, self.dtype, self.device
+        )
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's state."""
+        self._computed.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(
+        self, entries: list[Any], sampler: Any
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Draft up to each entry's lookahead tokens; return drafts and their distributions."""
+        reqs = [s.request for s in entries]
+        ks = [s.num_lookahead for s in entries]
+        # tokens the draft has not seen yet (its KV is valid up to the target's rollback point)
+        starts = []
+        for r in reqs:
+            version, done = self._computed.get(r.request_id, (r.num_preemptions, 0))
+            if version != r.num_preemptions:  # blocks were recomputed or moved: start over
+                done = 0
+            starts.append(min(done, r.num_computed_tokens))
+        feeds = [r.all_token_ids[st:] for r, st in zip(reqs, starts)]
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        for step in range(max(ks)):
+            live = [i for i, k in enumerate(ks) if step < k]
+            logits = self._forward([feeds[i] for i in live], [starts[i] for i in live],
+                                   [entries[i].block_table for i in live])  # fmt: skip
+            for row, i in enumerate(live):
+                tok, q = self._choose(logits[row], reqs[i].sampling_params, sampler,
+                                      reqs[i].request_id)  # fmt: skip
+                drafts[i].append(tok)
+                probs[i].append(q)
+                starts[i] += len(feeds[i])
+                feeds[i] = [tok]
+        for r, st in zip(reqs, starts):
+            self._computed[r.request_id] = (r.num_preemptions, st)
+        out_probs = {
+            r.request_id: torch.stack(p) for r, p in zip(reqs, probs) if p and p[0] is not None
+        }
+        return {r.request_id: d for r, d in zip(reqs, drafts)}, out_probs
+
+    def _forward(self, feeds: list[list[int]], starts: list[int], tables: list[list[int]]):
+        """Run the draft over each sequence's new tokens; logits at each last token [B, V]."""
+        q_lens = [len(f) for f in feeds]
+        seq_lens = [st + n for st, n in zip(starts, q_lens)]
+        order = sorted(range(len(feeds)), key=lambda i: q_lens[i] != 1)  # decodes first
+        meta = build_attention_metadata(
+            [q_lens[i] for i in order], [seq_lens[i] for i in order],
+            [tables[i] for i in order], self.block_size, self.device,
+        )  # fmt: skip
+        ids = torch.tensor([t for i in order for t in feeds[i]], device=self.device)
+        pos = torch.tensor(
+            [p for i in order for p in range(starts[i], seq_lens[i])], device=self.device
+        )
+        hidden = self.model(ids, pos, ForwardContext(meta, self.backend, self.kv_caches))
+        last = torch.tensor(meta.query_start_loc[1:].tolist(), device=self.device) - 1
+        logits = self.model.compute_logits(hidden[last])
+        back = [0] * len(order)
+        for pos_in_batch, i in enumerate(order):
+            back[i] = pos_in_batch
+        return logits[back]
+
+    @staticmethod
+    def _choose(
+        logits: torch.Tensor, params: SamplingParams, sampler: Any, request_id: str
+    ) -> tuple[int, torch.Tensor | None]:
+        """Greedy target: the draft's argmax. Sampling: a draw from the draft's q, kept for the
+        acceptance test min(1, p/q)."""
+        if params.greedy:
+            return int(logits.argmax()), None
+        q = sampler.probs(logits[None], params)[0]
+        gen = sampler._generator(request_id, params)
+        return int(torch.multinomial(q, 1, generator=gen)), q

@@ -1,0 +1,55 @@
+"""Prompt-lookup drafting: propose the continuation of the most recent earlier occurrence of the
+last n tokens (vLLM's ``ngram`` method). Deterministic, so its draft distribution is one-hot."""
+
+from __future__ import annotations
+
+
+class NgramDrafter:
+    """Proposes up to k tokens by matching the longest suffix n-gram (max_n down to min_n)."""
+
+    uses_probs = False
+
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_max: int = 4,
+                 prompt_lookup_min: int = 1) -> None:  # fmt: skip
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        self.k = num_speculative_tokens
+        self.max_n = prompt_lookup_max
+        self.min_n = prompt_lookup_min
+
+    def propose_one(self, tokens: list[int], k: int | None = None) -> list[int]:
+        """Drafts for one sequence (possibly fewer than k, or none)."""
+        k = self.k if k is None else k
+        n_tok = len(tokens)
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            suffix = tokens[n_tok - n :]
+            # most recent earlier match: scan starts from the right, excluding the suffix itself
+            for start in range(n_tok - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    cont = tokens[start + n : start + n + k]
+                    if cont:
+                        return cont
+        return []
+
+    # ---- the drafter interface the engine uses (a deterministic drafter needs no KV) --------
+    def load(self, engine: object) -> None:
+        """Nothing to load."""
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """No KV of its own."""
+        return 0
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """No KV of its own."""
+
+    def forget(self, request_id: str) -> None:
+        """No per-request state."""
+
+    def propose(self, entries: list, sampler: object) -> tuple[dict[str, list[int]], dict]:
+        """Drafts per scheduled decode (up to its lookahead); no distributions (one-hot q)."""
+        return {
+            s.request.request_id: self.propose_one(s.request.all_token_ids, s.num_lookahead)
+            for s in entries
+        }, {}

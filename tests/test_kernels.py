@@ -1,0 +1,289 @@
+"""Triton kernels against their torch references (run on the CPU via TRITON_INTERPRET=1).
+
+The interpreter is slow, so shapes are tiny; tile sizes are forced down to 16 so that even
+~100-token contexts span several tiles, splits and blocks. The wide sweep is marked slow.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first Triton kernel import
+
+import itertools  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from paged_llm.attention.metadata import build_attention_metadata  # noqa: E402
+from paged_llm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from paged_llm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from paged_llm.ops.copy_blocks import copy_blocks  # noqa: E402
+from paged_llm.ops.copy_blocks.reference import copy_blocks_reference  # noqa: E402
+from paged_llm.ops.copy_blocks.triton import copy_blocks_triton  # noqa: E402
+from paged_llm.ops.kv_store.reference import store_kv_reference  # noqa: E402
+from paged_llm.ops.kv_store.triton import store_kv_triton  # noqa: E402
+from paged_llm.ops.paged_attention.reference import paged_attention_reference  # noqa: E402
+from paged_llm.ops.paged_attention.triton_decode import paged_decode_attention_triton  # noqa: E402
+from paged_llm.ops.paged_attention.triton_prefill import (  # noqa: E402
+    paged_prefill_attention_triton,
+)
+
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+def random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, strided=False):
+    """A random [num_blocks, block_size, Hkv, D] cache; ``strided`` makes it non-contiguous."""
+    pad = 8 if strided else 0  # a view of a wider tensor: exercises the explicit strides
+    full = torch.randn(num_blocks, block_size, num_kv_heads, head_dim + pad, dtype=torch.float32)
+    return full.to(dtype)[..., :head_dim]
+
+
+def paged_setup(seq_lens, block_size, num_kv_heads, head_dim, dtype, poison=True, seed=0):
+    """Random K/V caches and shuffled block tables holding sequences of ``seq_lens``.
+
+    With ``poison`` every slot that belongs to no sequence (spare blocks, the tail of each last
+    block) is NaN, so any read past a sequence's end shows up in the output.
+    Returns (k_cache, v_cache, block_tables [B, max_blocks] int32, tables as lists).
+    """
+    torch.manual_seed(seed)
+    blocks_needed = [cdiv(s, block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3  # a few spare blocks that nobody owns
+    perm = torch.randperm(num_blocks).tolist()  # physical blocks in random order
+    tables, used = [], 0
+    for n in blocks_needed:
+        tables.append(perm[used : used + n])
+        used += n
+    k_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, strided=True)
+    v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    if poison:
+        owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+        for table, s_len in zip(tables, seq_lens):
+            for pos in range(s_len):
+                owned[table[pos // block_size], pos % block_size] = True
+        k_cache[~owned] = float("nan")
+        v_cache[~owned] = float("nan")
+    width = max(blocks_needed)
+    # Padding entries point at block 0, a real block of some sequence: it must never be read.
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return k_cache, v_cache, torch.tensor(padded, dtype=torch.int32), tables
+
+
+# ---------------------------------------------------------------- KV store
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_kv_heads", "head_dim", "dtype"),
+    [
+        (1, 2, 64, torch.float32),
+        (16, 3, 80, torch.float32),  # non-power-of-two heads and head_dim
+        (256, 1, 128, torch.float16),
+    ],
+)
+def test_store_kv_matches_reference(block_size, num_kv_heads, head_dim, dtype):
+    torch.manual_seed(0)
+    num_blocks, num_tokens = max(4, 32 // block_size), 12
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[[2, 7]] = -1  # padding tokens must be skipped
+    key = torch.randn(num_tokens, num_kv_heads, head_dim)  # fp32, cast on store
+    value = torch.randn(num_tokens, head_dim, num_kv_heads).transpose(1, 2)  # non-contiguous
+    k_ref = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    v_ref = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    k_tri = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, strided=True)
+    v_tri = v_ref.clone()
+    k_tri.copy_(k_ref)
+
+    store_kv_reference(key, value, k_ref, v_ref, slots)
+    store_kv_triton(key, value, k_tri, v_tri, slots)
+    assert torch.equal(k_tri, k_ref)
+    assert torch.equal(v_tri, v_ref)
+
+
+def test_store_kv_skips_all_padding():
+    k_cache = torch.zeros(2, 4, 1, 16)
+    v_cache = torch.zeros(2, 4, 1, 16)
+    kv = torch.ones(3, 1, 16)
+    store_kv_triton(kv, kv, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int64))
+    assert not k_cache.any() and not v_cache.any()
+
+
+# ---------------------------------------------------------------- decode
+
+
+def check_decode(seq_lens, block_size, hq, hkv, head_dim, dtype, num_splits, block_n=16):
+    """Decode kernel == reference attention of one query over each sequence's context."""
+    k_cache, v_cache, block_tables, _ = paged_setup(seq_lens, block_size, hkv, head_dim, dtype)
+    query = torch.randn(len(seq_lens), hq, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    expected = paged_attention_reference(
+        query, k_cache, v_cache, block_tables, [1] * len(seq_lens), seq_lens, scale
+    )
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    out = paged_decode_attention_triton(
+        query, k_cache, v_cache, block_tables, seq_lens_t, scale,
+        num_splits=num_splits, block_n=block_n,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    ("block_size", "hq", "hkv", "head_dim", "dtype", "num_splits"),
+    [
+        (16, 4, 4, 64, torch.float32, 1),  # MHA
+        (16, 8, 2, 80, torch.float32, 3),  # GQA 4, padded head_dim, split-K
+        (1, 8, 1, 128, torch.float32, 1),  # one token per block, GQA 8
+        (128, 4, 1, 64, torch.float32, 2),  # one block covers most contexts
+        (256, 2, 2, 80, torch.float32, 1),
+        (16, 8, 2, 128, torch.float16, 2),
+        (16, 4, 1, 64, torch.bfloat16, 1),  # interpreter path upcasts bf16 before tl.dot
+    ],
+)
+def test_decode_matches_reference(block_size, hq, hkv, head_dim, dtype, num_splits):
+    # Ragged lengths: a single token, a multiple of 16, odd lengths spanning several tiles.
+    check_decode([1, 37, 100, 16], block_size, hq, hkv, head_dim, dtype, num_splits)
+
+
+def test_decode_more_splits_than_tiles():
+    # Most splits of these short sequences are empty and must not disturb the reduction.
+    check_decode([3, 20], 16, 4, 2, 64, torch.float32, num_splits=8)
+
+
+def test_decode_default_tiles():
+    check_decode([5, 70], 16, 4, 2, 64, torch.float32, num_splits=None, block_n=None)
+
+
+# ---------------------------------------------------------------- prefill
+
+
+def check_prefill(query_lens, seq_lens, block_size, hq, hkv, head_dim, dtype, tile=16):
+    """Prefill kernel == reference causal attention of each sequence's last query_len tokens."""
+    k_cache, v_cache, block_tables, _ = paged_setup(seq_lens, block_size, hkv, head_dim, dtype)
+    query = torch.randn(sum(query_lens), hq, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    expected = paged_attention_reference(
+        query, k_cache, v_cache, block_tables, query_lens, seq_lens, scale
+    )
+    starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    out = paged_prefill_attention_triton(
+        query, k_cache, v_cache, block_tables, starts,
+        torch.tensor(seq_lens, dtype=torch.int32), max(query_lens), scale,
+        block_m=tile, block_n=tile,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+PREFILL_SHAPES = {
+    "pure": ([20, 1, 45], [20, 1, 45]),  # query == whole context
+    "prefix": ([17, 1, 5, 33], [50, 33, 70, 33]),  # cached prefix / chunked prefill / decode
+}
+
+
+@pytest.mark.parametrize("shape", PREFILL_SHAPES)
+@pytest.mark.parametrize(
+    ("block_size", "hq", "hkv", "head_dim", "dtype"),
+    [
+        (16, 4, 4, 64, torch.float32),
+        (1, 8, 2, 80, torch.float32),
+        (128, 8, 1, 128, torch.float32),
+        (16, 4, 1, 80, torch.float16),
+    ],
+)
+def test_prefill_matches_reference(shape, block_size, hq, hkv, head_dim, dtype):
+    query_lens, seq_lens = PREFILL_SHAPES[shape]
+    check_prefill(query_lens, seq_lens, block_size, hq, hkv, head_dim, dtype)
+
+
+def test_prefill_bf16_and_default_tiles():
+    check_prefill([7, 40], [30, 40], 16, 4, 2, 64, torch.bfloat16, tile=None)
+
+
+# ---------------------------------------------------------------- copy_blocks
+
+
+@pytest.mark.parametrize(("block_size", "num_kv_heads", "head_dim"), [(1, 2, 64), (16, 3, 80)])
+def test_copy_blocks_matches_reference(block_size, num_kv_heads, head_dim):
+    torch.manual_seed(0)
+    k_ref = random_cache(8, block_size, num_kv_heads, head_dim, torch.float32)
+    v_ref = random_cache(8, block_size, num_kv_heads, head_dim, torch.float32)
+    k_tri = random_cache(8, block_size, num_kv_heads, head_dim, torch.float32, strided=True)
+    k_tri.copy_(k_ref)
+    v_tri = v_ref.clone()
+    src = torch.tensor([5, 0, 2], dtype=torch.int64)
+    dst = torch.tensor([1, 7, 6], dtype=torch.int64)
+    before = k_ref.clone()
+
+    copy_blocks_reference(k_ref, v_ref, src, dst)
+    copy_blocks_triton(k_tri, v_tri, src, dst)
+    assert torch.equal(k_ref[dst], before[src])  # the reference itself does what it says
+    assert torch.equal(k_tri, k_ref)
+    assert torch.equal(v_tri, v_ref)
+
+
+def test_copy_blocks_dispatch_on_cpu():
+    k_cache = torch.arange(4.0).view(4, 1, 1, 1).expand(4, 2, 1, 16).contiguous()
+    v_cache = k_cache.clone()
+    copy_blocks(k_cache, v_cache, torch.tensor([3]), torch.tensor([0]))
+    assert (k_cache[0] == 3).all() and (v_cache[0] == 3).all()
+
+
+# ---------------------------------------------------------------- backend
+
+
+@pytest.mark.parametrize(("block_size", "hq", "hkv", "head_dim"), [(16, 4, 2, 64), (1, 8, 1, 80)])
+def test_triton_backend_matches_torch_backend(block_size, hq, hkv, head_dim):
+    # Two decodes first, then a chunk with a cached prefix, then a fresh prompt.
+    query_lens = [1, 1, 5, 23]
+    seq_lens = [17, 33, 40, 23]
+    k_cache, v_cache, _, tables = paged_setup(
+        seq_lens, block_size, hkv, head_dim, torch.float32, poison=False
+    )
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    assert meta.num_decodes == 2
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, hq, head_dim)
+    key = torch.randn(num_tokens, hkv, head_dim)
+    value = torch.randn(num_tokens, hkv, head_dim)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    expected = TorchAttentionBackend().forward(query, key, value, k_ref, v_ref, meta, 0.125)
+    out = TritonAttentionBackend().forward(query, key, value, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_triton_backend_check_device(monkeypatch):
+    backend = TritonAttentionBackend()
+    backend.check_device(torch.device("cuda"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backend.check_device(torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="torch attention backend|TRITON_INTERPRET=1"):
+        backend.check_device(torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- wide sweep
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "hq", "hkv"),
+    [
+        (2, 64, 8, 1),
+        (4, 128, 4, 4),
+        (8, 80, 4, 4),
+        (32, 128, 8, 2),
+        (64, 64, 8, 2),
+        (256, 80, 8, 1),
+    ],
+)
+def test_sweep_decode_and_prefill(block_size, head_dim, hq, hkv):
+    # CI runs slow tests too, so this covers the remaining block sizes in a few cases only.
+    check_decode([2, 63, 129], block_size, hq, hkv, head_dim, torch.float32, num_splits=3)
+    check_prefill([9, 64, 1], [40, 64, 130], block_size, hq, hkv, head_dim, torch.float32)

@@ -1,0 +1,377 @@
+"""OpenAI-compatible server, end to end on loopback: the official client, streaming, usage, n,
+stop, logprobs, seeds, OpenAI-style errors, disconnects, metrics, a 200-stream load test and
+the serving benchmark client. One in-process server (tiny model with a chat template)."""
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import time
+
+import httpx
+import openai
+import pytest
+
+from paged_llm.models.presets import default_model_dir
+from paged_llm.serve.background import ServerThread
+from paged_llm.serve.cli import build, make_parser
+from paged_llm.serve.metrics import parse_metrics
+
+MODEL = "tiny-chat"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+LABEL = f'{{model_name="{MODEL}"}}'
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """The tiny default checkpoint plus a chat template in tokenizer_config.json."""
+    src = default_model_dir()
+    dst = tmp_path_factory.mktemp("tiny-chat")
+    for f in src.iterdir():
+        if f.name == "model.safetensors":
+            os.symlink(f, dst / f.name)
+        else:
+            shutil.copy(f, dst / f.name)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir):
+    argv = [str(chat_model_dir), "--served-model-name", MODEL, "--max-model-len", "256"]
+    argv += ["--cpu-kv-cache-gib", "0.05", "--disable-log-stats"]
+    srv = ServerThread(build(make_parser().parse_args(argv))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(chat_model_dir), local_files_only=True)
+
+
+def metrics(server) -> dict[str, float]:
+    return parse_metrics(httpx.get(server.url + "/metrics").text)
+
+
+def wait_idle(server, timeout=10.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and no KV block is in use (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        idle = all(
+            m[f"vllm:{name}{LABEL}"] == 0
+            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        )
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def greedy(**kw):
+    return dict(temperature=0, extra_body={"ignore_eos": True}, **kw)
+
+
+# ---- basics -----------------------------------------------------------------------------------
+def test_health_models_and_version(server, client):
+    assert httpx.get(server.url + "/health").status_code == 200
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == 256
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_completion_usage_and_length(client, tokenizer):
+    prompt = "def fibonacci(n):"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, **greedy())
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+    assert isinstance(r.choices[0].text, str) and r.id.startswith("cmpl-")
+
+
+def test_streaming_completion_matches_whole(client):
+    kw = dict(model=MODEL, prompt="import os\n", max_tokens=12, **greedy())
+    whole = client.completions.create(**kw)
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) == 12  # one chunk per generated token
+    assert "".join(texts) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_chat_completion_stream_and_whole(client, tokenizer):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say something."},
+    ]
+    kw = dict(model=MODEL, messages=messages, max_tokens=9, **greedy())
+    whole = client.chat.completions.create(**kw)
+    msg = whole.choices[0].message
+    assert whole.object == "chat.completion" and msg.role == "assistant"
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert whole.usage.completion_tokens == 9
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == msg.content
+    assert chunks[-1].usage.completion_tokens == 9
+
+
+def test_n_choices_and_seed_determinism(client):
+    kw = dict(model=MODEL, prompt="class Parser:", max_tokens=10, n=2, seed=1234)
+    kw.update(temperature=1.0, extra_body={"ignore_eos": True})
+    first = client.completions.create(**kw)
+    again = client.completions.create(**kw)
+    assert sorted(c.index for c in first.choices) == [0, 1]
+    assert first.usage.completion_tokens == 2 * 10
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1]  # choices get derived seeds (seed + index)
+    other = client.completions.create(**{**kw, "seed": 99})
+    assert [c.text for c in sorted(other.choices, key=lambda c: c.index)] != texts
+
+
+def test_stop_string_streaming_and_whole(client):
+    kw = dict(model=MODEL, prompt="for i in range(", max_tokens=40, **greedy())
+    ref = client.completions.create(**kw).choices[0].text
+    # a stop string from the middle of the greedy output, at its first occurrence
+    k = next(
+        k
+        for k in range(len(ref) // 3, len(ref) - 3)
+        if ref[k : k + 3].isascii()
+        and ref.find(ref[k : k + 3]) == k
+        and "\ufffd" not in ref[: k + 3]
+    )
+    stop = ref[k : k + 3]
+    whole = client.completions.create(stop=[stop], **kw).choices[0]
+    assert whole.text == ref[:k] and whole.finish_reason == "stop"
+    assert whole.model_extra["stop_reason"] == stop
+    chunks = list(client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == ref[:k]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs_completion_and_chat(client):
+    r = client.completions.create(model=MODEL, prompt="x = ", max_tokens=4, logprobs=2, **greedy())
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)  # top-2 plus the sampled token
+    assert lp.text_offset[0] == 0
+    c = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        **greedy(),
+    )
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        # greedy: the chosen token is the most likely one
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+
+
+# ---- bad input --------------------------------------------------------------------------------
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"max_tokens": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "word " * 400}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 300}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [5, 999999]}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("/v1/nothing-here", {}, 404, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + path, **kw, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_errors_reach_the_official_client_and_others_are_unaffected(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi")
+    r = client.completions.create(model=MODEL, prompt="still here", max_tokens=3, **greedy())
+    assert r.usage.completion_tokens == 3
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    before = metrics(server)[f'vllm:request_success_total{{finished_reason="abort",{LABEL[1:]}']
+    body = {"prompt": "while True:", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    after = wait_idle(server)
+    assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0
+    assert after[f'vllm:request_success_total{{finished_reason="abort",{LABEL[1:]}'] == before + 1
+
+
+def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
+    key = f'vllm:request_success_total{{finished_reason="abort",{LABEL[1:]}'
+    before = metrics(server)[key]
+    body = {"prompt": "while True:", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    after = wait_idle(server)
+    assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0 and after[key] == before + 1
+
+
+def test_metrics_count_tokens_and_latencies(server, client, tokenizer):
+    before = wait_idle(server)
+    prompts = ("a", "bb cc", "def f(x): return x")
+    for prompt in prompts:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, **greedy())
+    after = metrics(server)
+
+    def delta(name):
+        return after[name] - before[name]
+
+    assert delta(f"vllm:generation_tokens_total{LABEL}") == 15
+    assert delta(f"vllm:prompt_tokens_total{LABEL}") == sum(
+        len(tokenizer.encode(p)) for p in prompts
+    )
+    for h in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert delta(f"vllm:{h}_seconds_count{LABEL}") == 3
+        assert (
+            after[f'vllm:{h}_seconds_bucket{{le="+Inf",{LABEL[1:]}']
+            == after[f"vllm:{h}_seconds_count{LABEL}"]
+        )
+    assert delta(f"vllm:time_per_output_token_seconds_count{LABEL}") == 3 * 4
+
+
+# ---- load -------------------------------------------------------------------------------------
+async def _stream_one(http, url, i, rng, max_tokens):
+    """One streaming request; a seeded fifth of them hang up after 0-3 events."""
+    hang_up_after = rng.randint(0, 3) if rng.random() < 0.2 else None
+    body = {
+        "model": MODEL,
+        "prompt": f"request {i}: " + "x" * rng.randint(1, 30),
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "seed": i,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    tokens, usage, done = 0, None, False
+    async with http.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            return r.status_code, None
+        events = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            if hang_up_after is not None and events >= hang_up_after:
+                return 200, "aborted"  # leaving the block closes the connection
+            events += 1
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if chunk["choices"]:
+                tokens += 1
+            else:
+                usage = chunk["usage"]
+    return 200, (tokens, usage, done)
+
+
+def test_load_200_concurrent_streams_with_disconnects(server):
+    rng = random.Random(0)
+    url = server.url + "/v1/completions"
+    max_tokens = 8
+
+    async def run():
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+        async with httpx.AsyncClient(limits=limits, timeout=60) as http:
+            return await asyncio.gather(
+                *(_stream_one(http, url, i, rng, max_tokens) for i in range(200))
+            )
+
+    results = asyncio.run(run())
+    statuses = [s for s, _ in results]
+    assert all(s == 200 for s in statuses), sorted(set(statuses))
+    finished = [r for _, r in results if r != "aborted"]
+    aborted = len(results) - len(finished)
+    assert 20 <= aborted <= 60  # about a fifth, seeded
+    for tokens, usage, done in finished:
+        assert done and tokens == max_tokens and usage["completion_tokens"] == max_tokens
+    m = wait_idle(server)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert m[f"vllm:{name}{LABEL}"] == 0
+    engine = server.server.config.app.state.engine.engine
+    assert not engine.has_unfinished_requests() and engine.kv_usage() == 0
+
+
+# ---- serving benchmark --------------------------------------------------------------------------
+def test_bench_serve_reports_vllm_layout(server, tmp_path, chat_model_dir):
+    from experiments import bench_serve
+
+    argv = ["--base-url", server.url, "--model", MODEL, "--num-prompts", "6"]
+    argv += ["--request-rate", "40", "--max-total-len", "64", "--seed", "1", "--quiet"]
+    argv += ["--result-dir", str(tmp_path), "--result-filename", "r.json"]
+    result = bench_serve.main(argv)
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["completed"] == 6 and saved["failed"] == 0
+    for key in ("total_input_tokens", "total_output_tokens", "request_throughput",
+                "output_throughput", "total_token_throughput", "duration", "request_rate",
+                "burstiness", "max_concurrency", "max_output_tokens_per_s"):  # fmt: skip
+        assert key in saved, key
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p99"):
+            assert saved[f"{stat}_{metric}_ms"] >= 0, (stat, metric)
+    assert result["total_output_tokens"] == saved["total_output_tokens"] > 0
+    # chat backend, text prompts from the tokenizer, max concurrency instead of a rate
+    argv = ["--base-url", server.url, "--model", MODEL, "--backend", "openai-chat"]
+    argv += ["--tokenizer", str(chat_model_dir), "--num-prompts", "4", "--max-concurrency", "2"]
+    argv += ["--max-total-len", "64", "--fit", "scale", "--quiet", "--save-detailed"]
+    chat = bench_serve.main(argv)
+    assert chat["completed"] == 4 and chat["max_concurrency"] == 2
+    assert len(chat["ttfts"]) == 4 and all(e == "" for e in chat["errors"])

@@ -1,0 +1,232 @@
+"""Block sharing: parallel sampling, beam search and prefix caching (copy-on-write blocks)."""
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_llm import LLM, BeamSearchParams, SamplingParams
+from paged_llm.core.kv.paged import PagedKVCacheManager
+from paged_llm.core.request import Request
+
+PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(5)]
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def ids_of(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ---- allocator invariants with sharing ---------------------------------------------------------
+def _req(rid, n_prompt):
+    return Request(str(rid), [3] * n_prompt, SamplingParams(max_tokens=40), max_model_len=64)
+
+
+def _check(kv: PagedKVCacheManager, live):
+    refs = [0] * kv.num_blocks
+    for r in live:
+        for b in kv.get_block_table(r):
+            refs[b] += 1
+    assert refs == kv.pool.ref_counts  # reference counts equal the owners; never negative
+    assert kv.pool.num_free == sum(c == 0 for c in refs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 30), st.integers(1, 9)), max_size=60)
+)
+def test_fork_append_free_swap_keep_refcounts(ops):
+    kv = PagedKVCacheManager(num_blocks=40, block_size=4, max_model_len=64, num_cpu_blocks=40)
+    live: list[Request] = []
+    swapped: list[list[Request]] = []
+    next_id = 0
+    for op, a, n in ops:
+        if op == 0:  # a new sequence computes its prompt
+            r = _req(next_id, 1 + a)
+            next_id += 1
+            if kv.allocate_slots(r, r.num_tokens):
+                r.num_computed_tokens = r.num_tokens
+                live.append(r)
+        elif op == 1 and live:  # fork
+            parent = live[a % len(live)]
+            child = _req(next_id, parent.num_prompt_tokens)
+            next_id += 1
+            child.output_token_ids = list(parent.output_token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            kv.fork(parent, child)
+            live.append(child)
+        elif op == 2 and live:  # append tokens: shared blocks must be copied first
+            r = live[a % len(live)]
+            n = min(n, 64 - r.num_tokens - 1)
+            if n > 0 and kv.allocate_slots(r, n):
+                first = r.num_computed_tokens // kv.block_size
+                last = kv.blocks_for(r.num_computed_tokens + n)
+                table = kv.get_block_table(r)
+                assert all(kv.pool.ref_counts[b] == 1 for b in table[first:last])  # COW
+                r.output_token_ids += [4] * n
+                r.num_computed_tokens += n
+            kv.take_block_ops()
+        elif op == 3 and live:  # free
+            kv.free(live.pop(a % len(live)))
+        elif op == 4:  # swap a group out, or one back in
+            if swapped and a % 2:
+                group = swapped.pop()
+                if kv.can_swap_in(group, 1):
+                    kv.swap_in(group)
+                    live += group
+                else:
+                    swapped.append(group)
+            elif live:
+                group = live[: 1 + a % 3]
+                if kv.swap_out(group) is not None:
+                    live = live[len(group) :]
+                    swapped.append(group)
+        _check(kv, live)
+    for r in live + [r for g in swapped for r in g]:
+        kv.free(r)
+    assert kv.pool.num_free == kv.num_blocks and kv.cpu_pool.num_free == kv.cpu_pool.num_blocks
+
+
+def test_swap_moves_a_shared_block_once():
+    kv = PagedKVCacheManager(num_blocks=16, block_size=4, max_model_len=64, num_cpu_blocks=16)
+    a = _req("a", 8)
+    assert kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    b = _req("b", 8)
+    b.num_computed_tokens = 8
+    kv.fork(a, b)
+    mapping = kv.swap_out([a, b])
+    assert len(mapping) == 2  # two shared blocks, copied once each
+    assert kv.cpu_pool.num_free == 14 and kv.pool.num_free == 16
+
+
+# ---- engine ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    from tests.test_engine import hf_greedy
+
+    return [hf_greedy(tiny_llama[1], p, 12) for p in PROMPTS]
+
+
+def test_parallel_sampling_shares_prompt_blocks(tiny_llama, reference):
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(12, n=3))
+    for out, ref in zip(outs, reference):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert all(c.token_ids == ref for c in out.outputs)  # greedy samples agree
+    sp = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=10, ignore_eos=True)
+    a = llm.generate({"prompt_token_ids": PROMPTS[4]}, sp)[0]
+    b = llm.generate({"prompt_token_ids": PROMPTS[4]}, sp)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1  # the samples differ
+    # memory: 4 samples of a 25-token prompt hold fewer blocks than 4 separate requests
+    engine = llm.llm_engine
+    engine.add_request("s", {"prompt_token_ids": PROMPTS[4]}, sp)
+    engine.step()
+    engine.step()  # the samples forked and wrote their own last block
+    shared = engine.scheduler.kv.num_blocks - engine.scheduler.kv.num_free_blocks()
+    assert shared < 4 * 7  # 7 blocks each without sharing
+    engine.abort_request("s")
+    assert engine.kv_usage() == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_parallel_sampling_under_preemption(tiny_llama, reference, mode):
+    llm = LLM(
+        str(tiny_llama[0]), block_size=4, max_model_len=64, num_gpu_blocks_override=40,
+        preemption_mode=mode, swap_space=0.01,
+    )  # fmt: skip
+    logging.getLogger("paged_llm.core.scheduler").setLevel(logging.ERROR)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(12, n=2))
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    for out, ref in zip(outs, reference):
+        assert all(c.token_ids == ref for c in out.outputs)
+
+
+def test_parallel_sampling_without_sharing_policy(tiny_llama, reference):
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, num_gpu_blocks_override=64,
+              policy="orca_oracle")  # fmt: skip
+    outs = llm.generate({"prompt_token_ids": PROMPTS[2]}, greedy(12, n=2))
+    assert all(c.token_ids == reference[2] for c in outs[0].outputs)
+
+
+def hf_beam(model, prompt, width, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, num_beams=width,
+            do_sample=False, eos_token_id=None, pad_token_id=0, num_return_sequences=width,
+            early_stopping=False, length_penalty=1.0,
+        )  # fmt: skip
+    return [row[len(prompt) :].tolist() for row in out]
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_matches_transformers(tiny_llama, width):
+    path, model = tiny_llama
+    llm = LLM(str(path), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01)
+    prompts = PROMPTS[:3]
+    outs = llm.beam_search(
+        [{"prompt_token_ids": p} for p in prompts],
+        BeamSearchParams(beam_width=width, max_tokens=8, ignore_eos=True),
+    )
+    for prompt, out in zip(prompts, outs):
+        ref = hf_beam(model, prompt, width, 8)
+        assert out.sequences[0].tokens[len(prompt) :] == ref[0]
+        assert len(out.sequences) == width
+    assert llm.llm_engine.kv_usage() == 0  # every beam's blocks were released
+
+
+def test_beam_search_under_preemption(tiny_llama):
+    path, model = tiny_llama
+    llm = LLM(str(path), block_size=4, max_model_len=64, num_gpu_blocks_override=24)
+    logging.getLogger("paged_llm.core.scheduler").setLevel(logging.ERROR)
+    prompts = PROMPTS[2:5]
+    outs = llm.beam_search(
+        [{"prompt_token_ids": p} for p in prompts],
+        BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True),
+    )
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.sequences[0].tokens[len(prompt) :] == hf_beam(model, prompt, 3, 8)[0]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_prefix_caching_gives_identical_outputs(tiny_llama, reference, mode):
+    shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]  # three full blocks of 4
+    prompts = [shared + p for p in PROMPTS]
+    kw = dict(block_size=4, max_model_len=64, num_gpu_blocks_override=48, preemption_mode=mode,
+              swap_space=0.01)  # fmt: skip
+    logging.getLogger("paged_llm.core.scheduler").setLevel(logging.ERROR)
+    off = ids_of(LLM(str(tiny_llama[0]), **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy(12)))  # fmt: skip
+    llm = LLM(str(tiny_llama[0]), enable_prefix_caching=True, **kw)
+    on = ids_of(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(12)))
+    again = ids_of(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(12)))
+    assert on == off == again
+    kv = llm.llm_engine.scheduler.kv
+    assert kv.prefix_hits > 0 and 0 < kv.prefix_cache_hit_rate() <= 1
+
+
+def test_fully_cached_prompt_still_computes_a_token(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01,
+              enable_prefix_caching=True)  # fmt: skip
+    prompt = {"prompt_token_ids": list(range(3, 19))}  # exactly four full blocks
+    first = ids_of(llm.generate(prompt, greedy(5)))
+    engine = llm.llm_engine
+    engine.iteration_stats.clear()
+    second = ids_of(llm.generate(prompt, greedy(5)))
+    assert first == second
+    assert engine.iteration_stats[0].num_batched_tokens >= 1
+    assert engine.iteration_stats[0].num_batched_tokens < 16  # three blocks came from cache
+
+
+def test_prefix_caching_needs_a_paged_policy(tiny_llama):
+    with pytest.raises(ValueError, match="does not take"):
+        LLM(str(tiny_llama[0]), policy="orca_max", enable_prefix_caching=True,
+            num_gpu_blocks_override=64, max_model_len=64)  # fmt: skip

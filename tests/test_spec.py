@@ -1,0 +1,172 @@
+"""Speculative decoding: exactness (greedy and sampled), rollback, metrics."""
+
+import logging
+from collections import Counter
+
+import pytest
+import torch
+
+from paged_llm import LLM, SamplingParams
+from paged_llm.spec.metrics import SpecDecodeStats
+from paged_llm.spec.ngram import NgramDrafter
+from paged_llm.spec.rejection import expected_tokens_per_step, verify_greedy, verify_sampled
+
+PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(5)]
+
+
+def save_llama(path, vocab=256, hidden=64, layers=2, seed=0):
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    tf.LlamaForCausalLM(cfg).eval().save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return save_llama(tmp_path_factory.mktemp("draft"), hidden=32, layers=1, seed=1)
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def ids_of(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ---- the pieces -------------------------------------------------------------------------------
+def test_ngram_proposes_most_recent_continuation():
+    d = NgramDrafter(num_speculative_tokens=3, prompt_lookup_max=2)
+    assert d.propose_one([1, 2, 3, 9, 1, 2, 4, 5, 1, 2]) == [4, 5, 1]
+    assert d.propose_one([7, 8, 9]) == []
+
+
+def test_verify_greedy():
+    logits = torch.full((4, 10), -5.0)
+    for i, t in enumerate([3, 4, 6, 8]):
+        logits[i, t] = 5.0
+    assert verify_greedy(logits, [3, 4, 5]) == [3, 4, 6]  # two accepted, then the target's
+    assert verify_greedy(logits, [3, 4, 6]) == [3, 4, 6, 8]  # all accepted + bonus
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rejection_sampling_is_exact(deterministic):
+    """Chi-square: the first emitted token is distributed as the target's p, whatever q is."""
+    torch.manual_seed(0)
+    v = 6
+    p = torch.softmax(torch.randn(2, v), -1)
+    q = torch.softmax(torch.randn(1, v) * 2, -1)
+    gen = torch.Generator().manual_seed(1)
+    n = 20000
+    counts = Counter()
+    for _ in range(n):
+        if deterministic:  # an n-gram draft: always the same token (one-hot q)
+            out = verify_sampled(p, None, [2], gen)
+        else:
+            d = int(torch.multinomial(q[0], 1, generator=gen))
+            out = verify_sampled(p, q, [d], gen)
+        counts[out[0]] += 1
+    observed = torch.tensor([counts[i] for i in range(v)], dtype=torch.float64)
+    expected = p[0].double() * n
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # 99.9% quantile of chi-square with 5 degrees of freedom
+
+
+def test_expected_tokens_formula_and_stats():
+    assert expected_tokens_per_step(0.0, 4) == 1.0
+    assert expected_tokens_per_step(1.0, 4) == 5.0
+    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)
+    s = SpecDecodeStats()
+    s.record(3, 1)
+    s.record(3, 3)
+    d = s.as_dict()
+    assert d["acceptance_rate"] == pytest.approx(4 / 6)
+    assert d["mean_acceptance_length"] == pytest.approx(3.0)
+    assert d["acceptance_rate_per_position"] == [1.0, 0.5, 0.5]
+
+
+# ---- the engine -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01)
+    return ids_of(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(12)))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_speculation_is_exact(tiny_llama, draft_dir, reference, method, k):
+    spec = {"method": method, "num_speculative_tokens": k}
+    if method == "draft_model":
+        spec["model"] = str(draft_dir)
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01,
+              speculative_config=spec)  # fmt: skip
+    assert ids_of(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(12))) == reference
+    assert ids_of(llm.generate({"prompt_token_ids": PROMPTS[3]}, greedy(12))) == [reference[3]]
+    stats = llm.llm_engine.spec_stats
+    assert stats.num_draft_tokens > 0
+    assert llm.llm_engine.kv_usage() == 0
+
+
+def test_self_draft_accepts_everything(tiny_llama, reference):
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_llama[0])}
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01,
+              speculative_config=spec)  # fmt: skip
+    assert ids_of(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(12))) == reference
+    assert llm.llm_engine.spec_stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_under_preemption(tiny_llama, draft_dir, reference, mode, method):
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(draft_dir)
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, num_gpu_blocks_override=40,
+              preemption_mode=mode, swap_space=0.01, speculative_config=spec)  # fmt: skip
+    logging.getLogger("paged_llm.core.scheduler").setLevel(logging.ERROR)
+    outs = ids_of(llm.generate([{"prompt_token_ids": p} for p in PROMPTS * 2], greedy(12)))
+    assert outs == reference * 2
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def test_sampled_speculation_keeps_the_target_distribution(tmp_path):
+    """Two-sample chi-square on a 6-token vocabulary: the second generated token's marginal is
+    the same with and without a (poor) draft model."""
+    target = save_llama(tmp_path / "t", vocab=6, hidden=32, layers=1, seed=0)
+    draft = save_llama(tmp_path / "d", vocab=6, hidden=32, layers=1, seed=5)
+    n = 600
+    prompts = [{"prompt_token_ids": [1, 2, 3]}] * n
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=2, ignore_eos=True)
+              for s in range(n)]  # fmt: skip
+    kw = dict(block_size=4, max_model_len=32, cpu_kv_cache_gib=0.01)
+    plain = Counter(o[1] for o in ids_of(LLM(str(target), **kw).generate(prompts, params)))
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(draft)}
+    llm = LLM(str(target), speculative_config=spec, **kw)
+    params2 = [SamplingParams(temperature=1.0, seed=10_000 + s, max_tokens=2, ignore_eos=True)
+               for s in range(n)]  # fmt: skip
+    specd = Counter(o[1] for o in ids_of(llm.generate(prompts, params2)))
+    assert llm.llm_engine.spec_stats.num_draft_tokens > 0
+    chi2 = 0.0
+    for t in range(6):
+        a, b = plain[t], specd[t]
+        if a + b:
+            chi2 += (a - b) ** 2 / (a + b)
+    assert chi2 < 20.5  # 99.9% quantile, 5 degrees of freedom
+
+
+def test_bad_speculative_config(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(str(tiny_llama[0]), speculative_config={"method": "ngram"}, cpu_kv_cache_gib=0.01)
+    with pytest.raises(ValueError, match="unknown speculative method"):
+        LLM(str(tiny_llama[0]), speculative_config={"method": "medusa",
+            "num_speculative_tokens": 2}, cpu_kv_cache_gib=0.01)  # fmt: skip
+    other = save_llama(tmp_path / "v", vocab=128)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(tiny_llama[0]), cpu_kv_cache_gib=0.01, speculative_config={
+            "method": "draft_model", "num_speculative_tokens": 2, "model": str(other)})  # fmt: skip
