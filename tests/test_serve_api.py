@@ -1,6 +1,7 @@
-"""OpenAI-compatible server, end to end on loopback: the official client, streaming, usage, n,
-stop, logprobs, seeds, OpenAI-style errors, disconnects, metrics, a 200-stream load test and
-the serving benchmark client. One in-process server (tiny model with a chat template)."""
+"""OpenAI-compatible server, end to end on loopback: the official client, streaming, usage, n
+(parallel sampling), stop, logprobs, seeds, OpenAI-style errors, disconnects, metrics, a
+200-stream load test and the serving benchmark client. One in-process server (tiny model with a
+chat template), plus small ones for speculative decoding and prefix caching."""
 
 import asyncio
 import json
@@ -8,6 +9,7 @@ import os
 import random
 import shutil
 import time
+from collections import defaultdict
 
 import httpx
 import openai
@@ -42,11 +44,16 @@ def chat_model_dir(tmp_path_factory):
     return dst
 
 
+def start_server(model_dir, *extra):
+    """An in-process server on the tiny checkpoint, with extra flags."""
+    argv = [str(model_dir), "--served-model-name", MODEL, "--max-model-len", "256"]
+    argv += ["--cpu-kv-cache-gib", "0.05", "--disable-log-stats", *extra]
+    return ServerThread(build(make_parser().parse_args(argv))).start()
+
+
 @pytest.fixture(scope="module")
 def server(chat_model_dir):
-    argv = [str(chat_model_dir), "--served-model-name", MODEL, "--max-model-len", "256"]
-    argv += ["--cpu-kv-cache-gib", "0.05", "--disable-log-stats"]
-    srv = ServerThread(build(make_parser().parse_args(argv))).start()
+    srv = start_server(chat_model_dir)
     yield srv
     srv.stop()
 
@@ -65,6 +72,23 @@ def tokenizer(chat_model_dir):
 
 def metrics(server) -> dict[str, float]:
     return parse_metrics(httpx.get(server.url + "/metrics").text)
+
+
+def abort_count(server) -> float:
+    return metrics(server)[f'vllm:request_success_total{{finished_reason="abort",{LABEL[1:]}']
+
+
+def by_index(choices):
+    return [c.text for c in sorted(choices, key=lambda c: c.index)]
+
+
+def streamed_choices(chunks):
+    """Choice index -> its streamed chunk entries, in order."""
+    per = defaultdict(list)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            per[choice.index].append(choice)
+    return per
 
 
 def wait_idle(server, timeout=10.0) -> dict[str, float]:
@@ -151,6 +175,55 @@ def test_n_choices_and_seed_determinism(client):
     assert texts[0] != texts[1]  # choices get derived seeds (seed + index)
     other = client.completions.create(**{**kw, "seed": 99})
     assert [c.text for c in sorted(other.choices, key=lambda c: c.index)] != texts
+
+
+def test_parallel_sampling_n3_whole_and_streamed(server, client, tokenizer):
+    prompt = "class Parser:"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, n=3, seed=7, temperature=1.0)
+    kw["extra_body"] = {"ignore_eos": True}
+    whole = client.completions.create(**kw)
+    texts = by_index(whole.choices)
+    assert len(texts) == 3 and len(set(texts)) == 3
+    # one engine request: the prompt is counted once, not once per choice
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert whole.usage.completion_tokens == 3 * 6
+    # choice i is sampled with seed + i, exactly like a single request with that seed
+    singles = [client.completions.create(**{**kw, "n": 1, "seed": 7 + i}) for i in range(3)]
+    assert texts == [r.choices[0].text for r in singles]
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    per = streamed_choices(chunks)
+    assert sorted(per) == [0, 1, 2]
+    for i, entries in per.items():
+        assert len(entries) == 6  # one chunk per token of that choice, none for the others
+        assert "".join(e.text for e in entries) == texts[i]
+        assert [e.finish_reason for e in entries] == [None] * 5 + ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    # chat: every choice starts with its role chunk
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=3,
+        stream=True, **greedy(),
+    )  # fmt: skip
+    per = streamed_choices(chat)
+    assert sorted(per) == [0, 1, 2]
+    assert all(entries[0].delta.role == "assistant" for entries in per.values())
+    assert all(entries[-1].finish_reason == "length" for entries in per.values())
+    contents = {"".join(e.delta.content or "" for e in entries) for entries in per.values()}
+    assert len(contents) == 1  # greedy samples of one prompt agree
+    m = wait_idle(server)
+    assert m[f"vllm:kv_cache_usage_perc{LABEL}"] == 0
+    assert server.server.config.app.state.engine.engine.kv_usage() == 0
+
+
+def test_prompt_batch_with_n_gives_n_choices_per_prompt(client):
+    prompts = [[5, 6, 7], [8, 9]]  # token ids: two prompts, so two engine requests
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, n=2, **greedy())
+    texts = by_index(r.choices)
+    assert len(texts) == 4
+    # choice i belongs to prompt i // n; greedy samples of one prompt agree
+    assert texts[0] == texts[1] and texts[2] == texts[3]
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 4 * 3
 
 
 def test_stop_string_streaming_and_whole(client):
@@ -251,6 +324,17 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     after = wait_idle(server)
     assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0
     assert after[f'vllm:request_success_total{{finished_reason="abort",{LABEL[1:]}'] == before + 1
+
+
+def test_disconnect_aborts_every_sample_of_n(server):
+    before = abort_count(server)
+    body = {"prompt": "while True:", "max_tokens": 200, "n": 3, "stream": True}
+    body["ignore_eos"] = True
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data:"))
+    after = wait_idle(server)
+    assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0
+    assert abort_count(server) == before + 3  # counted per choice, as vLLM counts sequences
 
 
 def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
@@ -375,3 +459,54 @@ def test_bench_serve_reports_vllm_layout(server, tmp_path, chat_model_dir):
     chat = bench_serve.main(argv)
     assert chat["completed"] == 4 and chat["max_concurrency"] == 2
     assert len(chat["ttfts"]) == 4 and all(e == "" for e in chat["errors"])
+
+
+# ---- engine features: speculative decoding, prefix caching --------------------------------------
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+REPETITIVE = "def fib(n):\n    return fib(n-1) + fib(n-2)\n\ndef fib(n):"
+
+
+@pytest.fixture(scope="module")
+def spec_server(chat_model_dir):
+    srv = start_server(chat_model_dir, "--speculative-config", SPEC)
+    yield srv
+    srv.stop()
+
+
+def test_speculative_decoding_keeps_greedy_output_and_counts_drafts(server, client, spec_server):
+    spec = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="-", max_retries=0, timeout=60)
+    for prompt in (REPETITIVE, "import os\n"):
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=30, **greedy())
+        want = client.completions.create(**kw).choices[0].text
+        assert spec.completions.create(**kw).choices[0].text == want
+        chunks = list(spec.completions.create(stream=True, **kw))
+        assert "".join(c.choices[0].text for c in chunks) == want
+    m = metrics(spec_server)
+    drafts = m[f"vllm:spec_decode_num_drafts_total{LABEL}"]
+    draft_tokens = m[f"vllm:spec_decode_num_draft_tokens_total{LABEL}"]
+    accepted = m[f"vllm:spec_decode_num_accepted_tokens_total{LABEL}"]
+    assert 0 < drafts <= draft_tokens <= 3 * drafts and 0 < accepted <= draft_tokens
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    per_pos = [m[f'{name}{{{LABEL[1:-1]},position="{i}"}}'] for i in range(3)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    # a server without speculation (or prefix caching) exports no zero-valued placeholders
+    text = httpx.get(server.url + "/metrics").text
+    assert "spec_decode" not in text and "prefix_cache" not in text
+
+
+def test_prefix_cache_metrics_count_hits_of_a_repeated_prompt(chat_model_dir):
+    srv = start_server(chat_model_dir, "--enable-prefix-caching", "--block-size", "16")
+    try:
+        prompt = list(range(10, 90))  # 80 tokens: 4 full blocks ahead of the last token
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        queries = f"vllm:prefix_cache_queries_total{LABEL}"
+        hits = f"vllm:prefix_cache_hits_total{LABEL}"
+        counts = []
+        for _ in range(2):
+            assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 200
+            m = metrics(srv)
+            counts.append((m[queries], m[hits]))
+        assert counts[0] == (4, 0)  # cold cache: the blocks are looked up, none is found
+        assert counts[1] == (8, 4)  # the repeat finds every block of its prefix
+    finally:
+        srv.stop()

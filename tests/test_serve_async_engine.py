@@ -13,10 +13,12 @@ from paged_llm.serve.async_engine import AsyncEngine, SubRequest
 from paged_llm.serve.errors import BadRequest, EngineUnavailable, ServerBusy
 from paged_llm.serve.metrics import ServerMetrics
 from paged_llm.serve.prompts import token_prompt
+from paged_llm.serve.render import Choices
 
 
 class FakeEngine:
-    """LLMEngine's interface; each step emits token 7 for every request unless held."""
+    """LLMEngine's interface; each step emits token 7 for every sample of every request (a
+    request has params.n samples; sample i stops i tokens early) unless held."""
 
     def __init__(self):
         self.tokenizer = None
@@ -46,13 +48,18 @@ class FakeEngine:
         outs = []
         for rid, (ids, params, out) in list(self.live.items()):
             out.append(7)
+            completions = [
+                CompletionOutput(i, "x" * n, [7] * n, finish_reason=None)
+                for i in range(params.n)
+                for n in [min(len(out), params.max_tokens - i)]
+            ]
+            for i, c in enumerate(completions):
+                c.finish_reason = "length" if len(out) >= params.max_tokens - i else None
             done = len(out) >= params.max_tokens
             if done:
                 del self.live[rid]
-            completion = CompletionOutput(0, "x" * len(out), list(out))
-            completion.finish_reason = "length" if done else None
             metrics = RequestMetrics(0.0, 0.0, 0.0, 1.0 if done else None, [0.0] * len(out))
-            outs.append(RequestOutput(rid, None, ids, [completion], done, metrics))
+            outs.append(RequestOutput(rid, None, ids, completions, done, metrics))
         return outs
 
     def abort_request(self, ids):
@@ -67,8 +74,8 @@ class FakeEngine:
         return len(self.live) / 100
 
 
-def sub(ids=(1, 2), max_tokens=3):
-    return SubRequest(token_prompt(list(ids)), SamplingParams(max_tokens=max_tokens))
+def sub(ids=(1, 2), max_tokens=3, n=1):
+    return SubRequest(token_prompt(list(ids)), SamplingParams(max_tokens=max_tokens, n=n))
 
 
 def run(fake, body, max_waiting=None):
@@ -98,6 +105,48 @@ def test_updates_arrive_in_order_until_every_choice_finishes():
     assert [s for s in seen if s[0] == 0] == [(0, 1, False), (0, 2, False), (0, 3, True)]
     assert [s for s in seen if s[0] == 1] == [(1, 1, False), (1, 2, True)]
     assert generated == 5 and unstarted == 0
+
+
+def test_n_samples_are_one_engine_request_counted_per_sample():
+    fake = FakeEngine()
+    fake.hold = True
+
+    async def body(engine):
+        group = await engine.submit([sub(max_tokens=3, n=3)])
+        unstarted = engine.num_unstarted  # all 3 samples wait for the shared prompt
+        fake.hold = False
+        choices = Choices([group.subs[0].params])
+        deltas = [d async for u in group.updates() for d in choices.apply(u)]
+        group.close()
+        m = engine.metrics
+        return unstarted, deltas, choices, (m.prompt_tokens, m.generation_tokens, m.finished)
+
+    unstarted, deltas, choices, (prompt, generated, finished) = run(fake, body)
+    assert unstarted == 3 and len(fake.aborted) == 0
+    # sample i has 3 - i tokens; a finished sample sends nothing more
+    assert [(d.index, d.finish_reason) for d in deltas] == [
+        (0, None), (1, None), (2, "length"), (0, None), (1, "length"), (0, "length"),
+    ]  # fmt: skip
+    assert prompt == 2 and generated == 3 + 2 + 1  # the prompt is counted once
+    assert finished["length"] == 3
+    assert choices.usage() == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+
+
+def test_closing_a_group_aborts_its_unfinished_samples():
+    fake = FakeEngine()
+
+    async def body(engine):
+        group = await engine.submit([sub(max_tokens=50, n=4)])
+        await anext(group.updates())
+        group.close()
+        for _ in range(200):  # the abort is applied between engine steps
+            if not fake.live:
+                break
+            await asyncio.sleep(0.01)
+        return engine.metrics.finished["abort"], engine.num_unstarted
+
+    assert run(fake, body) == (4, 0)  # every sample counted as aborted
+    assert len(fake.aborted) == 1 and fake.live == {}  # one engine request aborted
 
 
 def test_a_bad_sub_request_rejects_the_whole_group():
@@ -149,6 +198,8 @@ def test_waiting_requests_are_bounded():
             await engine.submit([sub()])
         with pytest.raises(BadRequest, match="waiting limit"):  # could never fit
             await engine.submit([sub(), sub(), sub()])
+        with pytest.raises(BadRequest, match="3 sequences"):  # n samples count separately
+            await engine.submit([sub(n=3)])
         a.close()
         c = await engine.submit([sub()])  # room again
         b.close()

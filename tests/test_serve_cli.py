@@ -1,4 +1,5 @@
-"""The serve command line: vLLM's flags map onto EngineConfig, unsupported ones fail fast, and
+"""The serve command line: vLLM's flags map onto EngineConfig (speculative decoding, prefix
+caching, quantization, KV cache dtype included), bad or unsupported ones fail fast, and
 SIGTERM shuts a real server process down gracefully (in-flight stream finishes, exit 0)."""
 
 import json
@@ -11,9 +12,11 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from paged_llm.config import EngineConfig
-from paged_llm.serve.cli import engine_accepts, engine_kwargs, main, make_parser
+from paged_llm.serve.background import ServerThread
+from paged_llm.serve.cli import build, engine_kwargs, main, make_parser
 
 
 def kwargs_of(*argv):
@@ -34,46 +37,61 @@ def test_vllm_flags_map_to_engine_config():
     assert kwargs_of("some/dir")["model"] == "some/dir"  # vLLM's positional model
 
 
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+
+
+def test_engine_features_pass_through():
+    kw = kwargs_of(
+        "--enable-prefix-caching", "--speculative-config", json.dumps(SPEC),
+        "-q", "int8", "--kv-cache-dtype", "fp8_e4m3",
+    )  # fmt: skip
+    cfg = EngineConfig.from_kwargs(**kw)
+    assert cfg.cache.enable_prefix_caching and cfg.speculative_config == SPEC
+    assert cfg.model.quantization == "int8" and cfg.cache.kv_cache_dtype == "fp8_e4m3"
+
+
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "message"),
     [
-        ["--tensor-parallel-size", "2"],
-        ["--quantization", "awq"],
-        ["--kv-cache-dtype", "fp8"],
-        ["a", "--model", "b"],
-        ["--max-waiting", "-1"],
+        (["--tensor-parallel-size", "2"], "single device"),
+        (["--quantization", "bnb"], "unknown method 'bnb'"),
+        (["--kv-cache-dtype", "fp8_e5m2"], "unknown dtype 'fp8_e5m2'"),
+        (["--speculative-config", "{not json"], "not valid JSON"),
+        (["--speculative-config", "[3]"], "expected a JSON object"),
+        (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
+        (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'],
+         "unknown speculative method"),
+        (["--speculative-config", '{"num_speculative_tokens": 2, "lookup": 3}'], "lookup"),
+        (["a", "--model", "b"], "model given twice"),
+        (["--max-waiting", "-1"], "--max-waiting"),
     ],
-)
-def test_unsupported_flags_fail_before_loading(argv, capsys):
+)  # fmt: skip
+def test_bad_or_unsupported_flags_fail_before_loading(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert "error:" in capsys.readouterr().err
-
-
-SPEC = {"method": "ngram", "num_speculative_tokens": 3}
-
-
-@pytest.mark.parametrize(
-    ("argv", "key", "value"),
-    [
-        (["--enable-prefix-caching"], "enable_prefix_caching", True),
-        (["--speculative-config", json.dumps(SPEC)], "speculative_config", SPEC),
-    ],
-)
-def test_engine_features_pass_through_once_the_engine_has_them(argv, key, value, capsys):
-    if engine_accepts(key, value):
-        assert kwargs_of(*argv)[key] == value
-    else:  # not in EngineConfig yet: refused at startup, not silently ignored
-        with pytest.raises(SystemExit) as exc:
-            main(argv)
-        assert exc.value.code == 2
-        assert "not supported by the engine yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error:" in err and message in err
 
 
 def test_defaults_are_accepted():
-    kw = kwargs_of("--no-enable-prefix-caching")
-    assert kw["model"] == "tiny" and "enable_prefix_caching" not in kw
+    kw = kwargs_of("--no-enable-prefix-caching", "--kv-cache-dtype", "auto")
+    assert kw["model"] == "tiny"
+    for key in ("enable_prefix_caching", "speculative_config", "quantization", "kv_cache_dtype"):
+        assert key not in kw  # left to the engine's defaults
+
+
+def test_int8_kv_cache_serves_tokens():
+    argv = ["--model", "tiny", "--kv-cache-dtype", "int8", "--max-model-len", "128"]
+    argv += ["--cpu-kv-cache-gib", "0.01", "--disable-log-stats"]
+    with ServerThread(build(make_parser().parse_args(argv))) as srv:
+        engine = srv.server.config.app.state.engine.engine
+        caches = [t for layer in engine.runner.kv_caches for t in layer]  # (K, V) per layer
+        assert engine.runner.kv_spec.quantized and all(t.dtype == torch.int8 for t in caches)
+        body = {"prompt": "def f(x):", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
 
 
 def _free_port():

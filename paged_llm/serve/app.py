@@ -163,13 +163,13 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
         req = parse_request(await request.body(), CompletionRequest)
         model = model_name(req.model)
         params = sampling_params(req, settings.max_logprobs)
+        # one engine request per prompt; the engine samples its n choices itself
         subs = [
             SubRequest(
                 text_prompt(p, req.add_special_tokens) if isinstance(p, str) else token_prompt(p),
-                sp,
+                params,
             )
             for p in completion_prompts(req.prompt)
-            for sp in params
         ]
         return await _generate(request, req, subs, model, chat=False)
 
@@ -185,7 +185,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
             req.continue_final_message,
             req.chat_template_kwargs,
         )
-        subs = [SubRequest(render, sp) for sp in params]
+        subs = [SubRequest(render, params)]
         return await _generate(request, req, subs, model, chat=True)
 
     async def _generate(
@@ -194,8 +194,10 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
         prefix = "chatcmpl" if chat else "cmpl"
         group = await engine.submit(subs, request_id=f"{prefix}-{uuid.uuid4().hex}")
         if settings.log_requests:
-            logger.info("request %s: %d engine request(s)", group.request_id, len(subs))
-        choices = Choices([s.params for s in subs], req.n)
+            logger.info(
+                "request %s: %d engine request(s), n=%d", group.request_id, len(subs), req.n
+            )
+        choices = Choices([s.params for s in subs])
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -241,12 +243,12 @@ async def _sse(
         if update.error is not None:
             yield _event(update.error.body())
             break
-        delta = choices.apply(update)
-        if chat:
-            for chunk in chat_chunks(rid, created, model, choices, delta):
-                yield _event(chunk)
-        else:
-            yield _event(completion_chunk(rid, created, model, choices, delta))
+        for delta in choices.apply(update):  # one chunk (chat: or two) per changed choice
+            if chat:
+                for chunk in chat_chunks(rid, created, model, choices, delta):
+                    yield _event(chunk)
+            else:
+                yield _event(completion_chunk(rid, created, model, choices, delta))
     else:
         if usage:
             obj = "chat.completion.chunk" if chat else "text_completion"

@@ -3,9 +3,10 @@
 One dedicated thread owns the engine (and its tokenizer): between steps it drains a queue of
 add / abort / stop commands, then runs ``step()`` while any request is unfinished, and hands
 each step's outputs to the event loop with one ``call_soon_threadsafe``. Handlers never touch
-the engine; they submit a group of engine requests (one per prompt and choice) and read its
-updates from an asyncio queue. Closing a group that has not finished aborts it, which frees its
-KV blocks: that is how a client disconnect reaches the engine.
+the engine; they submit a group of engine requests (one per prompt, each sampling the request's
+``n`` choices itself, sharing the prompt's KV blocks) and read its updates from an asyncio queue.
+Closing a group that has not finished aborts it, which frees its KV blocks: that is how a client
+disconnect reaches the engine.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.errors import APIError, BadRequest, EngineUnavailable, ServerBusy
-from paged_llm.serve.metrics import EngineGauges, ServerMetrics
+from paged_llm.serve.metrics import EngineGauges, ServerMetrics, engine_gauges
 from paged_llm.serve.prompts import PromptRenderer, check_fits
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,16 @@ _LIVENESS_S = 1.0  # how often waiting handlers check that the engine thread is 
 
 @dataclass
 class SubRequest:
-    """One engine request of a server request: its prompt renderer and sampling params."""
+    """One engine request of a server request: its prompt renderer and sampling params
+    (``params.n`` choices, sampled by the engine as one request)."""
 
     render: PromptRenderer
     params: SamplingParams
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this engine request runs: one per choice."""
+        return self.params.n
 
 
 @dataclass
@@ -45,7 +52,7 @@ class Update:
     """Progress of one engine request: its latest output, or why it ended without one."""
 
     index: int  # position in the group's sub-requests
-    output: RequestOutput | None = None  # cumulative text / token ids / logprobs so far
+    output: RequestOutput | None = None  # every choice's cumulative text / token ids / logprobs
     token_strings: dict[int, str] = field(default_factory=dict)  # for logprob token ids
     aborted: bool = False
     error: APIError | None = None
@@ -65,7 +72,7 @@ class RequestGroup:
         self.subs = subs
         self.sub_ids = [f"{request_id}-{i}" for i in range(len(subs))]
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
-        self.unstarted = set(range(len(subs)))  # no output yet: counts against max_waiting
+        self.unstarted = set(range(len(subs)))  # no output yet: n each against max_waiting
         self.unfinished = set(range(len(subs)))
         self.closed = False
 
@@ -111,12 +118,20 @@ class _Stop:
 
 @dataclass
 class _Live:
-    """Engine-thread bookkeeping of one submitted engine request."""
+    """Engine-thread bookkeeping of one submitted engine request (all its samples)."""
 
     group: RequestGroup
     index: int
     wants_logprobs: bool
-    num_tokens: int = 0  # generated tokens already reported
+    num_samples: int
+    started: bool = False  # prompt tokens counted
+    num_tokens: dict[int, int] = field(default_factory=dict)  # sample -> tokens reported
+    finished: set[int] = field(default_factory=set)  # samples whose finish was counted
+
+    @property
+    def num_unfinished(self) -> int:
+        """Samples an abort would cut short."""
+        return self.num_samples - len(self.finished)
 
 
 class AsyncEngine:
@@ -131,7 +146,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.gauges = EngineGauges()
-        self.num_unstarted = 0  # event-loop side: submitted sub-requests without output yet
+        self.num_unstarted = 0  # event-loop side: submitted sequences without output yet
         self._ids = itertools.count()
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._groups: dict[str, RequestGroup] = {}  # event-loop side, by request id
@@ -178,12 +193,13 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineUnavailable("the engine is not running (shutting down or failed)")
-        if self.max_waiting is not None and len(subs) > self.max_waiting:
+        num_seqs = sum(sub.num_seqs for sub in subs)
+        if self.max_waiting is not None and num_seqs > self.max_waiting:
             raise BadRequest(
-                f"this request needs {len(subs)} sequences (prompts x n), more than the server's "
+                f"this request needs {num_seqs} sequences (prompts x n), more than the server's "
                 f"waiting limit of {self.max_waiting}"
             )
-        if self.max_waiting is not None and self.num_unstarted + len(subs) > self.max_waiting:
+        if self.max_waiting is not None and self.num_unstarted + num_seqs > self.max_waiting:
             raise ServerBusy(
                 f"too many waiting requests ({self.num_unstarted} waiting, limit "
                 f"{self.max_waiting}); retry later"
@@ -193,7 +209,7 @@ class AsyncEngine:
             raise BadRequest(f"request id '{request_id}' is already in use")
         group = RequestGroup(self, request_id, subs)
         self._groups[group.request_id] = group
-        self.num_unstarted += len(subs)
+        self.num_unstarted += num_seqs
         future = asyncio.get_running_loop().create_future()
         self._commands.put(_Add(group, future, self.engine.clock()))
         try:
@@ -212,7 +228,7 @@ class AsyncEngine:
             return
         group.closed = True
         self._groups.pop(group.request_id, None)
-        self.num_unstarted -= len(group.unstarted)
+        self.num_unstarted -= sum(group.subs[i].num_seqs for i in group.unstarted)
         group.unstarted.clear()
         if group.unfinished:
             # FIFO after the _Add, so a group closed while being added is aborted too
@@ -224,8 +240,9 @@ class AsyncEngine:
             if group.closed:
                 continue
             if update.index in group.unstarted:
+                # the prompt is computed once for all samples, so they all count as started
                 group.unstarted.discard(update.index)
-                self.num_unstarted -= 1
+                self.num_unstarted -= group.subs[update.index].num_seqs
             if update.finished:
                 group.unfinished.discard(update.index)
             group.queue.put_nowait(update)
@@ -293,7 +310,7 @@ class AsyncEngine:
                     raise BadRequest(str(err)) from None
                 added.append(sub_id)
                 wants = sub.params.logprobs is not None
-                self._live[sub_id] = _Live(group, index, wants)
+                self._live[sub_id] = _Live(group, index, wants, sub.num_seqs)
         except Exception as err:
             self._abort(added, notify=False)  # all or nothing: no half-added request stays
             if not isinstance(err, APIError):
@@ -307,10 +324,10 @@ class AsyncEngine:
         live = [sid for sid in sub_ids if sid in self._live]
         if not live:
             return
-        self.engine.abort_request(live)
+        self.engine.abort_request(live)  # every sample of each request
         entries = [self._live.pop(sid) for sid in live]
         if notify:  # a rejected add was never visible to anyone: not counted, not delivered
-            self.metrics.record_aborted(len(entries))
+            self.metrics.record_aborted(sum(e.num_unfinished for e in entries))
             self._post(self._deliver, [(e.group, Update(e.index, aborted=True)) for e in entries])
 
     def _abort_all(self) -> None:
@@ -339,20 +356,30 @@ class AsyncEngine:
             entry = self._live.get(out.request_id)
             if entry is None:
                 continue
-            completion = out.outputs[0]
-            new_tokens = len(completion.token_ids) - entry.num_tokens
-            prompt_tokens = len(out.prompt_token_ids) if entry.num_tokens == 0 else 0
-            self.metrics.record_tokens(prompt_tokens, new_tokens)
-            strings = {}
-            if entry.wants_logprobs and completion.logprobs:
-                strings = self._token_strings(completion.logprobs[entry.num_tokens :])
-            entry.num_tokens = len(completion.token_ids)
+            strings = self._account(entry, out)
             if out.finished:
                 del self._live[out.request_id]
-                self.metrics.record_finished(out)
+                self.metrics.record_latencies(out.metrics)
             batch.append((entry.group, Update(entry.index, out, strings)))
         if batch:
             self._post(self._deliver, batch)
+
+    def _account(self, entry: _Live, out: RequestOutput) -> dict[int, str]:
+        """Count one output's new tokens and finished samples; return new logprob strings."""
+        if not entry.started:  # the samples share one prompt: count it once
+            entry.started = True
+            self.metrics.record_tokens(len(out.prompt_token_ids), 0)
+        strings: dict[int, str] = {}
+        for completion in out.outputs:
+            seen = entry.num_tokens.get(completion.index, 0)
+            self.metrics.record_tokens(0, len(completion.token_ids) - seen)
+            if entry.wants_logprobs and completion.logprobs:
+                strings.update(self._token_strings(completion.logprobs[seen:]))
+            entry.num_tokens[completion.index] = len(completion.token_ids)
+            if completion.finish_reason is not None and completion.index not in entry.finished:
+                entry.finished.add(completion.index)
+                self.metrics.record_finish_reason(completion.finish_reason)
+        return strings
 
     def _token_strings(self, logprobs: list[dict[int, float]]) -> dict[int, str]:
         tokenizer = self.engine.tokenizer
@@ -362,11 +389,5 @@ class AsyncEngine:
         return {t: tokenizer.decode([t]) for t in ids}
 
     def _snapshot(self) -> None:
-        sched = self.engine.scheduler
-        self.gauges = EngineGauges(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            swapped=len(sched.swapped),
-            kv_usage=self.engine.kv_usage(),
-            preemptions=sched.num_preemptions_total,
-        )
+        # one immutable object, swapped in whole: /metrics never sees a half-updated state
+        self.gauges = engine_gauges(self.engine)

@@ -1,9 +1,9 @@
 """``python -m paged_llm.serve`` / ``paged-llm-serve``: vLLM's ``serve`` flags, then uvicorn.
 
 A vLLM command line works with the program name changed. Flags for features the engine does
-not have yet (tensor parallelism, quantization, a non-default KV cache dtype, and prefix
-caching or speculative decoding until the engine accepts them) are refused at startup when set
-to anything but their default, instead of being silently ignored.
+not have (tensor or pipeline parallelism) are refused at startup when set to anything but their
+default, instead of being silently ignored. Values the engine would reject anyway (an unknown
+quantization method, KV cache dtype or speculative method) are refused before the model loads.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     eng.add_argument("--swap-space", type=float, default=4.0)
     eng.add_argument("--num-gpu-blocks-override", type=int)
-    eng.add_argument("--kv-cache-dtype", default="auto")
+    eng.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8_e4m3 (or fp8)")
     eng.add_argument("--max-num-seqs", type=int, default=256)
     eng.add_argument("--max-num-batched-tokens", type=int)
     eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
@@ -89,10 +89,16 @@ def make_parser() -> argparse.ArgumentParser:
     eng.add_argument("--policy", help="KV allocation policy (paged, orca_max, ..., static)")
     eng.add_argument("--attention-backend", help="auto, torch, triton or contiguous")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
-    eng.add_argument("--speculative-config", type=json.loads, help="JSON, as in vLLM")
+    eng.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        help='JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 3}',
+    )
     eng.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     eng.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
-    eng.add_argument("-q", "--quantization")
+    eng.add_argument(
+        "-q", "--quantization", help="int8, int4_rtn, int4_gptq, int4_awq, fp8, gptq, awq"
+    )
     eng.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -111,6 +117,17 @@ def _env_float(name: str) -> float | None:
     return float(value) if value else None
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object (argparse turns the error into exit status 2)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def model_name(args: argparse.Namespace) -> str:
     """The model to load: the positional argument or --model (they must agree)."""
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -118,17 +135,31 @@ def model_name(args: argparse.Namespace) -> str:
     return args.model_tag or args.model or DEFAULT_MODEL
 
 
-def engine_accepts(key: str, value: Any) -> bool:
-    """True if EngineConfig knows ``key`` (so newer engine features pass straight through)."""
-    from paged_llm.config import EngineConfig
+def check_quantization(name: str | None) -> None:
+    """Refuse an unknown --quantization name before the model loads."""
+    from paged_llm.quant.registry import method_names
+
+    if name is not None and name not in method_names():
+        raise ValueError(f"--quantization: unknown method '{name}'; choose one of {method_names()}")
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """Refuse an unknown --kv-cache-dtype before the model loads."""
+    from paged_llm.quant.kv_cache import KV_CACHE_DTYPES
+
+    choices = ["auto", *KV_CACHE_DTYPES]
+    if name not in choices:
+        raise ValueError(f"--kv-cache-dtype: unknown dtype '{name}'; choose one of {choices}")
+
+
+def check_speculative_config(spec: dict[str, Any] | None) -> None:
+    """Build (not load) the drafter, so a bad --speculative-config fails before the model."""
+    from paged_llm.spec.registry import build_drafter
 
     try:
-        EngineConfig.from_kwargs(**{key: value})
-    except ValueError as err:
-        if "unknown engine argument" in str(err):
-            return False
-        raise
-    return True
+        build_drafter(spec)
+    except (TypeError, ValueError) as err:  # TypeError: a key the method does not take
+        raise ValueError(f"--speculative-config: {err}") from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,15 +167,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     refused = {
         "--tensor-parallel-size": args.tensor_parallel_size != 1,
         "--pipeline-parallel-size": args.pipeline_parallel_size != 1,
-        "--quantization": args.quantization is not None,
-        "--kv-cache-dtype": args.kv_cache_dtype != "auto",  # in the config but not implemented
     }
     for flag, bad in refused.items():
         if bad:
-            raise ValueError(
-                f"{flag} is not supported by paged-llm yet (single device, "
-                "unquantized weights, KV cache in the model dtype)"
-            )
+            raise ValueError(f"{flag} is not supported by paged-llm (single device only)")
+    check_quantization(args.quantization)
+    check_kv_cache_dtype(args.kv_cache_dtype)
+    check_speculative_config(args.speculative_config)
     kwargs: dict[str, Any] = {
         "model": model_name(args),
         "tokenizer": args.tokenizer,
@@ -164,19 +193,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "policy": args.policy,
         "attention_backend": args.attention_backend,
         "log_stats": not args.disable_log_stats,
+        "enable_prefix_caching": args.enable_prefix_caching or None,
+        "speculative_config": args.speculative_config or None,
+        "quantization": args.quantization,
+        "kv_cache_dtype": None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
     }
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}  # None: the engine's default
-    optional = {
-        "enable_prefix_caching": ("--enable-prefix-caching", bool(args.enable_prefix_caching)),
-        "speculative_config": ("--speculative-config", args.speculative_config),
-    }
-    for key, (flag, value) in optional.items():
-        if not value:
-            continue
-        if not engine_accepts(key, value):
-            raise ValueError(f"{flag} is not supported by the engine yet; leave it unset")
-        kwargs[key] = value
-    return kwargs
+    return {k: v for k, v in kwargs.items() if v is not None}  # None: the engine's default
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -1,9 +1,10 @@
 """Server metrics in Prometheus' text format (0.0.4), written by hand, with vLLM's metric names.
 
 Counters and histograms are fed by the engine thread and read by ``/metrics`` on the event
-loop, so every access holds one lock. Gauges are a snapshot the engine thread takes after each
-step. Speculative-decoding acceptance counters are not exported: they appear once the engine
-implements speculative decoding.
+loop, so every access holds one lock. Engine-owned state (gauges, and the prefix-cache and
+speculative-decoding counters the engine keeps itself) is a snapshot the engine thread takes
+after each step, so the event loop never reads objects the engine is mutating. Prefix-cache and
+speculative counters are exported only when the feature is on: zeros would be misleading.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import bisect
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from paged_llm.outputs import RequestOutput
+from paged_llm.outputs import RequestMetrics
 
 # vLLM's bucket boundaries (seconds), so dashboards built for vLLM read these unchanged.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -34,6 +36,60 @@ class EngineGauges:
     swapped: int = 0
     kv_usage: float = 0.0
     preemptions: int = 0
+    prefix_cache: PrefixCacheCounts | None = None  # None: prefix caching is off
+    spec_decode: SpecDecodeCounts | None = None  # None: no speculative decoding
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounts:
+    """The KV manager's prefix-cache lookups, in blocks (not vLLM's tokens)."""
+
+    queries: int
+    hits: int
+
+
+@dataclass(frozen=True)
+class SpecDecodeCounts:
+    """A copy of the engine's SpecDecodeStats counters."""
+
+    num_drafts: int  # (sequence, step) verifications that had drafts
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+
+
+def engine_gauges(engine: Any) -> EngineGauges:
+    """Snapshot the engine's scheduler state and counters (call on the engine thread)."""
+    sched = engine.scheduler
+    return EngineGauges(
+        running=len(sched.running),
+        waiting=len(sched.waiting),
+        swapped=len(sched.swapped),
+        kv_usage=engine.kv_usage(),
+        preemptions=sched.num_preemptions_total,
+        prefix_cache=_prefix_cache_counts(getattr(sched, "kv", None)),
+        spec_decode=_spec_decode_counts(engine),
+    )
+
+
+def _prefix_cache_counts(kv: Any) -> PrefixCacheCounts | None:
+    """The KV manager's prefix-cache counters, if it caches prefixes."""
+    if not getattr(kv, "enable_prefix_caching", False):
+        return None
+    return PrefixCacheCounts(kv.prefix_queries, kv.prefix_hits)
+
+
+def _spec_decode_counts(engine: Any) -> SpecDecodeCounts | None:
+    """The engine's speculative-decoding counters, if it has a drafter."""
+    drafter = getattr(engine, "drafter", None)
+    if drafter is None:
+        return None
+    st = engine.spec_stats
+    # every position up to k from the start, so per-position series exist before any draft
+    per_pos = list(st.accepted_per_position) + [0] * (drafter.k - len(st.accepted_per_position))
+    return SpecDecodeCounts(
+        st.num_spec_steps, st.num_draft_tokens, st.num_accepted_tokens, tuple(per_pos)
+    )
 
 
 class Histogram:
@@ -91,14 +147,17 @@ class ServerMetrics:
             self.prompt_tokens += prompt
             self.generation_tokens += generation
 
-    def record_finished(self, output: RequestOutput) -> None:
-        """Observe the latencies of a request the engine finished (stop or length)."""
-        reason = output.outputs[0].finish_reason or "stop"
-        m = output.metrics
+    def record_finish_reason(self, reason: str | None) -> None:
+        """Count one sequence (choice) that the engine finished (stop or length)."""
         with self._lock:
+            reason = reason or "stop"
             self.finished[reason] = self.finished.get(reason, 0) + 1
-            if m is None:
-                return
+
+    def record_latencies(self, m: RequestMetrics | None) -> None:
+        """Observe the latencies of one finished engine request (all of its samples)."""
+        if m is None:
+            return
+        with self._lock:
             if m.first_token_time is not None:
                 self.ttft.observe(m.first_token_time - m.arrival_time)
             for a, b in zip(m.token_times, m.token_times[1:]):
@@ -136,6 +195,14 @@ class ServerMetrics:
                 )
                 lines.append(f"{name}_count{{{lbl}}} {_num(h.count)}")
                 lines.append(f"{name}_sum{{{lbl}}} {_num(h.sum)}")
+        for name, help_, value in _engine_counters(gauges):
+            header(name, "counter", help_)
+            lines.append(f"{name}{{{lbl}}} {_num(value)}")
+        if gauges.spec_decode is not None:
+            name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+            header(name, "counter", "Accepted draft tokens, by position in the draft.")
+            for pos, n in enumerate(gauges.spec_decode.accepted_per_position):
+                lines.append(f'{name}{{{lbl},position="{pos}"}} {_num(n)}')
         return "\n".join(lines) + "\n"
 
     def _scalars(self, g: EngineGauges) -> list[tuple[str, str, str, float]]:
@@ -168,6 +235,32 @@ class ServerMetrics:
             ("vllm:request_queue_time_seconds", "Time waiting before first being scheduled.",
              self.queue),
         ]  # fmt: skip
+
+
+def _engine_counters(g: EngineGauges) -> list[tuple[str, str, float]]:
+    """(name, help, value) of the prefix-cache and speculative counters that are on."""
+    out = []
+    if g.prefix_cache is not None:
+        out += [
+            ("vllm:prefix_cache_queries_total",
+             "Prefix cache queries, in KV blocks (vLLM counts tokens): full prompt blocks "
+             "looked up.", g.prefix_cache.queries),
+            ("vllm:prefix_cache_hits_total",
+             "Prefix cache hits, in KV blocks (vLLM counts tokens): looked-up blocks found.",
+             g.prefix_cache.hits),
+        ]  # fmt: skip
+    if g.spec_decode is not None:
+        s = g.spec_decode
+        out += [
+            ("vllm:spec_decode_num_drafts_total",
+             "Number of spec decoding drafts (sequence-steps that verified draft tokens).",
+             s.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.",
+             s.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+             s.num_accepted_tokens),
+        ]  # fmt: skip
+    return out
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -48,14 +48,7 @@ def chat_prompt(
 ) -> PromptRenderer:
     """A conversation rendered with the server's or the tokenizer's chat template."""
 
-    rendered: dict[str, Any] = {}  # the n choices of a request share one rendering
-
     def render(tokenizer: Any) -> dict[str, Any]:
-        if not rendered:
-            rendered.update(_render_chat(tokenizer))
-        return rendered
-
-    def _render_chat(tokenizer: Any) -> dict[str, Any]:
         if tokenizer is None:
             raise BadRequest("this model has no tokenizer, so chat completions are unavailable")
         template = chat_template or getattr(tokenizer, "chat_template", None)

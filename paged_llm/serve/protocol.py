@@ -19,7 +19,7 @@ from paged_llm.serve.errors import BadRequest
 
 logger = logging.getLogger(__name__)
 
-MAX_N = 128  # choices per request; each is a separate engine request
+MAX_N = 128  # choices per prompt; the engine samples them in one request
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
@@ -145,8 +145,8 @@ def _param_of(message: str) -> str | None:
     return word if word in {f.name for f in dataclasses.fields(SamplingParams)} else None
 
 
-def sampling_params(req: _GenerationRequest, max_logprobs: int) -> list[SamplingParams]:
-    """One SamplingParams per choice (``n`` of them); seeds are derived as seed + index."""
+def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParams:
+    """The request's SamplingParams, ``n`` included (the engine gives choice i seed + i)."""
     _reject_unsupported(req)
     if not 1 <= req.n <= MAX_N:
         raise BadRequest(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
@@ -163,8 +163,13 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> list[Sampling
         raise BadRequest(
             f"{max_tokens_field} must be at least 1, got {max_tokens}", param=max_tokens_field
         )
+    # torch generators take seeds below 2**64; wrap instead of rejecting large or negative ones
+    # (the engine adds the choice index, so stay below 2**63 to leave room for it)
+    seed = None if req.seed is None else req.seed % 2**63
     try:
-        base = SamplingParams(
+        return SamplingParams(
+            n=req.n,
+            seed=seed,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
@@ -180,10 +185,6 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> list[Sampling
         )
     except ValueError as err:
         raise BadRequest(str(err), param=_param_of(str(err))) from None
-    if req.seed is None:
-        return [dataclasses.replace(base) for _ in range(req.n)]
-    # torch generators take 64-bit seeds; wrap instead of rejecting large or negative ones
-    return [dataclasses.replace(base, seed=(req.seed + i) % 2**63) for i in range(req.n)]
 
 
 def _chat_logprobs(req: ChatCompletionRequest, max_logprobs: int) -> int | None:

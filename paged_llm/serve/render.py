@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_llm.outputs import CompletionOutput
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.async_engine import Update
 
@@ -38,7 +39,6 @@ class _Choice:
     sent_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_tokens: int | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False
@@ -50,34 +50,59 @@ class _Choice:
 
 
 class Choices:
-    """Progress of every choice of one request."""
+    """Progress of every choice of one request: ``n`` per engine request (prompt)."""
 
-    def __init__(self, params: list[SamplingParams], n: int):
-        self.choices = [_Choice(p) for p in params]
-        self.n = n  # choices per prompt: choice i belongs to prompt i // n
+    def __init__(self, params: list[SamplingParams]):
+        if len({p.n for p in params}) > 1:
+            raise ValueError("every prompt of a request has the same n")
+        self.n = params[0].n if params else 1  # choice i belongs to prompt i // n
+        self.choices = [_Choice(p) for p in params for _ in range(p.n)]
+        self.prompt_tokens: dict[int, int] = {}  # engine request index -> prompt length
         self.strings: dict[int, str] = {}  # token id -> text, for logprobs
 
-    def apply(self, update: Update) -> Delta:
-        """Fold in one update; return the part to stream."""
-        c = self.choices[update.index]
+    def apply(self, update: Update) -> list[Delta]:
+        """Fold in one engine request's update; return what to stream, per changed choice."""
         self.strings.update(update.token_strings)
-        first, c.started = not c.started, True
+        base = update.index * self.n
+        changed = set()
         out = update.output
         if out is not None:
-            completion = out.outputs[0]
-            c.prompt_tokens = len(out.prompt_token_ids)
-            c.text, c.token_ids = completion.text, completion.token_ids
-            c.logprobs = completion.logprobs or []
-            c.finish_reason, c.stop_reason = completion.finish_reason, completion.stop_reason
-        if update.aborted:
-            c.finish_reason = "abort"
+            self.prompt_tokens[update.index] = len(out.prompt_token_ids)
+            for completion in out.outputs:
+                if self._fold(self.choices[base + completion.index], completion):
+                    changed.add(base + completion.index)
+        if update.aborted:  # the abort cut short every sample still running
+            for i in range(base, base + self.n):
+                if self.choices[i].finish_reason is None:
+                    self.choices[i].finish_reason = "abort"
+                    changed.add(i)
+        return [self._delta(i) for i in sorted(changed)]
+
+    @staticmethod
+    def _fold(c: _Choice, completion: CompletionOutput) -> bool:
+        """Copy one sample's cumulative state; True if it has new tokens or just finished.
+
+        The engine reports every sample of a request whenever any of them progressed; the
+        unchanged ones (waiting to fork, or finished earlier) must not stream empty chunks.
+        """
+        progressed = len(completion.token_ids) > len(c.token_ids)
+        finishing = c.finish_reason is None and completion.finish_reason is not None
+        c.text, c.token_ids = completion.text, list(completion.token_ids)
+        c.logprobs = completion.logprobs or []
+        c.finish_reason, c.stop_reason = completion.finish_reason, completion.stop_reason
+        return progressed or finishing
+
+    def _delta(self, index: int) -> Delta:
+        """The not yet streamed part of one choice that can no longer change."""
+        c = self.choices[index]
+        first, c.started = not c.started, True
         end = len(c.text)
         if c.finish_reason is None:
             end = max(c.sent_chars, end - c.holdback)
             while end > c.sent_chars and c.text[end - 1] == "\ufffd":
                 end -= 1
         delta = Delta(
-            index=update.index,
+            index=index,
             text=c.text[c.sent_chars : end],
             logprobs=c.logprobs[c.sent_tokens :],
             token_ids=c.token_ids[c.sent_tokens :],
@@ -90,9 +115,7 @@ class Choices:
 
     def usage(self) -> dict[str, int]:
         """OpenAI usage: each prompt counted once, every choice's generated tokens."""
-        prompt = sum(
-            c.prompt_tokens or 0 for i, c in enumerate(self.choices) if i % self.n == 0
-        )  # choices of one prompt share it
+        prompt = sum(self.prompt_tokens.values())  # the n choices of a prompt share it
         completion = sum(len(c.token_ids) for c in self.choices)
         return {
             "prompt_tokens": prompt,
