@@ -1,5 +1,6 @@
 """The main job (``make run``): generate with the configured model and report what the engine
-did: sample completions, throughput, batch sizes and KV use. ``python -m paged_llm.main
+did (sample completions, throughput, batch sizes and KV use), then run quick simulated
+versions of the paper's memory-waste and throughput figures. ``python -m paged_llm.main
 model=... policy=... attention=...`` swaps any part."""
 
 from __future__ import annotations
@@ -89,6 +90,16 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         f"{result['hardware']['cpu']}, device {result['hardware']['device']})"
     )
     print(f"results: {path}")
+    if resolved["job"].get("paper_figures"):
+        from paper_repro.quick import run_quick
+
+        print("\nquick paper figures (simulated OPT-13B on an A100-40GB; see paper_repro/):")
+        files = run_quick(out_dir / "paper_repro")
+        result["paper_figures"] = [str(f) for f in files]
+        for f in files:
+            if f.suffix == ".png":
+                print(f"  figure: {f}")
+        path.write_text(json.dumps(result, indent=2))
     return result
 
 

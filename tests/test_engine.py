@@ -237,7 +237,11 @@ def test_main_job_writes_results(tmp_path):
     with initialize_config_dir(config_dir=configs, version_base="1.3"):
         cfg = compose(
             "config",
-            overrides=["job.num_throughput_requests=4", "job.sampling.max_tokens=4"],
+            overrides=[
+                "job.num_throughput_requests=4",
+                "job.sampling.max_tokens=4",
+                "job.paper_figures=false",  # covered by the paper_repro tests
+            ],
         )
     result = run(cfg, tmp_path)
     assert (tmp_path / "main.json").is_file()

@@ -270,14 +270,17 @@ class Scheduler:
                 self.waiting.appendleft(req)
             how = "preempted for recomputation"
         out.preempted.extend(r.request_id for r in group)
-        logger.warning(
+        # like vLLM: warn on the first preemption and every 50th, so overload stays readable
+        n = self.num_preemptions_total
+        log = logger.warning if n == 1 or n % 50 == 0 else logger.debug
+        log(
             "request %s %s: the KV cache is out of blocks (%d of %d free); "
             "total preemptions %d. Raise the KV cache size or lower max_num_seqs to avoid this.",
             names,
             how,
             free_blocks,
             self.kv.num_blocks,
-            self.num_preemptions_total,
+            n,
         )
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:

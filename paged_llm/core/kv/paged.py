@@ -38,6 +38,7 @@ class PagedKVCacheManager(KVCacheManager):
         self.enable_prefix_caching = enable_prefix_caching
         self._hashes: dict[str, list[int]] = {}  # request -> chained hashes of its full blocks
         self._ops: list[tuple[str, list[tuple[int, int]]]] = []  # this step's block moves
+        self._sharing = False  # set once any block gets a second owner (fork or cache hit)
         self.prefix_queries = 0  # blocks looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -101,6 +102,7 @@ class PagedKVCacheManager(KVCacheManager):
         """Give ``child`` the parent's blocks, shared by reference (no copy until a write)."""
         table = list(self.block_tables.get(parent.request_id, []))
         self.pool.share(table)
+        self._sharing = True
         self.block_tables[child.request_id] = table
         if parent.request_id in self._hashes:
             self._hashes[child.request_id] = list(self._hashes[parent.request_id])
@@ -156,6 +158,7 @@ class PagedKVCacheManager(KVCacheManager):
         self.prefix_hits += len(hits)
         for b in hits:
             self.pool.take_cached(b)
+        self._sharing = self._sharing or bool(hits)
         if hits:
             self.block_tables[request.request_id] = hits
             request.num_computed_tokens = len(hits) * bs
@@ -235,8 +238,17 @@ class PagedKVCacheManager(KVCacheManager):
         A block shared by several requests counts once, with the most tokens any owner keeps
         in it, so sharing shows up as saved memory rather than as double counting.
         """
-        filled: dict[int, int] = {}
         bs = self.block_size
+        if not self._sharing:  # every block has one owner: no need to deduplicate
+            allocated = token_states = 0
+            for req in requests:
+                slots = len(self.block_tables.get(req.request_id, ())) * bs
+                allocated += slots
+                token_states += min(req.num_tokens, slots)
+            return MemoryBreakdown(
+                token_states, 0, allocated - token_states, self.num_slots - allocated
+            )
+        filled: dict[int, int] = {}
         for req in requests:
             table = self.block_tables.get(req.request_id, ())
             for i, b in enumerate(table):

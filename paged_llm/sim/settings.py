@@ -1,0 +1,59 @@
+"""Engine settings shared by real and simulated runs, and the scheduler built from them
+(plain Python, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from paged_llm.core.kv import POLICIES
+from paged_llm.core.scheduler import Scheduler, SchedulerLimits
+from paged_llm.utils.registry import build
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """vLLM's engine arguments that decide what a step can batch (defaults: the artifact's)."""
+
+    block_size: int = 16
+    max_num_batched_tokens: int = 2560
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    num_gpu_blocks: int | None = None  # None: what fits the memory (simulated) / profiling (real)
+    gpu_memory_utilization: float = 0.9
+    swap_space_gib: float = 20.0
+    preemption_mode: str = "recompute"
+    enable_chunked_prefill: bool = False
+
+    def with_overrides(self, **kw: Any) -> ServingSettings:
+        """A copy with some settings changed (e.g. a policy's own max_num_seqs)."""
+        return replace(self, **kw) if kw else self
+
+    def limits(self) -> SchedulerLimits:
+        """The scheduler's batch limits."""
+        return SchedulerLimits(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for result files."""
+        return asdict(self)
+
+
+def build_scheduler(
+    policy: Any,
+    settings: ServingSettings,
+    num_blocks: int,
+    num_cpu_blocks: int = 0,
+    track_memory: bool = False,
+) -> Scheduler:
+    """The real Scheduler over the policy's KV manager (a name from POLICIES, a dotted path or a
+    ``{_target_: ...}`` mapping)."""
+    kv = build(
+        "policy", policy, POLICIES, num_blocks=num_blocks, block_size=settings.block_size,
+        max_model_len=settings.max_model_len, num_cpu_blocks=num_cpu_blocks,
+    )  # fmt: skip
+    return Scheduler(kv, settings.limits(), track_memory=track_memory)

@@ -1,0 +1,181 @@
+"""Request arrivals: Poisson (or gamma-bursty) arrival times and the timed request list that
+both the real and the simulated executors replay (plain Python, no torch).
+
+Every request generates exactly its trace output length (``ignore_eos``), as in the paper's
+artifact; prompt token ids are arbitrary, only their number matters.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from paged_llm.workloads.lengths import LengthPair, sample_pairs
+from paged_llm.workloads.traces import LengthSource, length_source
+
+
+@dataclass(frozen=True)
+class TimedRequest:
+    """One request of a workload: its lengths and when it arrives (seconds from the start)."""
+
+    request_id: str
+    input_len: int
+    output_len: int
+    arrival_time: float
+
+
+@dataclass
+class Workload:
+    """A replayable list of timed requests plus where its lengths came from."""
+
+    requests: list[TimedRequest]
+    source: str  # e.g. "trace:/path/sharegpt.csv" or "synthetic:sharegpt"
+    synthetic: bool
+    request_rate: float
+    name: str = "workload"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        """Summary for result files: source, synthetic flag, size, rate and mean lengths."""
+        n = len(self.requests) or 1
+        return {
+            "name": self.name,
+            "source": self.source,
+            "synthetic": self.synthetic,
+            "num_requests": len(self.requests),
+            "request_rate": self.request_rate,
+            "mean_input_len": sum(r.input_len for r in self.requests) / n,
+            "mean_output_len": sum(r.output_len for r in self.requests) / n,
+            "last_arrival_s": self.requests[-1].arrival_time if self.requests else 0.0,
+            **self.meta,
+        }
+
+
+def _gaps(rng: random.Random, request_rate: float, burstiness: float):
+    """Inter-arrival gaps: gamma(shape=burstiness, mean=1/rate); burstiness 1 is Poisson."""
+    if request_rate <= 0:
+        raise ValueError(f"request_rate must be > 0 (or inf for all-at-once), got {request_rate}")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if math.isinf(request_rate):
+        while True:
+            yield 0.0
+    # vLLM's benchmark_serving: shape = burstiness, scale = 1 / (rate * burstiness), so the
+    # mean gap stays 1/rate while the coefficient of variation is 1/sqrt(burstiness).
+    scale = 1.0 / (request_rate * burstiness)
+    while True:
+        yield rng.gammavariate(burstiness, scale)
+
+
+def arrival_times(
+    num_requests: int, request_rate: float, seed: int, burstiness: float = 1.0
+) -> list[float]:
+    """Arrival times of ``num_requests`` requests; the first arrives after one gap."""
+    rng = random.Random(seed)
+    gaps = _gaps(rng, request_rate, burstiness)
+    t, times = 0.0, []
+    for _ in range(num_requests):
+        t += next(gaps)
+        times.append(t)
+    return times
+
+
+def arrivals_within(
+    duration_s: float, request_rate: float, seed: int, burstiness: float = 1.0
+) -> list[float]:
+    """All arrival times in [0, duration_s) of the process (a trace of fixed length in time)."""
+    if math.isinf(request_rate):
+        raise ValueError("a duration-limited trace needs a finite request_rate")
+    rng = random.Random(seed)
+    gaps = _gaps(rng, request_rate, burstiness)
+    t, times = next(gaps), []
+    while t < duration_s:
+        times.append(t)
+        t += next(gaps)
+    return times
+
+
+def timed_requests(
+    pairs: list[LengthPair], times: list[float], seed: int, prefix: str = ""
+) -> list[TimedRequest]:
+    """Pair each arrival time with a length pair drawn (seeded) from ``pairs``."""
+    chosen = sample_pairs(pairs, len(times), seed) if times else []
+    return [
+        TimedRequest(f"{prefix}{i}", p.input_len, p.output_len, t)
+        for i, (p, t) in enumerate(zip(chosen, times))
+    ]
+
+
+def prompt_token_ids(request: TimedRequest, vocab_size: int | None = None) -> list[int]:
+    """Arbitrary prompt ids of the right length: zeros like the artifact, or a fixed pattern
+    that avoids the first three (special) ids when a vocabulary size is given."""
+    if vocab_size is None:
+        return [0] * request.input_len
+    span = max(1, vocab_size - 3)
+    return [3 + (i * 7919) % span for i in range(request.input_len)]
+
+
+# ---- a workload from a spec (the ``workload`` config group) ------------------------------------
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Where lengths come from and how requests arrive; one of duration_s / num_requests."""
+
+    name: str = "sharegpt"
+    path: str | None = None  # CSV / artifact pickle / ShareGPT JSON; None: synthetic lengths
+    synthetic: str = "sharegpt"  # the distribution used when there is no path
+    tokenizer: str | None = None  # for ShareGPT JSON only
+    request_rate: float = 1.0  # requests per second (inf: all at time 0)
+    duration_s: float | None = 600.0  # arrivals in [0, duration_s)
+    num_requests: int | None = None  # or a fixed number of requests
+    burstiness: float = 1.0  # gamma shape; 1 = Poisson
+    seed: int = 0
+    max_total_len: int = 2048  # keep input + output < this (the paper's filter)
+    min_input_len: int = 1
+    min_output_len: int = 1
+    length_scale: float = 1.0  # shrink lengths for small-model runs
+
+
+@lru_cache(maxsize=8)
+def _cached_lengths(
+    path: str | None,
+    synthetic: str,
+    tokenizer: str | None,
+    max_total_len: int,
+    min_input_len: int,
+    min_output_len: int,
+    length_scale: float,
+    seed: int,
+) -> LengthSource:
+    # Sweeps build many workloads from one trace; reading an 84K-row CSV once is enough.
+    return length_source(
+        path, synthetic, tokenizer, max_total_len, min_input_len, min_output_len,
+        length_scale, seed=seed,
+    )  # fmt: skip
+
+
+def build_workload(spec: WorkloadSpec | dict[str, Any]) -> Workload:
+    """Timed requests for a spec: filtered trace (or synthetic) lengths at seeded arrivals."""
+    if not isinstance(spec, WorkloadSpec):
+        spec = WorkloadSpec(**spec)
+    source = _cached_lengths(
+        spec.path, spec.synthetic, spec.tokenizer, spec.max_total_len, spec.min_input_len,
+        spec.min_output_len, float(spec.length_scale), spec.seed,
+    )  # fmt: skip
+    rate = float(spec.request_rate)
+    if spec.num_requests is not None:
+        times = arrival_times(spec.num_requests, rate, spec.seed, spec.burstiness)
+    elif spec.duration_s is not None:
+        times = arrivals_within(spec.duration_s, rate, spec.seed, spec.burstiness)
+    else:
+        raise ValueError("a workload needs duration_s or num_requests")
+    return Workload(
+        requests=timed_requests(source.pairs, times, spec.seed + 1),
+        source=source.label,
+        synthetic=source.synthetic,
+        request_rate=rate,
+        name=spec.name,
+        meta={"burstiness": spec.burstiness, "seed": spec.seed, "duration_s": spec.duration_s},
+    )

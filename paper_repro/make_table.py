@@ -1,0 +1,273 @@
+"""Regenerate the results table of paper_repro/README.md from figure result files.
+
+``python -m paper_repro.make_table [RESULT_DIR ...]``: each directory holds a figN.json (a
+figure run's Hydra directory); without arguments the newest run of every figure under
+``outputs/paper_repro/`` (and ``multirun/paper_repro/`` for sweeps) is used. The table goes
+between the ``results:start`` / ``results:end`` markers of the README."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from paper_repro.paper_numbers import (
+    FIG1_THROUGHPUT,
+    FIG2,
+    FIG13,
+    FIG18B,
+    FIG19_RECOMPUTE_MS,
+    FIG19_SWAP_MS,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+README = Path(__file__).resolve().parent / "README.md"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+Row = tuple[str, str, str, str]  # quantity, ours, paper, check
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _check(acc: dict[str, Any], key: str) -> str:
+    a = acc.get(key)
+    return "-" if a is None else ("pass" if a.get("pass") else "**fail**")
+
+
+def fig2_rows(d: dict[str, Any]) -> list[Row]:
+    """Token-state shares per policy."""
+    acc = d.get("acceptance", {})
+    rows = []
+    for p in ("orca_max", "orca_pow2", "orca_oracle", "paged"):
+        if p in d:
+            rows.append(
+                (
+                    f"Fig. 2 token states, {p}",
+                    _pct(d[p]["token_states"]),
+                    _pct(FIG2[p]["token_states"]),
+                    _check(acc, f"{p}_token_states"),
+                )
+            )
+    return rows
+
+
+def fig12_rows(d: dict[str, Any]) -> list[Row]:
+    """Sustained rates and the paged policy's ratios over the others."""
+    acc = d.get("acceptance", {})
+    rows = []
+    for p in ("paged", "orca_oracle", "orca_pow2", "orca_max", "static"):
+        if p in d:
+            r = d[p]
+            ours = f"{_num(r['max_sustained_rate'])} (capacity {_num(r['saturation_throughput'])})"
+            rows.append((f"Fig. 12 max sustained rate, {p} (req/s)", ours, "-", "-"))
+    paper = {"orca_oracle": "1.7-2.7x", "orca_max": "2.7-8x", "static": "up to 22x"}
+    for p, r in d.get("ratios_vs_paged", {}).items():
+        rows.append(
+            (
+                f"Fig. 12 paged / {p}",
+                _num(r) + "x",
+                paper.get(p, "-"),
+                _check(acc, f"paged_over_{p}"),
+            )
+        )
+    cap = d.get("ordering_by_saturation_throughput")
+    if cap is not None:
+        rows.append(
+            ("Fig. 12 ordering by wall-clock capacity (informative)", str(cap), "True", "-")
+        )
+    order = d.get("ordering_paged_oracle_pow2_max")
+    if order is not None:
+        how = d.get("sustained_rate_from", "latency_threshold")
+        rows.append(
+            (
+                f"Fig. 12 ordering paged > oracle > pow2 > max ({how})",
+                str(order),
+                "True",
+                _check(acc, "ordering"),
+            )
+        )
+    return rows
+
+
+def fig13_rows(d: dict[str, Any]) -> list[Row]:
+    """Mean batched requests per workload and policy."""
+    acc = d.get("acceptance", {})
+    rows = []
+    for w in ("sharegpt", "alpaca"):
+        for p in ("orca_max", "orca_pow2", "orca_oracle", "paged"):
+            if p in d.get(w, {}):
+                ours = d[w][p]["mean_batched_requests"]
+                rate = d[w].get("request_rate")
+                rows.append(
+                    (
+                        f"Fig. 13 batched requests, {w} @ {rate:g} req/s, {p}",
+                        _num(ours),
+                        _num(FIG13[w][p]),
+                        _check(acc, f"{w}_{p}"),
+                    )
+                )
+    return rows
+
+
+def fig1_rows(d: dict[str, Any]) -> list[Row]:
+    """Batch that fits the GPU and throughput at batch 40."""
+    rows = []
+    paper_fit = {"orca_max": "8", "paged": "~38"}
+    for p, b in d.get("max_batch_in_memory", {}).items():
+        rows.append(
+            (
+                f"Fig. 1 requests fitting the GPU, {p}",
+                _num(b, ".1f"),
+                paper_fit.get(p, "-"),
+                "-",
+            )
+        )
+    pts = {q["batch_size"]: q for q in d.get("paged", [])}
+    for b in (8, 40):
+        if b in pts:
+            rows.append(
+                (
+                    f"Fig. 1 throughput at batch {b} (tokens/s; calibrated on it)",
+                    _num(pts[b]["throughput_tokens_per_s"], ".0f"),
+                    _num(FIG1_THROUGHPUT[b], ".0f"),
+                    "-",
+                )
+            )
+    return rows
+
+
+def fig18b_rows(d: dict[str, Any]) -> list[Row]:
+    """Normalized latency at each block size."""
+    rows = []
+    for w in ("sharegpt", "alpaca"):
+        for p in d.get(w, []):
+            b = p["block_size"]
+            rows.append(
+                (
+                    f"Fig. 18b {w} @ {p['request_rate']:g} req/s, block {b} (s/token)",
+                    _num(p["normalized_latency"], ".3f"),
+                    _num(FIG18B[w].get(b), ".3f"),
+                    "-",
+                )
+            )
+    return rows
+
+
+def fig19_rows(d: dict[str, Any]) -> list[Row]:
+    """Swap vs recompute cost at a few block sizes."""
+    rows = []
+    for mode in ("real", "simulated"):
+        pts = d.get(mode, [])
+        sizes = {pts[0]["block_size"], pts[-1]["block_size"], 16} if pts else set()
+        for p in pts:
+            b = p["block_size"]
+            if b not in sizes:
+                continue
+            paper_swap = _num(FIG19_SWAP_MS.get(b), ".0f") if mode == "simulated" else "-"
+            paper_rec = "{}-{}".format(*FIG19_RECOMPUTE_MS) if mode == "simulated" else "-"
+            rows.append(
+                (
+                    f"Fig. 19 {mode} swap in+out, block {b} (ms)",
+                    _num(p["swap_in_out_ms"]),
+                    paper_swap,
+                    "-",
+                )
+            )
+            rows.append(
+                (
+                    f"Fig. 19 {mode} recompute, block {b} (ms)",
+                    _num(p["recompute_ms"]),
+                    paper_rec,
+                    "-",
+                )
+            )
+    return rows
+
+
+FIGURES: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
+    "fig1": fig1_rows,
+    "fig2": fig2_rows,
+    "fig12": fig12_rows,
+    "fig13": fig13_rows,
+    "fig18b": fig18b_rows,
+    "fig19": fig19_rows,
+}
+
+
+def source(d: dict[str, Any]) -> str:
+    """Where a result came from: real/simulated, hardware, lengths, date, command."""
+    info = d.get("run_info", {})
+    hw = info.get("hardware")
+    hw = "; ".join(hw.values()) if isinstance(hw, dict) else hw
+    kinds = [
+        f"{w['name']} {'synthetic' if w['synthetic'] else 'trace'}"
+        for w in info.get("workloads", [])
+    ]
+    lengths = "lengths: " + ", ".join(dict.fromkeys(kinds)) if kinds else ""
+    date = str(info.get("date", ""))[:10]
+    cmd = info.get("command")
+    return f"{info.get('mode', '?')}: {hw}{', ' + lengths if lengths else ''}; {date}; `{cmd}`"
+
+
+def latest(pattern_dirs: Iterable[Path], name: str) -> Path | None:
+    """The newest ``name``.json under the given directories."""
+    found = [p for d in pattern_dirs if d.is_dir() for p in d.rglob(f"{name}.json")]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def collect(dirs: list[Path]) -> list[tuple[str, Path]]:
+    """(figure, result file) for every figure found in ``dirs`` (or the default locations)."""
+    if dirs:
+        return [(n, d / f"{n}.json") for d in dirs for n in FIGURES if (d / f"{n}.json").is_file()]
+    roots = [ROOT / "outputs" / "paper_repro", ROOT / "multirun" / "paper_repro"]
+    out = []
+    for name in FIGURES:
+        sub = [r / name for r in roots] + ([roots[0] / "fig12_real"] if name == "fig12" else [])
+        for path in {latest([s], name) for s in sub} - {None}:
+            out.append((name, path))
+    return out
+
+
+def table(results: list[tuple[str, Path]]) -> str:
+    """The markdown table (one block per result file, its provenance under it)."""
+    lines = []
+    for name, path in results:
+        d = json.loads(path.read_text())
+        lines.append(f"\n**{name}** — {source(d)}\n")
+        lines.append("| quantity | ours | paper | check |")
+        lines.append("|---|---|---|---|")
+        for q, ours, paper, check in FIGURES[name](d):
+            lines.append(f"| {q} | {ours} | {paper} | {check} |")
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(text: str, readme: Path = README) -> None:
+    """Replace the table between the markers (append the markers if missing)."""
+    body = readme.read_text() if readme.exists() else f"# Paper reproduction\n\n{START}\n{END}\n"
+    if START not in body:
+        body += f"\n{START}\n{END}\n"
+    head, rest = body.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{text}{END}{tail}")
+
+
+def main(argv: list[str]) -> None:
+    """Collect the results and rewrite the README table."""
+    results = collect([Path(a) for a in argv])
+    if not results:
+        raise SystemExit("no figure results found; run the figure scripts first")
+    update_readme(table(results))
+    for name, path in results:
+        print(f"{name}: {path}")
+    print(f"updated {README}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,201 @@
+"""The GPU simulator: presets, cost model, calibration and the virtual-clock executor."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from paged_llm.metrics.serving import memory_shares, serving_metrics
+from paged_llm.sim.calibration import MeasuredStep, calibrate, fit
+from paged_llm.sim.cost_model import RooflineCostModel, StepShape
+from paged_llm.sim.executor import SimulatedExecutor
+from paged_llm.sim.hardware import HARDWARE, get_hardware
+from paged_llm.sim.model_shapes import MODEL_SHAPES, get_model_shape
+from paged_llm.sim.settings import ServingSettings
+from paged_llm.workloads.arrivals import WorkloadSpec, build_workload
+
+FIG1_CALIBRATION = "calibration/a100-40gb_opt-13b_paper-fig1.json"
+
+
+def cost(hw="a100-40gb", model="opt-13b", **kw):
+    return RooflineCostModel(get_hardware(hw), get_model_shape(model), **kw)
+
+
+def test_presets_exist_and_opt13b_matches_paper():
+    assert set(HARDWARE) >= {"a100-40gb", "a100-80gb", "rtx3090", "h100", "h200"}
+    assert set(MODEL_SHAPES) >= {"opt-13b", "opt-66b", "opt-175b", "llama-7b", "llama-13b"}
+    m = get_model_shape("opt-13b")
+    assert m.kv_bytes_per_token == 2 * 5120 * 40 * 2  # the paper's 800 KB per token
+    assert m.weight_bytes / 1e9 == pytest.approx(26, rel=0.02)  # Table 1: 26 GB
+    assert get_model_shape("opt-175b").weight_bytes / 1e9 == pytest.approx(346, rel=0.02)
+    with pytest.raises(ValueError, match="unknown hardware"):
+        get_hardware("tpu")
+
+
+def test_param_counts_match_transformers_configs():
+    from transformers import OPTConfig
+
+    from paged_llm.models.presets import count_parameters, preset_config
+    from paged_llm.sim.model_shapes import from_hf_config
+
+    for name in ("opt-13b", "llama-7b", "llama-13b"):
+        assert MODEL_SHAPES[name].num_params == count_parameters(preset_config(name))
+        assert (
+            from_hf_config(preset_config(name)).kv_bytes_per_token
+            == MODEL_SHAPES[name].kv_bytes_per_token
+        )
+    for name, (h, layers, heads) in {
+        "opt-66b": (9216, 64, 72),
+        "opt-175b": (12288, 96, 96),
+    }.items():
+        cfg = OPTConfig(
+            hidden_size=h,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            ffn_dim=4 * h,
+            word_embed_proj_dim=h,
+            max_position_embeddings=2048,
+        )
+        assert MODEL_SHAPES[name].num_params == count_parameters(cfg)
+
+
+@pytest.mark.parametrize(
+    "hw,gpus,model,paper_slots",
+    [
+        ("a100-40gb", 1, "opt-13b", 15.7e3),
+        ("a100-40gb", 4, "opt-66b", 9.7e3),
+        ("a100-80gb", 8, "opt-175b", 60.1e3),
+    ],
+)
+def test_kv_slots_close_to_table1(hw, gpus, model, paper_slots):
+    cm = cost(hw, model, num_gpus=gpus)
+    blocks = cm.num_kv_blocks(0.9, cm.activation_bytes(2560, 256))
+    assert blocks * 16 == pytest.approx(paper_slots, rel=0.1)
+
+
+def test_cost_model_roofline_shape():
+    cm = cost()
+    t8, t40 = cm.step_time(StepShape.decode(8, 400)), cm.step_time(StepShape.decode(40, 400))
+    assert t40 > t8 > cm.model.weight_bytes / cm.bandwidth  # the KV read counts
+    assert cm.step_time(StepShape.decode(8, 1600)) > t8
+    small = cost(block_size=1).step_time(StepShape.decode(32, 512, block_size=1))
+    assert small > cost(block_size=16).step_time(StepShape.decode(32, 512, block_size=16))
+    big = cm.breakdown(StepShape(1, 2048, 2048, 128, 2048 * 2049 // 2))
+    assert big["compute_s"] > big["memory_s"]  # a long prefill is compute-bound
+    assert cm.swap_time(64) > cost(block_size=64).swap_time(16)  # same bytes, fewer copies
+    tp = cost(num_gpus=2).step_time(StepShape.decode(8, 400))
+    assert tp < t8  # split across two GPUs, plus all-reduces
+    assert cost(per_seq_overhead_s=1e-4).step_time(StepShape.decode(40, 400)) == pytest.approx(
+        t40 + 4e-3
+    )
+
+
+def test_calibration_recovers_parameters_and_fits_fig1(tmp_path):
+    truth = cost(mem_efficiency=0.7, overhead_s=2e-3)
+    steps = [StepShape.decode(b, c) for b in (4, 16, 64) for c in (200, 800)]
+    fitted = fit(cost(), [MeasuredStep(s, truth.step_time(s)) for s in steps])
+    assert fitted["mem_efficiency"] == pytest.approx(0.7, rel=1e-6)
+    assert fitted["overhead_s"] == pytest.approx(2e-3, rel=1e-6)
+    ex = SimulatedExecutor(calibration=FIG1_CALIBRATION)
+    cm = ex.cost_model(16)
+    data = json.loads(Path(ex.calibration).read_text())
+    for p in data["points"]:
+        model = cm.step_time(StepShape.decode(p["num_seqs"], p["context_tokens_per_seq"]))
+        assert model == pytest.approx(p["step_time_s"], rel=0.02)
+    assert 0.9e12 < cm.bandwidth < 1.1e12  # the note in PAPER_NUMBERS: ~0.97 TB/s effective
+    with pytest.raises(ValueError, match="executor.calibration=null"):
+        calibrate(cost("h100"), ex.calibration)
+
+
+def small_run(policy, rate=20.0, n=40, blocks=64, **settings):
+    wl = build_workload(
+        WorkloadSpec(
+            request_rate=rate,
+            num_requests=n,
+            duration_s=None,
+            seed=1,
+            max_total_len=512,
+            length_scale=0.25,
+        )
+    )
+    s = ServingSettings(
+        num_gpu_blocks=blocks, max_model_len=512, max_num_batched_tokens=1024, **settings
+    )
+    return wl, SimulatedExecutor().run(wl, policy, s)
+
+
+@pytest.mark.parametrize("policy", ["paged", "orca_max", "orca_pow2", "orca_oracle", "static"])
+def test_executor_runs_every_request_to_its_length(policy):
+    wl, trace = small_run(policy)
+    assert trace.mode == "simulated" and "A100-40GB" in trace.hardware
+    by_id = {r.request_id: r for r in trace.requests}
+    for tr in wl.requests:
+        rec = by_id[tr.request_id]
+        assert rec.finished and len(rec.token_times) == tr.output_len
+        assert (
+            rec.arrival_time
+            <= rec.first_scheduled_time
+            <= rec.first_token_time
+            <= rec.finished_time
+        )
+        assert rec.token_times == sorted(rec.token_times)
+    its = trace.iterations
+    assert all(b.time >= a.time + a.duration - 1e-9 for a, b in zip(its, its[1:]))
+    for it in its:
+        assert it.memory.total == 64 * 16
+    shares = memory_shares(its)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    m = serving_metrics(trace)
+    assert m["completed"] == len(wl.requests) and m["normalized_latency"] > 0
+
+
+def test_executor_is_deterministic_and_stops_early():
+    _, a = small_run("paged")
+    _, b = small_run("paged")
+    assert serving_metrics(a) == serving_metrics(b)
+    wl = build_workload(WorkloadSpec(request_rate=50.0, duration_s=20.0, seed=0))
+    trace = SimulatedExecutor().run(wl, "paged", ServingSettings(num_gpu_blocks=983), stop_time=5.0)
+    assert trace.end_time < 5.0 + 1.0 and any(not r.finished for r in trace.requests)
+
+
+def test_preemption_by_recompute_and_swap_finishes_everything():
+    for mode in ("recompute", "swap"):
+        wl, trace = small_run("paged", rate=200.0, n=60, blocks=40, preemption_mode=mode)
+        assert all(r.finished for r in trace.requests)
+        assert serving_metrics(trace)["num_preemptions"] > 0
+
+
+def test_real_executor_tiny_model():
+    from paged_llm.sim.real_executor import RealExecutor
+
+    wl = build_workload(
+        WorkloadSpec(
+            request_rate=float("inf"),
+            num_requests=4,
+            duration_s=None,
+            max_total_len=64,
+            length_scale=0.05,
+            seed=2,
+        )
+    )
+    s = ServingSettings(num_gpu_blocks=16, max_model_len=128, max_num_batched_tokens=256)
+    trace = RealExecutor(warmup_requests=1).run(wl, "orca_oracle", s)
+    assert trace.mode == "real" and "CPU" in trace.hardware
+    assert all(r.finished and len(r.token_times) == r.output_len for r in trace.requests)
+    assert all(it.memory is not None for it in trace.iterations)
+
+
+def test_measure_step_times_writes_a_loadable_calibration(tmp_path):
+    from experiments.measure_step_times import run as measure
+    from paper_repro.common import compose
+
+    cfg = compose(
+        "measure_step_times",
+        ["batch_sizes=[1,2]", "context_tokens=[8]", "steps=2", "engine.num_gpu_blocks=16",
+         "engine.max_model_len=64", "calibration.hardware=a100-40gb", "calibration.model=opt-13b"],
+    )  # fmt: skip
+    path = measure(cfg, tmp_path)
+    data = json.loads(path.read_text())
+    assert [p["num_seqs"] for p in data["points"]] == [1, 2]
+    assert all(p["step_time_s"] > 0 for p in data["points"])
+    assert calibrate(cost(), path).overhead_s >= 0  # the format the simulator loads

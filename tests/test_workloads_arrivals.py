@@ -1,0 +1,157 @@
+"""Arrivals, workload building and trace formats (plain Python, fast)."""
+
+import json
+import math
+import pickle
+import statistics
+from pathlib import Path
+
+import pytest
+
+from paged_llm.workloads.arrivals import (
+    TimedRequest,
+    WorkloadSpec,
+    arrival_times,
+    arrivals_within,
+    build_workload,
+    prompt_token_ids,
+)
+from paged_llm.workloads.lengths import LengthPair
+from paged_llm.workloads.traces import (
+    ALPACA,
+    length_source,
+    load_artifact_pickle,
+    load_sharegpt_json,
+    load_trace,
+    scale_lengths,
+)
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/datasets/sharegpt_opt_lengths.csv"
+
+
+def test_poisson_mean_gap_and_seed():
+    times = arrival_times(20000, request_rate=4.0, seed=1)
+    gaps = [b - a for a, b in zip([0.0, *times], times)]
+    assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.03)
+    assert statistics.pstdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, rel=0.05)
+    assert times == arrival_times(20000, 4.0, seed=1)
+    assert times != arrival_times(20000, 4.0, seed=2)
+    assert all(b >= a for a, b in zip(times, times[1:]))
+
+
+def test_gamma_burstiness_keeps_rate_and_sets_cv():
+    times = arrival_times(20000, request_rate=2.0, seed=0, burstiness=0.25)
+    gaps = [b - a for a, b in zip([0.0, *times], times)]
+    assert statistics.mean(gaps) == pytest.approx(0.5, rel=0.05)
+    assert statistics.pstdev(gaps) / statistics.mean(gaps) == pytest.approx(2.0, rel=0.1)
+
+
+def test_arrivals_within_duration_and_infinite_rate():
+    times = arrivals_within(1000.0, 3.0, seed=0)
+    assert all(0 <= t < 1000.0 for t in times)
+    assert len(times) == pytest.approx(3000, rel=0.05)
+    assert arrival_times(5, math.inf, seed=0) == [0.0] * 5
+    with pytest.raises(ValueError, match="request_rate"):
+        arrival_times(3, 0.0, seed=0)
+    with pytest.raises(ValueError, match="burstiness"):
+        arrival_times(3, 1.0, seed=0, burstiness=0)
+
+
+def test_synthetic_workload_is_labelled_and_filtered():
+    w = build_workload(WorkloadSpec(request_rate=10.0, duration_s=100.0, seed=3))
+    assert w.synthetic and w.source.startswith("synthetic:sharegpt")
+    assert w.describe()["synthetic"] is True
+    assert all(r.input_len + r.output_len < 2048 and r.input_len >= 1 for r in w.requests)
+    assert [r.arrival_time for r in w.requests] == sorted(r.arrival_time for r in w.requests)
+    again = build_workload(WorkloadSpec(request_rate=10.0, duration_s=100.0, seed=3))
+    assert again.requests == w.requests
+
+
+def test_alpaca_synthetic_matches_paper_means():
+    src = length_source(None, "alpaca", pool_size=20000, seed=0)
+    assert src.synthetic and "alpaca" in src.label
+    assert statistics.mean(p.input_len for p in src.pairs) == pytest.approx(
+        ALPACA.input_mean, rel=0.05
+    )
+    assert statistics.mean(p.output_len for p in src.pairs) == pytest.approx(
+        ALPACA.output_mean, rel=0.05
+    )
+
+
+def test_csv_trace_and_filter(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("input_len,output_len\n10,20\n2000,100\n5,1\n0,4\n")
+    w = build_workload(
+        {"path": str(path), "request_rate": 100.0, "num_requests": 50, "duration_s": None}
+    )
+    assert not w.synthetic and w.source == f"trace:{path}"
+    assert {(r.input_len, r.output_len) for r in w.requests} <= {(10, 20), (5, 1)}
+    with pytest.raises(FileNotFoundError, match="workload.path=null"):
+        build_workload({"path": str(tmp_path / "missing.csv")})
+
+
+@pytest.mark.skipif(not SHARED_TRACE.is_file(), reason="shared ShareGPT trace not present")
+def test_shared_sharegpt_trace_means():
+    src = length_source(str(SHARED_TRACE))
+    assert len(src.pairs) == 79725
+    assert statistics.mean(p.input_len for p in src.pairs) == pytest.approx(161.18, abs=0.01)
+    assert statistics.mean(p.output_len for p in src.pairs) == pytest.approx(338.00, abs=0.01)
+
+
+def test_artifact_pickle_loads_plain_pairs(tmp_path):
+    path = tmp_path / "lengths.pkl"
+    path.write_bytes(pickle.dumps([(10, 20), [3, 4]]))
+    assert load_artifact_pickle(path) == [LengthPair(10, 20), LengthPair(3, 4)]
+    assert load_trace(path) == [LengthPair(10, 20), LengthPair(3, 4)]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (Path.touch, (Path("/tmp/paged_llm_pickle_pwned"),))
+
+
+def test_artifact_pickle_refuses_code(tmp_path):
+    marker = Path("/tmp/paged_llm_pickle_pwned")
+    marker.unlink(missing_ok=True)
+    path = tmp_path / "evil.pkl"
+    path.write_bytes(pickle.dumps([(1, 2), _Evil()]))
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        load_artifact_pickle(path)
+    assert not marker.exists()
+    path.write_bytes(pickle.dumps([(1, 2, 3)]))
+    with pytest.raises(ValueError, match="pair"):
+        load_artifact_pickle(path)
+
+
+class _WordTokenizer:
+    def encode(self, text):
+        return text.split()
+
+
+def test_sharegpt_json_first_two_turns(tmp_path):
+    data = [
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "human", "value": "one two three"},
+                {"from": "gpt", "value": "four five"},
+                {"from": "human", "value": "ignored turn"},
+            ],
+        },
+        {"id": "b", "conversations": [{"from": "human", "value": "alone"}]},
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    assert load_sharegpt_json(path, _WordTokenizer()) == [LengthPair(3, 2)]
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_trace(path)
+    assert load_trace(path, _WordTokenizer()) == [LengthPair(3, 2)]
+
+
+def test_scale_and_prompt_ids():
+    assert scale_lengths([LengthPair(160, 320)], 0.125) == [LengthPair(20, 40)]
+    assert scale_lengths([LengthPair(1, 1)], 0.1) == [LengthPair(1, 1)]
+    r = TimedRequest("x", 7, 3, 0.0)
+    assert prompt_token_ids(r) == [0] * 7
+    ids = prompt_token_ids(r, vocab_size=100)
+    assert len(ids) == 7 and all(3 <= i < 100 for i in ids)
