@@ -247,3 +247,25 @@ def test_main_job_writes_results(tmp_path):
     assert (tmp_path / "main.json").is_file()
     assert result["mode"] == "real" and result["throughput"]["output_tokens_per_s"] > 0
     assert len(result["samples"]) == 4
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_torch_backend_equals_reference(gqa):
+    from paged_llm.attention.metadata import build_attention_metadata
+    from paged_llm.attention.torch_backend import TorchAttentionBackend
+    from paged_llm.ops.paged_attention.reference import paged_attention_reference
+
+    torch.manual_seed(0)
+    hkv, d, bs = 2, 16, 4
+    k_cache = torch.randn(32, bs, hkv, d)
+    v_cache = torch.randn(32, bs, hkv, d)
+    q_lens, s_lens = [1, 1, 5, 9], [7, 13, 5, 20]  # decodes, a prefill, a chunk after a prefix
+    perm = torch.randperm(32).tolist()
+    tables = [perm[0:2], perm[2:6], perm[6:8], perm[8:13]]
+    meta = build_attention_metadata(q_lens, s_lens, tables, bs)
+    t = sum(q_lens)
+    q = torch.randn(t, hkv * gqa, d)
+    k, v = torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    ref = paged_attention_reference(q, k_cache, v_cache, meta.block_tables, q_lens, s_lens, 0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata
 from paged_llm.ops.kv_store.reference import store_kv_reference
-from paged_llm.ops.paged_attention.reference import (
-    paged_attention_reference,
-    paged_decode_attention_batched,
-)
+from paged_llm.ops.paged_attention.reference import gather_kv
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Plain torch: batched decode via padded gather, prefills one sequence at a time."""
+    """Plain torch: gather each sequence's blocks, then fused attention (the CPU default)."""
 
     name = "torch"
     supports_quantized_kv = True
@@ -31,25 +29,40 @@ class TorchAttentionBackend(AttentionBackend):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store K/V, then decode sequences in one batch and prefill sequences in a loop."""
+        """Store K/V, then per sequence: gather its blocks, one fused SDPA call."""
         scales = (k_scale, v_scale)  # both None unless the cache is quantized
         store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping, *scales)
         out = torch.empty_like(query)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = paged_decode_attention_batched(
-                query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                *scales,
-            )  # fmt: skip
-        if nd < meta.num_seqs:
-            out[nd:] = paged_attention_reference(
-                query[nd:],
-                k_cache,
-                v_cache,
-                meta.block_tables[nd:],
-                meta.query_lens_cpu[nd:],
-                meta.seq_lens_cpu[nd:],
-                scale,
-                *scales,
+        start = 0
+        for b, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            table = meta.block_tables[b]
+            k = gather_kv(k_cache, table, s_len, k_scale, query.dtype).to(query.dtype)
+            v = gather_kv(v_cache, table, s_len, v_scale, query.dtype).to(query.dtype)
+            out[start : start + q_len] = sdpa_one_sequence(
+                query[start : start + q_len], k, v, scale
             )
+            start += q_len
         return out
+
+
+def sdpa_one_sequence(
+    q: torch.Tensor,  # [Lq, Hq, D]: the last Lq of the Lk positions
+    k: torch.Tensor,  # [Lk, Hkv, D]
+    v: torch.Tensor,  # [Lk, Hkv, D]
+    scale: float,
+) -> torch.Tensor:  # [Lq, Hq, D]
+    """``attention_one_sequence`` through torch's fused scaled_dot_product_attention.
+
+    A per-sequence gather of exactly its blocks plus one fused call is several times faster on
+    a CPU than a padded batched gather with einsums (docs/benchmarks.md has the profile).
+    """
+    lq, lk = q.shape[0], k.shape[0]
+    mask = None
+    if lq > 1:  # causal, with the queries aligned to the end of the context
+        q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
+        mask = torch.arange(lk, device=q.device)[None, :] <= q_pos
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # fmt: skip
+    return o.transpose(0, 1)
