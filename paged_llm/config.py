@@ -14,6 +14,7 @@ class ModelConfig:
 
     model: str = "tiny"  # local Hugging Face checkpoint directory, or a built-in preset name
     tokenizer: str | None = None  # defaults to the model directory
+    skip_tokenizer_init: bool = False  # token ids in and out only (no text, no detokenizing)
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: float32 on CPU)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
@@ -21,6 +22,11 @@ class ModelConfig:
     # Weights: None | int8 | int4_rtn | int4_gptq | int4_awq | fp8 | gptq | awq (a pre-quantized
     # checkpoint) | {_target_: ...}; see paged_llm/quant/registry.py
     quantization: Any = None
+    # vLLM's names. Ranks that split every layer (torch.distributed: gloo on CPU, NCCL on CUDA);
+    # see docs/tensor_parallel.md. 1 = one process, no torch.distributed at all.
+    tensor_parallel_size: int = 1
+    # True: never use CUDA graphs for decode steps (they are only used on CUDA anyway)
+    enforce_eager: bool = False
 
 
 @dataclass

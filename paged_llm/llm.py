@@ -27,6 +27,16 @@ class LLM:
         llm.llm_engine = LLMEngine(config)
         return llm
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes (also done on garbage collection and at exit)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search over the paged engine (beams fork and drop shared block tables)."""
         if isinstance(prompts, (str, dict)):

@@ -16,11 +16,15 @@ from paged_llm.config import EngineConfig
 from paged_llm.core.kv import POLICIES
 from paged_llm.core.request import Request, RequestStatus
 from paged_llm.core.scheduler import Scheduler, SchedulerLimits
+from paged_llm.distributed import building_for
+from paged_llm.distributed.launch import start_tensor_parallel
+from paged_llm.distributed.sharding import kv_heads_per_rank
 from paged_llm.engine.inputs import to_token_ids, validate_token_ids
 from paged_llm.engine.loading import load_model_and_tokenizer, resolve_device
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
 from paged_llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_llm.quant.kv_cache import SCALE_DTYPE, kv_cache_spec
+from paged_llm.runner.cuda_graphs import cuda_graph_sizes
 from paged_llm.runner.kv_cache import kv_bytes_per_block
 from paged_llm.runner.model_runner import ModelRunner
 from paged_llm.sampling_params import SamplingParams
@@ -58,9 +62,17 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         mc, cc, sc = config.model, config.cache, config.scheduler
-        self.device = resolve_device(mc.device)
+        # tensor_parallel_size > 1: launch or join the ranks; None (no torch.distributed) at 1.
+        # Every rank runs this constructor in lockstep; see distributed/launch.py.
+        self.parallel = start_tensor_parallel(config)
+        self.device = self.parallel.device if self.parallel else resolve_device(mc.device)
         torch.manual_seed(mc.seed)
-        self.model, self.hf_config, self.tokenizer = load_model_and_tokenizer(mc, self.device)
+        with building_for(self.parallel.group if self.parallel else None):
+            self.model, self.hf_config, self.tokenizer = load_model_and_tokenizer(mc, self.device)
+        if mc.skip_tokenizer_init:
+            self.tokenizer = None
+        if self.parallel is not None:
+            self.parallel.sync_replicated(self.model)
         self.dtype = next(self.model.parameters()).dtype
         limit = max_context_len(self.hf_config)
         self.max_model_len = mc.max_model_len or limit
@@ -76,6 +88,7 @@ class LLMEngine:
         self.backend.check_device(self.device)
 
         num_layers, num_kv_heads, head_dim = kv_cache_shape_info(self.hf_config)
+        num_kv_heads = kv_heads_per_rank(num_kv_heads, mc.tensor_parallel_size)  # this rank's
         kv_spec = kv_cache_spec(cc.kv_cache_dtype, self.dtype)  # auto: the model dtype
         if kv_spec.quantized and not self.backend.supports_quantized_kv:
             raise ValueError(
@@ -85,6 +98,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.backend, self.device, self.dtype, cc.block_size,
             num_layers, num_kv_heads, head_dim, seed=mc.seed, kv_spec=kv_spec,
+            parallel=self.parallel,
         )  # fmt: skip
         # A 1-byte cache (+ a scale per vector) fits about twice the blocks of a 2-byte one.
         block_bytes = kv_bytes_per_block(
@@ -97,6 +111,8 @@ class LLMEngine:
             block_bytes += self.drafter.bytes_per_block(cc.block_size)  # both pools share blocks
         self.spec_stats = SpecDecodeStats()
         num_blocks = self._num_blocks(block_bytes)
+        if self.parallel is not None:  # the same pool on every rank: what fits on all of them
+            num_blocks = self.parallel.min_over_ranks(num_blocks)
         num_cpu_blocks = 0
         if sc.preemption_mode == "swap":
             num_cpu_blocks = int(cc.swap_space * 2**30 // block_bytes)
@@ -125,6 +141,10 @@ class LLMEngine:
         self.runner.initialize_cache(num_blocks, num_cpu_blocks)
         if self.drafter is not None:
             self.drafter.allocate(num_blocks, cc.block_size)
+        graph_sizes = cuda_graph_sizes(
+            self.device, mc.enforce_eager, self.backend, mc.tensor_parallel_size, sc.max_num_seqs
+        )  # [] on the CPU or with enforce_eager
+        self.runner.capture_cuda_graphs(graph_sizes, self.max_model_len)
         tokens = num_blocks * cc.block_size
         logger.info(
             "KV cache: %d blocks x %d = %d tokens (%.2f GiB, %s); maximum concurrency for "
@@ -138,6 +158,13 @@ class LLMEngine:
         self._counter = itertools.count()
         self.iteration_stats: list[Any] = []  # one IterationStats per step, for experiments
         self._last_log = float("-inf")
+        if self.parallel is not None:
+            self.parallel.finish_startup(self.runner)  # ranks > 0 serve rank 0's steps here
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers and leave the process group (no-op at size 1)."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     # ---- set-up helpers ---------------------------------------------------------------------
     def _eos_token_id(self) -> int | None:
@@ -177,6 +204,11 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> _Group:
         """Validate a prompt and its parameters; raise ValueError before any work is done."""
+        if self.parallel is not None and not self.parallel.is_driver:
+            raise ValueError(
+                f"tensor-parallel rank {self.parallel.group.rank} only runs the model; "
+                "submit requests on rank 0"
+            )
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paged_llm.distributed.sharding import shard_checkpoint
+
 logger = logging.getLogger(__name__)
 
 
@@ -60,6 +62,7 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters; raise on unexpected or missing ones."""
         renamed = ((self.checkpoint_name(n), t) for n, t in weights)
+        renamed = shard_checkpoint(self, renamed)  # tensor parallel: keep this rank's slices
         if self.tie_word_embeddings:
             # A tied head has no storage of its own; some checkpoints still carry a copy of it.
             renamed = ((n, t) for n, t in renamed if n != "lm_head.weight")

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paged_llm.distributed.layers import column_linear, lm_head, row_linear, vocab_embedding
+from paged_llm.distributed.sharding import shard_heads
 from paged_llm.layers.activation import get_activation
 from paged_llm.layers.attention import ForwardContext, PagedAttention
 from paged_llm.layers.norms import RMSNorm
@@ -21,18 +23,25 @@ from paged_llm.models.base import CausalLM, head_dim_of, num_kv_heads_of
 
 
 class LlamaAttention(nn.Module):
-    """q/k/v projections, RoPE on q and k, paged attention, output projection."""
+    """q/k/v projections, RoPE on q and k, paged attention, output projection.
+
+    Under tensor parallelism each rank owns a slice of the heads (num_heads / num_kv_heads are
+    this rank's counts): q/k/v are column-parallel, o_proj row-parallel (see distributed/).
+    """
 
     def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(config)
         self.head_dim = head_dim_of(config)
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        q_dim = config.num_attention_heads * self.head_dim
+        kv_dim = num_kv_heads_of(config) * self.head_dim
+        heads = shard_heads(config.num_attention_heads, num_kv_heads_of(config))
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        kv_rows = heads.kv_rows(self.head_dim)  # K/V heads may be replicated across ranks
+        self.q_proj = column_linear(hidden, q_dim, qkv_bias)
+        self.k_proj = column_linear(hidden, kv_dim, qkv_bias, rows=kv_rows)
+        self.v_proj = column_linear(hidden, kv_dim, qkv_bias, rows=kv_rows)
+        self.o_proj = row_linear(q_dim, hidden, o_bias)
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
         )
@@ -53,14 +62,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); gate/up column-, down row-parallel under TP."""
 
     def __init__(self, config: Any, bias: bool) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_proj = column_linear(hidden, inter, bias)
+        self.up_proj = column_linear(hidden, inter, bias)
+        self.down_proj = row_linear(inter, hidden, bias)
         self.act_fn = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -92,7 +101,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: Any, biases: tuple[bool, bool, bool]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, biases) for i in range(config.num_hidden_layers)
         )
@@ -117,7 +126,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.model = LlamaModel(config, self.bias_flags(config))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
     @staticmethod

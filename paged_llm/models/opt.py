@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paged_llm.distributed.layers import column_linear, lm_head, row_linear, vocab_embedding
+from paged_llm.distributed.sharding import shard_heads
 from paged_llm.layers.activation import get_activation
 from paged_llm.layers.attention import ForwardContext, PagedAttention
 from paged_llm.models.base import CausalLM
@@ -22,7 +24,7 @@ POSITION_OFFSET = 2
 
 
 class OPTAttention(nn.Module):
-    """Multi-head attention with biased projections."""
+    """Multi-head attention with biased projections (q/k/v column-, out_proj row-parallel)."""
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
@@ -30,12 +32,13 @@ class OPTAttention(nn.Module):
         head_dim = hidden // heads
         bias = getattr(config, "enable_bias", True)
         self.scaling = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.q_proj = column_linear(hidden, hidden, bias)
+        self.k_proj = column_linear(hidden, hidden, bias)
+        self.v_proj = column_linear(hidden, hidden, bias)
+        self.out_proj = row_linear(hidden, hidden, bias)
+        local_heads = shard_heads(heads, heads).num_heads  # all heads, or this rank's share
         # q is scaled before attention (scale=1 inside): HF's and fairseq's order, same rounding.
-        self.attn = PagedAttention(heads, heads, head_dim, 1.0, layer_idx)
+        self.attn = PagedAttention(local_heads, local_heads, head_dim, 1.0, layer_idx)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, H] -> [T, H]
         """Attend every token to its sequence's cached context (this step's K/V included)."""
@@ -54,8 +57,8 @@ class OPTDecoderLayer(nn.Module):
         self.do_layer_norm_before = config.do_layer_norm_before
         self.self_attn = OPTAttention(config, layer_idx)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = nn.Linear(hidden, config.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(config.ffn_dim, hidden, bias=bias)
+        self.fc1 = column_linear(hidden, config.ffn_dim, bias)
+        self.fc2 = row_linear(config.ffn_dim, hidden, bias)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.activation_fn = get_activation(config.activation_function)
 
@@ -80,7 +83,7 @@ class OPTDecoder(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         embed_dim = getattr(config, "word_embed_proj_dim", None) or hidden
-        self.embed_tokens = nn.Embedding(config.vocab_size, embed_dim)
+        self.embed_tokens = vocab_embedding(config.vocab_size, embed_dim)
         self.embed_positions = nn.Embedding(
             config.max_position_embeddings + POSITION_OFFSET, hidden
         )
@@ -137,7 +140,7 @@ class OPTForCausalLM(CausalLM):
         super().__init__(config)
         embed_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
         self.model = OPTModel(config)
-        self.lm_head = nn.Linear(embed_dim, config.vocab_size, bias=False)
+        self.lm_head = lm_head(embed_dim, config.vocab_size)
         self.tie_weights()
 
     def get_input_embeddings(self) -> nn.Embedding:

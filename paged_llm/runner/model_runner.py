@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,10 +14,24 @@ from paged_llm.attention.metadata import AttentionMetadata, build_attention_meta
 from paged_llm.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.quant.kv_cache import SCALE_DTYPE, KVCacheSpec
+from paged_llm.runner.cuda_graphs import CudaGraphRunner
 from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, allocate_kv_scales, move_blocks
 from paged_llm.runner.sampler import Sampler, SampleResult
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HostBatch:
+    """One step's flat batch as host lists (decodes first): all any rank needs to run it."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    query_lens: list[int]  # [B]
+    seq_lens: list[int]  # [B] context length including this step's tokens
+    block_tables: list[list[int]]  # [B] physical block ids
+    sample_rows: list[int]  # [R] rows of T whose logits are needed
+    rows_per_request: list[int]  # per sampling request: 1, or 1 + number of draft tokens
 
 
 @dataclass
@@ -38,10 +53,10 @@ def order_for_backend(scheduled: list[ScheduledRequest]) -> list[ScheduledReques
     ]
 
 
-def prepare_inputs(
-    scheduled: list[ScheduledRequest], block_size: int, device: torch.device
-) -> StepInputs:
-    """Gather token ids, positions, slots and block tables for the scheduled requests."""
+def flatten_batch(
+    scheduled: list[ScheduledRequest],
+) -> tuple[HostBatch, list[ScheduledRequest]]:
+    """The scheduled requests' flat host batch, and the requests that sample, in row order."""
     ordered = order_for_backend(scheduled)
     ids: list[int] = []
     positions: list[int] = []
@@ -59,15 +74,35 @@ def prepare_inputs(
             rows.extend(range(len(ids) - n_rows, len(ids)))
             sampling.append(s)
             per_req.append(n_rows)
-    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size, device)
-    return StepInputs(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        attn_metadata=meta,
-        sample_rows=torch.tensor(rows, dtype=torch.long, device=device),
-        sampling=sampling,
-        rows_per_request=per_req,
+    return HostBatch(ids, positions, query_lens, seq_lens, tables, rows, per_req), sampling
+
+
+def to_step_inputs(
+    batch: HostBatch,
+    block_size: int,
+    device: torch.device,
+    sampling: list[ScheduledRequest] | None = None,
+) -> StepInputs:
+    """Device tensors and attention metadata of a host batch."""
+    meta = build_attention_metadata(
+        batch.query_lens, batch.seq_lens, batch.block_tables, block_size, device
     )
+    return StepInputs(
+        input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(batch.positions, dtype=torch.long, device=device),
+        attn_metadata=meta,
+        sample_rows=torch.tensor(batch.sample_rows, dtype=torch.long, device=device),
+        sampling=sampling or [],
+        rows_per_request=batch.rows_per_request,
+    )
+
+
+def prepare_inputs(
+    scheduled: list[ScheduledRequest], block_size: int, device: torch.device
+) -> StepInputs:
+    """Gather token ids, positions, slots and block tables for the scheduled requests."""
+    batch, sampling = flatten_batch(scheduled)
+    return to_step_inputs(batch, block_size, device, sampling)
 
 
 class ModelRunner:
@@ -85,6 +120,7 @@ class ModelRunner:
         head_dim: int,
         seed: int = 0,
         kv_spec: KVCacheSpec | None = None,  # cache layout; default: unquantized in ``dtype``
+        parallel: Any = None,  # distributed.launch.TensorParallel on rank 0 of a TP world
     ) -> None:
         self.model = model
         self.backend = backend
@@ -95,6 +131,9 @@ class ModelRunner:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.sampler = Sampler(seed)
+        self.parallel = parallel
+        self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
+        self.cuda_graph_error: str | None = None  # why capturing failed, if it did
         self.kv_spec = kv_spec or KVCacheSpec(dtype)
         self.kv_caches: KVCaches = []
         self.cpu_caches: KVCaches = []
@@ -125,21 +164,56 @@ class ModelRunner:
                     self.num_layers, num_cpu_blocks, *scale_args, "cpu", pin_memory=pin
                 )
 
-    def _forward(self, out: SchedulerOutput) -> tuple[StepInputs | None, torch.Tensor | None]:
-        """Move blocks, run the batch; return inputs and logits [N, V] of sampling requests."""
-        for kind, pairs in out.block_ops:  # in decision order: a block may be reused in a step
+    def capture_cuda_graphs(self, sizes: list[int], max_model_len: int) -> None:
+        """Capture decode graphs for these batch buckets (after initialize_cache; [] = none).
+        A capture that fails leaves the engine eager, with a warning: graphs only save time."""
+        if not sizes:
+            return
+        graphs = CudaGraphRunner(
+            self.model, self.backend, self.kv_caches, self.kv_scales or None, sizes,
+            self.block_size, max_model_len, self.device,
+        )  # fmt: skip
+        try:
+            graphs.capture()
+        except Exception as err:
+            self.cuda_graph_error = f"{type(err).__name__}: {err}"
+            logger.warning("CUDA graph capture failed, running eagerly: %s", err, exc_info=True)
+            return
+        self.cuda_graphs = graphs
+
+    def _forward(
+        self, out: SchedulerOutput
+    ) -> tuple[HostBatch | None, list[ScheduledRequest], torch.Tensor | None]:
+        """Move blocks, run the batch; return it, its sampling requests and their logits."""
+        batch, sampling = flatten_batch(out.scheduled) if out.scheduled else (None, [])
+        if self.parallel is None:
+            return batch, sampling, self.run_batch(out.block_ops, batch)
+        with self.parallel.step(out.block_ops, batch):  # every other rank runs the same step
+            return batch, sampling, self.run_batch(out.block_ops, batch)
+
+    def run_batch(
+        self, block_ops: list[tuple[str, list[tuple[int, int]]]], batch: HostBatch | None
+    ) -> torch.Tensor | None:
+        """Move blocks, then run ``batch``; return the logits [R, V] of its sample rows (None
+        without any). Tensor-parallel ranks all call this with the same arguments; only rank
+        0's logits cover the whole vocabulary."""
+        for kind, pairs in block_ops:  # in decision order: a block may be reused in a step
             src, dst = self._block_op_caches[kind]
             move_blocks(src(), dst(), pairs)
-        if not out.scheduled:
-            return None, None
-        inputs = prepare_inputs(out.scheduled, self.block_size, self.device)
-        ctx = ForwardContext(
-            inputs.attn_metadata, self.backend, self.kv_caches, self.kv_scales or None
-        )
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
-        if not inputs.sampling:
-            return inputs, None
-        return inputs, self.model.compute_logits(hidden[inputs.sample_rows])  # [N, V]
+        if batch is None:
+            return None
+        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(batch):
+            hidden = self.cuda_graphs.replay(batch)  # [T, hidden]
+        else:
+            inputs = to_step_inputs(batch, self.block_size, self.device)
+            ctx = ForwardContext(
+                inputs.attn_metadata, self.backend, self.kv_caches, self.kv_scales or None
+            )
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
+        if not batch.sample_rows:
+            return None
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows])  # [R, V]
 
     @torch.inference_mode()
     def execute(
@@ -153,13 +227,13 @@ class ModelRunner:
         ``draft_probs`` holds the drafter's distributions [k, V] for requests whose drafts came
         from a model; drafts without one are treated as deterministic proposals.
         """
-        inputs, logits = self._forward(out)
+        batch, sampling, logits = self._forward(out)
         if logits is None:
             return {}
         results: dict[str, SampleResult] = {}
         plain_rows, plain = [], []
         row = 0
-        for s, n_rows in zip(inputs.sampling, inputs.rows_per_request):
+        for s, n_rows in zip(sampling, batch.rows_per_request):
             req = s.request
             ban = (banned or {}).get(req.request_id, [])
             if req.spec_token_ids:
@@ -181,8 +255,8 @@ class ModelRunner:
     def execute_logprobs(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run one step and return each due request's next-token log-probabilities [V] (CPU),
         leaving the choice of token to the caller (beam search)."""
-        inputs, logits = self._forward(out)
+        _, sampling, logits = self._forward(out)
         if logits is None:
             return {}
         rows = logits.float().log_softmax(-1).cpu()
-        return {s.request.request_id: rows[i] for i, s in enumerate(inputs.sampling)}
+        return {s.request.request_id: rows[i] for i, s in enumerate(sampling)}

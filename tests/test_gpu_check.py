@@ -1,0 +1,153 @@
+"""The GPU fast path and GPU check, as far as a CPU can check them: the smoke mode of
+experiments/gpu_check.py writes a well-formed JSON, and the CUDA-graph bucketing, padding and
+replay plumbing gives the same tokens as eager steps (replayed eagerly here, with the Triton
+kernels in the interpreter)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from paged_llm import LLM, SamplingParams
+from paged_llm.attention.torch_backend import TorchAttentionBackend
+from paged_llm.attention.triton_backend import TritonAttentionBackend
+from paged_llm.runner.cuda_graphs import (
+    CudaGraphRunner,
+    bucket_for,
+    capture_sizes,
+    cuda_graph_sizes,
+    pad_decode_batch,
+)
+
+SECTIONS = ["bandwidth", "kernels", "decode_bandwidth", "fig18a", "end_to_end"]
+
+
+def test_smoke_run_writes_well_formed_json(tmp_path):
+    from experiments import gpu_check
+
+    doc = gpu_check.main(["--smoke", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == json.loads(
+        json.dumps(doc, default=gpu_check._json_default)
+    )
+    assert doc["schema"] == gpu_check.SCHEMA and doc["mode"] == "smoke"
+    assert doc["measured"] is False and doc["device"]["type"] == "cpu"
+    assert list(doc["sections"]) == SECTIONS
+    for name, section in doc["sections"].items():
+        # a loaded machine may run out of the smoke budget, but nothing may fail
+        assert section["status"] in ("ok", "skipped"), (name, section.get("reason"))
+        assert section["seconds"] >= 0
+    kernels = doc["sections"]["kernels"]
+    assert kernels["status"] == "ok" and kernels["all_pass"], kernels["failed"]
+    assert {c["check"] for c in kernels["checks"]} >= {
+        "store_kv", "store_kv_int8", "paged_decode_splits_4", "paged_decode_int8_cache",
+        "paged_prefill", "copy_blocks", "int8_matmul", "int4_matmul",
+    }  # fmt: skip
+    bw = doc["sections"]["bandwidth"]
+    assert bw["copy_bandwidth_GBps"] > 0 and bw["matmul_bf16_TFLOPs"] > 0
+    for row in doc["sections"]["decode_bandwidth"]["rows"]:
+        assert row["achieved_GBps"] > 0 and row["fraction_of_copy_bw"] > 0
+    e2e = doc["sections"]["end_to_end"]
+    if e2e["status"] == "ok":
+        assert e2e["ours"]["generated_tokens"] > 0
+        assert e2e["tokens_match_generate"] in (True, None)  # same weights: same greedy tokens
+        assert e2e["bandwidth_bound"]["output_tokens_per_s"] > 0
+    assert doc["targets"]["pass"] is None  # CPU numbers never pass or fail a GPU target
+
+
+# ---- CUDA graphs: the logic that does not need a GPU ---------------------------------------------
+def test_capture_sizes_and_buckets():
+    assert capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
+    assert capture_sizes(10) == [1, 2, 4, 8, 10]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(1000)[-1] == 256
+    sizes = capture_sizes(20)
+    assert [bucket_for(n, sizes) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
+
+
+def decode_batch(positions, tables):
+    """A pure-decode HostBatch-like batch: one token per sequence at ``positions``."""
+    n = len(positions)
+    return SimpleNamespace(
+        input_ids=[7] * n, positions=list(positions), query_lens=[1] * n,
+        seq_lens=[p + 1 for p in positions], block_tables=[list(t) for t in tables],
+    )  # fmt: skip
+
+
+def test_padding_writes_nowhere_and_reads_nothing():
+    batch = decode_batch([5, 0], [[3, 9], [4]])  # block size 4: slots 9*4+1 and 4*4+0
+    padded = pad_decode_batch(batch, bucket=4, block_size=4, width=3)
+    assert padded.slot_mapping == [37, 16, -1, -1]
+    assert padded.seq_lens == [6, 1, 0, 0]
+    assert padded.input_ids == [7, 7, 0, 0] and padded.positions == [5, 0, 0, 0]
+    assert padded.block_tables == [[3, 9, 0], [4, 0, 0], [0, 0, 0], [0, 0, 0]]
+    with pytest.raises(ValueError, match="at most 1"):
+        pad_decode_batch(batch, bucket=1, block_size=4, width=3)
+    with pytest.raises(ValueError, match="wider"):
+        pad_decode_batch(batch, bucket=2, block_size=4, width=1)
+    prefill = SimpleNamespace(**{**vars(batch), "query_lens": [1, 2]})
+    with pytest.raises(ValueError, match="decode batch"):
+        pad_decode_batch(prefill, bucket=2, block_size=4, width=3)
+
+
+def test_graphs_only_on_cuda_without_enforce_eager():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    triton, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    assert cuda_graph_sizes(cuda, False, triton, 1, 8) == [1, 2, 4, 8]
+    assert cuda_graph_sizes(cpu, False, triton, 1, 8) == []
+    assert cuda_graph_sizes(cuda, True, triton, 1, 8) == []  # enforce_eager
+    assert cuda_graph_sizes(cuda, False, torch_backend, 1, 8) == []  # host-side reads
+    assert cuda_graph_sizes(cuda, False, triton, 2, 8) == []  # tensor parallel: eager
+
+
+class EagerReplay(CudaGraphRunner):
+    """Runs exactly what a captured graph replays (the static buffers of the batch's bucket,
+    padding included), but eagerly, so the CPU can check it."""
+
+    def capture(self) -> None:
+        self.replays: list[int] = []
+
+    def replay(self, batch):
+        bucket = self.load(batch)
+        self.replays.append(bucket)
+        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self._context(bucket))
+        return hidden[: len(batch.query_lens)]
+
+
+def test_padded_bucket_replay_gives_the_same_tokens(tiny_llama):
+    prompts = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(3)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 6, 9)]
+    kwargs = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01, max_num_seqs=4,
+                  attention_backend="triton")  # fmt: skip
+
+    def generate(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    eager = LLM(str(tiny_llama[0]), **kwargs)
+    assert eager.llm_engine.runner.cuda_graphs is None  # the CPU never captures
+    expected = generate(eager)
+    llm = LLM(str(tiny_llama[0]), **kwargs)
+    runner = llm.llm_engine.runner
+    graphs = EagerReplay(llm.llm_engine.model, runner.backend, runner.kv_caches, None,
+                         capture_sizes(4), 4, 64, runner.device)  # fmt: skip
+    graphs.capture()
+    runner.cuda_graphs = graphs
+    assert generate(llm) == expected
+    # 3 decoding (bucket 4, one padding row), then 2 (bucket 2), then 1 (bucket 1)
+    assert set(graphs.replays) == {4, 2, 1}
+
+
+def test_failed_capture_leaves_the_engine_eager(tiny_llama, monkeypatch):
+    def broken(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(CudaGraphRunner, "capture", broken)
+    llm = LLM(str(tiny_llama[0]), cpu_kv_cache_gib=0.01)
+    runner = llm.llm_engine.runner
+    runner.capture_cuda_graphs([1, 2], 64)
+    assert runner.cuda_graphs is None and "not permitted" in runner.cuda_graph_error
+    out = llm.generate({"prompt_token_ids": [5, 9, 17]}, SamplingParams(max_tokens=2))
+    assert len(out[0].outputs[0].token_ids) == 2

@@ -1,0 +1,315 @@
+"""Tensor parallelism on the CPU: 2 ranks over gloo give the same greedy tokens as 1 process.
+
+Each architecture starts one 2-rank engine (spawning a worker that imports torch costs a few
+seconds, so every engine is used once, with settings that exercise many paths at a time).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from paged_llm import LLM, SamplingParams
+from paged_llm.beam_search import BeamSearchParams
+from paged_llm.config import EngineConfig
+from paged_llm.distributed import TPGroup, building_for
+from paged_llm.distributed.checks import check_tensor_parallel
+from paged_llm.distributed.launch import shutdown_all
+from paged_llm.distributed.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_linear,
+    lm_head,
+    row_linear,
+    vocab_embedding,
+)
+from paged_llm.distributed.sharding import kv_heads_per_rank, shard_checkpoint, shard_heads
+
+transformers = pytest.importorskip("transformers")
+# A deadlocked collective fails the test after 3 minutes instead of hanging for 30
+# (spawned and torchrun ranks inherit the variable).
+os.environ.setdefault("PAGED_LLM_TP_TIMEOUT_S", "180")
+
+PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(4)]  # lengths 5..20
+COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
+LLAMA_LIKE = dict(COMMON, intermediate_size=128, num_hidden_layers=2, initializer_range=0.2)
+
+
+def hf_config(kind: str):
+    """Tiny configs with transformers' own classes, as tests/conftest.py save_tiny builds them."""
+    t = transformers
+    configs = {
+        "llama": lambda: t.LlamaConfig(**LLAMA_LIKE, num_key_value_heads=2),
+        # Fewer K/V heads than ranks: each rank keeps a replica of the single K/V head.
+        "llama-kv1": lambda: t.LlamaConfig(**LLAMA_LIKE, num_key_value_heads=1),
+        "mistral": lambda: t.MistralConfig(**LLAMA_LIKE, num_key_value_heads=2),
+        "qwen2": lambda: t.Qwen2Config(**LLAMA_LIKE, num_key_value_heads=2),  # q/k/v biases
+        # OPT-350m's layout: post-LN, 32-wide embeddings projected in and out (replicated).
+        "opt": lambda: t.OPTConfig(
+            **COMMON,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            init_std=0.2,
+            do_layer_norm_before=False,
+            word_embed_proj_dim=32,
+        ),
+    }
+    return configs[kind]()
+
+
+def save_model(kind: str, path) -> str:
+    """Save a tiny random model; biases and norms get noise too, so slicing mistakes show."""
+    config = hf_config(kind)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def run(llm: LLM, n: int = 10, **params) -> list[list[int]]:
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **params)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread here: the reference runs then share the cores with the 2-rank ones
+    without oversubscription (an engine's rank 0 does the same on the CPU, see launch.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _no_workers_left():
+    """Whatever a test does (or fails to do), no worker outlives it."""
+    yield
+    shutdown_all()
+    assert not multiprocessing.active_children()
+
+
+def assert_stopped(processes) -> None:
+    assert processes, "a 2-rank engine spawns one worker"
+    assert not any(p.is_alive() for p in processes)
+    assert not multiprocessing.active_children()
+
+
+# ---- end to end: 2 ranks vs 1 process ---------------------------------------------------------
+def test_llama_gqa_with_swapping_and_chunked_prefill(tmp_path):
+    # 2 K/V heads over 2 ranks (one each); a small pool forces swap preemption, and chunked
+    # prefill mixes decodes with prompt chunks, so block moves and mixed batches go to rank 1.
+    path = save_model("llama", tmp_path)
+    settings = dict(
+        block_size=4, num_gpu_blocks_override=16, max_model_len=64, preemption_mode="swap",
+        swap_space=0.01, enable_chunked_prefill=True, max_num_batched_tokens=12,
+    )  # fmt: skip
+    single = LLM(path, **settings)
+    expected = run(single, 12)
+    assert single.llm_engine.scheduler.num_preemptions_total > 0
+    with LLM(path, tensor_parallel_size=2, **settings) as llm:
+        processes = llm.llm_engine.parallel.processes
+        assert run(llm, 12) == expected
+        assert llm.llm_engine.scheduler.num_preemptions_total > 0
+        k_cache = llm.llm_engine.runner.kv_caches[0][0]
+        assert k_cache.shape[2] == 1  # rank 0 keeps its own K/V head only
+        # logprobs come from rank 0's gathered full-vocabulary logits
+        lp_single = single.generate(PROMPTS[0], SamplingParams(max_tokens=3, logprobs=3))
+        lp_tp = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, logprobs=3))
+    assert_stopped(processes)
+    for a, b in zip(lp_single[0].outputs[0].logprobs, lp_tp[0].outputs[0].logprobs):
+        assert a.keys() == b.keys()
+        assert all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
+
+
+@pytest.mark.parametrize("kind", ["llama-kv1", "mistral", "qwen2"])
+def test_llama_family_matches_single_process(tmp_path, kind):
+    path = save_model(kind, tmp_path)
+    expected = run(LLM(path, block_size=8, cpu_kv_cache_gib=0.01))
+    llm = LLM(path, block_size=8, cpu_kv_cache_gib=0.01, tensor_parallel_size=2)
+    processes = llm.llm_engine.parallel.processes
+    assert run(llm) == expected
+    if kind == "llama-kv1":
+        assert llm.llm_engine.runner.kv_caches[0][0].shape[2] == 1  # a replica of the one head
+        llm.shutdown()
+    else:
+        del llm  # no explicit shutdown: garbage collection stops the worker
+        gc.collect()
+    assert_stopped(processes)
+
+
+def test_opt_matches_single_process_with_beam_search(tmp_path):
+    path = save_model("opt", tmp_path)
+    single = LLM(path, block_size=4, cpu_kv_cache_gib=0.01)
+    beams = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    with LLM(path, block_size=4, cpu_kv_cache_gib=0.01, tensor_parallel_size=2) as llm:
+        processes = llm.llm_engine.parallel.processes
+        assert run(llm) == run(single)
+        tp_beams = llm.beam_search(prompts, beams)  # log-probabilities without sampling
+    assert_stopped(processes)
+    expected = single.beam_search(prompts, beams)
+    for a, b in zip(tp_beams, expected):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from paged_llm import LLM, SamplingParams
+
+prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[2])]
+llm = LLM(sys.argv[1], block_size=8, cpu_kv_cache_gib=0.01, tensor_parallel_size=2)
+# ranks > 0 get here once rank 0 has shut down
+if llm.llm_engine.parallel.is_driver:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+    llm.shutdown()
+else:
+    try:
+        llm.generate(prompts)
+    except ValueError as err:
+        print("REFUSED", err, flush=True)
+"""
+
+
+def test_torchrun_world(llama_dir, tmp_path):
+    # The processes join the world from torchrun's environment instead of being spawned.
+    script = tmp_path / "tp_script.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(script), llama_dir, json.dumps(PROMPTS)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokens = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert json.loads(tokens[0].removeprefix("TOKENS ")) == run(
+        LLM(llama_dir, block_size=8, cpu_kv_cache_gib=0.01)
+    )
+    assert "REFUSED" in done.stdout and "submit requests on rank 0" in done.stdout
+
+
+# ---- errors: raised before any worker starts ---------------------------------------------------
+def engine_config(**kwargs) -> EngineConfig:
+    return EngineConfig.from_kwargs(model="unused", tensor_parallel_size=2, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=96), None),  # fine
+        (dict(num_attention_heads=3, num_key_value_heads=3, hidden_size=48), "num_attention_h"),
+        (dict(vocab_size=255), r"vocab_size \(255\)"),
+        (dict(intermediate_size=129), r"intermediate size .*\(129\)"),
+        (dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96), "num_key_value"),
+    ],
+)
+def test_shape_errors(overrides, match):
+    config = transformers.LlamaConfig(**{**LLAMA_LIKE, "num_key_value_heads": 2, **overrides})
+    if match is None:
+        check_tensor_parallel(engine_config(device="cpu"), config)
+    else:
+        with pytest.raises(ValueError, match=match):
+            check_tensor_parallel(engine_config(device="cpu"), config)
+
+
+def test_opt_ffn_and_size_errors():
+    config = hf_config("opt")
+    config.ffn_dim = 129
+    with pytest.raises(ValueError, match=r"\(129\)"):
+        check_tensor_parallel(engine_config(device="cpu"), config)
+    with pytest.raises(ValueError, match="positive integer"):
+        check_tensor_parallel(EngineConfig.from_kwargs(tensor_parallel_size=0), config)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return save_model("llama", tmp_path_factory.mktemp("tp-llama"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(quantization="int8"), "weight quantization"),
+        (dict(kv_cache_dtype="int8"), "quantized KV cache"),
+        (dict(speculative_config={"num_speculative_tokens": 2, "model": "x"}), "draft model"),
+        (dict(tensor_parallel_size=3), "not divisible by tensor_parallel_size=3"),
+        (dict(device="cuda:1"), "one per rank"),
+    ],
+)
+def test_unsupported_combinations_raise_before_spawning(llama_dir, kwargs, match):
+    kwargs = {"tensor_parallel_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        LLM(llama_dir, cpu_kv_cache_gib=0.01, **kwargs)
+    assert not multiprocessing.active_children()
+
+
+# ---- the pieces, in one process -----------------------------------------------------------------
+def test_factories_are_plain_torch_modules_at_world_size_one():
+    # Quantization swaps modules whose type is exactly nn.Linear: keep them so without TP.
+    assert type(column_linear(4, 8, True)) is nn.Linear
+    assert type(row_linear(8, 4, False)) is nn.Linear
+    assert type(vocab_embedding(16, 4)) is nn.Embedding
+    assert type(lm_head(4, 16)) is nn.Linear
+    with building_for(TPGroup(1, 2)):
+        assert isinstance(column_linear(4, 8, True), ColumnParallelLinear)
+        assert isinstance(row_linear(8, 4, False), RowParallelLinear)
+        assert isinstance(vocab_embedding(16, 4), VocabParallelEmbedding)
+        assert isinstance(lm_head(4, 16), ParallelLMHead)
+    assert type(column_linear(4, 8, True)) is nn.Linear  # the context is restored
+
+
+@pytest.mark.parametrize(
+    "heads, kv, size, expected",
+    [
+        (8, 8, 2, [(4, 4, 0), (4, 4, 4)]),  # multi-head: split alike
+        (8, 2, 2, [(4, 1, 0), (4, 1, 1)]),  # GQA: one K/V head per rank
+        (8, 2, 4, [(2, 1, 0), (2, 1, 0), (2, 1, 1), (2, 1, 1)]),  # replicated pairs
+        (4, 1, 2, [(2, 1, 0), (2, 1, 0)]),  # one K/V head on every rank
+    ],
+)
+def test_head_shards(heads, kv, size, expected):
+    shards = [shard_heads(heads, kv, TPGroup(r, size)) for r in range(size)]
+    assert [(s.num_heads, s.num_kv_heads, s.first_kv_head) for s in shards] == expected
+    assert kv_heads_per_rank(kv, size) == expected[0][1]
+    for r, s in enumerate(shards):  # every query head of a rank reads its rank's K/V head
+        group = heads // kv
+        q_heads = range(r * s.num_heads, (r + 1) * s.num_heads)
+        kv_heads = range(s.first_kv_head, s.first_kv_head + s.num_kv_heads)
+        assert {q // group for q in q_heads} == set(kv_heads)
+
+
+def test_checkpoint_slices_and_math_match_the_full_layers():
+    # Rank 1 of 2 of each layer, loaded from full tensors: its slice of the full layer's math.
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    full_col, full_row = nn.Linear(8, 6), nn.Linear(6, 8)
+    with building_for(TPGroup(1, 2)):
+        col = column_linear(8, 6, True)
+        col_kv = column_linear(8, 6, True, rows=(0, 2))  # a replicated K/V head: rows 0-1
+        row = row_linear(6, 8, True)
+    model = nn.ModuleDict({"col": col, "col_kv": col_kv, "row": row})
+    sources = {"col": full_col, "col_kv": full_col, "row": full_row}
+    full = {f"{m}.{p}": getattr(src, p) for m, src in sources.items() for p in ("weight", "bias")}
+    for name, tensor in shard_checkpoint(model, full.items()):
+        model.get_parameter(name).data.copy_(tensor)
+    with torch.no_grad():
+        assert torch.allclose(col(x), full_col(x)[:, 3:])
+        assert torch.allclose(col_kv(x), full_col(x)[:, :2])
+        assert torch.equal(row.weight, full_row.weight[:, 3:])
+        assert torch.equal(row.bias, full_row.bias)  # added once, after the all-reduce
