@@ -48,12 +48,14 @@ def test_engine_features_pass_through():
     cfg = EngineConfig.from_kwargs(**kw)
     assert cfg.cache.enable_prefix_caching and cfg.speculative_config == SPEC
     assert cfg.model.quantization == "int8" and cfg.cache.kv_cache_dtype == "fp8_e4m3"
+    cfg = EngineConfig.from_kwargs(**kwargs_of("-tp", "2", "--enforce-eager"))
+    assert cfg.model.tensor_parallel_size == 2 and cfg.model.enforce_eager
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--tensor-parallel-size", "2"], "single device"),
+        (["--pipeline-parallel-size", "2"], "tensor parallelism only"),
         (["--quantization", "bnb"], "unknown method 'bnb'"),
         (["--kv-cache-dtype", "fp8_e5m2"], "unknown dtype 'fp8_e5m2'"),
         (["--speculative-config", "{not json"], "not valid JSON"),

@@ -1,7 +1,7 @@
 """``python -m paged_llm.serve`` / ``paged-llm-serve``: vLLM's ``serve`` flags, then uvicorn.
 
 A vLLM command line works with the program name changed. Flags for features the engine does
-not have (tensor or pipeline parallelism) are refused at startup when set to anything but their
+not have (pipeline parallelism) are refused at startup when set to anything but their
 default, instead of being silently ignored. Values the engine would reject anyway (an unknown
 quantization method, KV cache dtype or speculative method) are refused before the model loads.
 """
@@ -107,7 +107,7 @@ def make_parser() -> argparse.ArgumentParser:
     eng.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="accepted for compatibility; the engine always runs eagerly",
+        help="never capture CUDA graphs for decode steps (they are only used on CUDA)",
     )
     return p
 
@@ -164,13 +164,10 @@ def check_speculative_config(spec: dict[str, Any] | None) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments; ValueError for flags the engine cannot honour."""
-    refused = {
-        "--tensor-parallel-size": args.tensor_parallel_size != 1,
-        "--pipeline-parallel-size": args.pipeline_parallel_size != 1,
-    }
+    refused = {"--pipeline-parallel-size": args.pipeline_parallel_size != 1}
     for flag, bad in refused.items():
         if bad:
-            raise ValueError(f"{flag} is not supported by paged-llm (single device only)")
+            raise ValueError(f"{flag} is not supported by paged-llm (tensor parallelism only)")
     check_quantization(args.quantization)
     check_kv_cache_dtype(args.kv_cache_dtype)
     check_speculative_config(args.speculative_config)
@@ -197,6 +194,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_config": args.speculative_config or None,
         "quantization": args.quantization,
         "kv_cache_dtype": None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "enforce_eager": args.enforce_eager,
     }
     return {k: v for k, v in kwargs.items() if v is not None}  # None: the engine's default
 
