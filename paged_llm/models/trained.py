@@ -64,7 +64,7 @@ RECIPES: dict[str, Recipe] = {
     "target": Recipe(
         _FULL,
         ModelShape(384, 1024, 10, 6, 2),
-        TrainSpec(steps=1000, batch_size=4, seq_len=256, warmup_steps=50, precision="auto"),
+        TrainSpec(steps=2000, batch_size=4, seq_len=256, warmup_steps=50, precision="auto"),
     ),
     "draft": Recipe(
         _FULL,

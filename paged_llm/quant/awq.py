@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from paged_llm.quant.base import QuantMethod, linears_by_block, set_module
-from paged_llm.quant.calibration import run_with_input_hooks
+from paged_llm.quant.calibration import BlockwiseCalibration
 from paged_llm.quant.int4 import fake_quantize, rtn_quantize
 from paged_llm.quant.layers import Int4Linear, check_int4_shape
 
@@ -109,6 +109,7 @@ class AWQ(QuantMethod):
         group_size: int = 128,
         grid: int = 20,
         clip: bool = True,
+        no_clip: tuple[str, ...] = ("q_proj", "k_proj"),
         num_samples: int = 64,
         seq_len: int = 256,
         max_search_tokens: int = 4096,
@@ -116,6 +117,8 @@ class AWQ(QuantMethod):
         self.group_size = group_size
         self.grid = grid
         self.clip = clip
+        # As in AWQ: q/k errors are damped by the softmax, and clipping them was found to hurt.
+        self.no_clip = tuple(no_clip)
         self.num_samples = num_samples  # calibration windows (when the caller gives none)
         self.seq_len = seq_len
         self.max_search_tokens = max_search_tokens  # inputs kept per layer for the searches
@@ -142,9 +145,10 @@ class AWQ(QuantMethod):
                     check_int4_shape(lin.in_features, lin.out_features, self.group_size)
                 except ValueError as err:
                     raise ValueError(f"{self.name}: layer '{name}': {err}") from None
+        calib = BlockwiseCalibration(model, calibration, next(iter(blocks)))
         for block, names in blocks.items():
             plan = self._plan(model, block)
-            inputs = self._capture(model, calibration, names)
+            inputs = self._capture(calib, block, names)
             input_scale: dict[str, torch.Tensor] = {}
             for prev_name, group in plan:
                 prev = model.get_submodule(f"{block}.{prev_name}")
@@ -161,7 +165,7 @@ class AWQ(QuantMethod):
             for name in names:
                 lin = model.get_submodule(name)
                 w = lin.weight.float()
-                if self.clip:
+                if self.clip and not name.endswith(self.no_clip):
                     x = inputs[name]
                     if name in input_scale:
                         x = x / input_scale[name]
@@ -172,10 +176,11 @@ class AWQ(QuantMethod):
                     name,
                     Int4Linear.from_quantized(codes, scales, zeros, self.group_size, lin.bias),
                 )
+            calib.advance(block)  # the next block sees this quantized block's outputs
         return model
 
     def _capture(
-        self, model: nn.Module, calibration: torch.Tensor, names: list[str]
+        self, calib: BlockwiseCalibration, block: str, names: list[str]
     ) -> dict[str, torch.Tensor]:
         """Inputs [T, K] of each linear in ``names`` on the calibration windows (subsampled)."""
         seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
@@ -183,7 +188,7 @@ class AWQ(QuantMethod):
         def keep(name: str):
             return lambda x: seen[name].append(x)
 
-        run_with_input_hooks(model, calibration, {n: keep(n) for n in names}, names[-1])
+        calib.run(block, {n: keep(n) for n in names})
         out = {}
         for name, chunks in seen.items():
             x = torch.cat(chunks)

@@ -42,39 +42,66 @@ def dense_forward(
 
 
 class _StopForward(Exception):
-    """Raised by a hook to end a calibration pass once the layers of interest have run."""
+    """Raised by a hook to end a forward pass once the first block's inputs are captured."""
 
 
-@torch.no_grad()
-def run_with_input_hooks(
-    model: nn.Module,
-    calibration: torch.Tensor,  # [N, L] token ids
-    hooks: dict[str, Callable[[torch.Tensor], None]],
-    stop_after: str | None = None,
-    batch_size: int = 8,
-) -> None:
-    """Run the calibration windows, calling ``hooks[name](x [T, K] float32)`` with the input of
-    each named module; the pass ends early right after ``stop_after`` has seen its input."""
-    handles = []
+class BlockwiseCalibration:
+    """Calibration activations block by block, as GPTQ and AWQ compute them.
 
-    def make(name: str, fn: Callable[[torch.Tensor], None]):
-        def pre_hook(_module: nn.Module, args: tuple) -> None:
-            x = args[0]
-            fn(x.reshape(-1, x.shape[-1]).float())
-            if name == stop_after:
-                raise _StopForward
+    The windows run through the model once, up to the first block, whose call arguments
+    (hidden states [B * L, H] and whatever else the block takes) are kept per batch. Then
+    :meth:`run` passes them through one block while hooks see the inputs of its layers, and
+    :meth:`advance` replaces the hidden states by that block's output, computed after it was
+    quantized, so every block is calibrated on what the quantized blocks before it produce.
+    Blocks must return their hidden states as a tensor (as this project's decoder layers do).
+    """
 
-        return pre_hook
+    def __init__(
+        self, model: nn.Module, calibration: torch.Tensor, first_block: str, batch_size: int = 8
+    ) -> None:
+        self.model = model
+        self.batches: list[tuple[tuple, dict]] = []  # (args, kwargs) of the block's forward
 
-    for name, fn in hooks.items():
-        handles.append(model.get_submodule(name).register_forward_pre_hook(make(name, fn)))
-    try:
-        for batch in calibration.split(batch_size):
-            with contextlib.suppress(_StopForward):  # the pass ended where it was told to
-                dense_forward(model, batch)
-    finally:
-        for h in handles:
-            h.remove()
+        def capture(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.batches.append((args, kwargs))
+            raise _StopForward
+
+        handle = model.get_submodule(first_block).register_forward_pre_hook(
+            capture, with_kwargs=True
+        )
+        try:
+            for batch in calibration.split(batch_size):
+                with contextlib.suppress(_StopForward):  # stopped at the first block
+                    dense_forward(model, batch)
+        finally:
+            handle.remove()
+
+    @torch.no_grad()
+    def run(self, block: str, hooks: dict[str, Callable[[torch.Tensor], None]]) -> None:
+        """Run ``block`` over every batch, calling ``hooks[name](x [T, K] float32)`` with the
+        input of each named submodule (full dotted names)."""
+        handles = []
+        for name, fn in hooks.items():
+
+            def pre_hook(_module: nn.Module, args: tuple, fn=fn) -> None:
+                fn(args[0].reshape(-1, args[0].shape[-1]).float())
+
+            handles.append(self.model.get_submodule(name).register_forward_pre_hook(pre_hook))
+        try:
+            module = self.model.get_submodule(block)
+            for args, kwargs in self.batches:
+                module(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def advance(self, block: str) -> None:
+        """Replace each batch's hidden states by ``block``'s output (the next block's input)."""
+        module = self.model.get_submodule(block)
+        self.batches = [
+            ((module(*args, **kwargs), *args[1:]), kwargs) for args, kwargs in self.batches
+        ]
 
 
 def calibration_windows(

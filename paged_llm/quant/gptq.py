@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from paged_llm.quant.base import QuantMethod, linears_by_block, set_module
-from paged_llm.quant.calibration import run_with_input_hooks
+from paged_llm.quant.calibration import BlockwiseCalibration
 from paged_llm.quant.int4 import minmax_params, quantize_with
 from paged_llm.quant.layers import Int4Linear, check_int4_shape
 
@@ -94,8 +94,9 @@ class GPTQ(QuantMethod):
                     check_int4_shape(lin.in_features, lin.out_features, self.group_size)
                 except ValueError as err:
                     raise ValueError(f"{self.name}: layer '{name}': {err}") from None
-        for names in blocks.values():
-            hessians = self._hessians(model, calibration, names)
+        calib = BlockwiseCalibration(model, calibration, next(iter(blocks)))
+        for block, names in blocks.items():
+            hessians = self._hessians(calib, block, names)
             for name in names:
                 lin = model.get_submodule(name)
                 codes, scales, zeros = gptq_quantize(
@@ -106,11 +107,12 @@ class GPTQ(QuantMethod):
                     name,
                     Int4Linear.from_quantized(codes, scales, zeros, self.group_size, lin.bias),
                 )
+            calib.advance(block)  # the next block sees this quantized block's outputs
         return model
 
     @staticmethod
     def _hessians(
-        model: nn.Module, calibration: torch.Tensor, names: list[str]
+        calib: BlockwiseCalibration, block: str, names: list[str]
     ) -> dict[str, torch.Tensor]:
         """``X^T X`` [K, K] of each named layer's inputs over the calibration windows."""
         hessians: dict[str, torch.Tensor] = {}
@@ -121,6 +123,5 @@ class GPTQ(QuantMethod):
 
             return fn
 
-        hooks = {n: accumulate(n) for n in names}
-        run_with_input_hooks(model, calibration, hooks, stop_after=names[-1])
+        calib.run(block, {n: accumulate(n) for n in names})
         return hessians

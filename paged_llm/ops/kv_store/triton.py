@@ -153,6 +153,12 @@ def store_kv_triton(
     quant = k_scale is not None
     if quant:
         spec = spec_for_cache(k_cache)
+        fp8 = k_cache.dtype.is_floating_point
+        if fp8 and k_cache.is_cuda and torch.cuda.get_device_capability(k_cache.device) < (8, 9):
+            raise ValueError(
+                "an fp8_e4m3 KV cache with the triton backend needs a GPU with FP8 support "
+                "(compute capability >= 8.9); use kv_cache_dtype='int8' here"
+            )
         if k_scale.shape != k_cache.shape[:3] or v_scale.stride() != k_scale.stride():
             raise ValueError(f"scale pools must be {tuple(k_cache.shape[:3])}, alike in layout")
     _store_kv_kernel[(num_tokens,)](

@@ -1,0 +1,120 @@
+"""Built-in trained models: HF checkpoints that transformers loads, matching our loader, cached
+once per recipe (also under concurrent first use), with a shared tokenizer and a held-out split.
+
+Uses the fast test variants (trained once per test session into the session's cache)."""
+
+import json
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from paged_llm.models import trained
+from paged_llm.models.loader import load_model
+from paged_llm.quant.evaluation import perplexity
+from paged_llm.recipes.cache import cached_dir
+from paged_llm.recipes.corpus import split_files
+from paged_llm.recipes.training import eval_windows, hf_perplexity
+
+HF_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.fixture(scope="module")
+def target_dir():
+    return trained.trained_model_dir("test-target")
+
+
+@pytest.fixture(scope="module")
+def draft_dir():
+    return trained.trained_model_dir("test-draft")
+
+
+def test_checkpoints_are_plain_hf_and_share_a_tokenizer(target_dir, draft_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for d in (target_dir, draft_dir):
+        assert all((d / f).is_file() for f in HF_FILES), sorted(p.name for p in d.iterdir())
+    assert (target_dir / "tokenizer.json").read_bytes() == (
+        draft_dir / "tokenizer.json"
+    ).read_bytes()
+    tok = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
+    ids = tok("def f(x):\n    return x")["input_ids"]
+    assert ids[0] == tok.bos_token_id == 1 and tok.eos_token_id == 2
+    assert tok.decode(ids, skip_special_tokens=True) == "def f(x):\n    return x"
+    hf = AutoModelForCausalLM.from_pretrained(str(draft_dir), local_files_only=True)
+    t_cfg = json.loads((target_dir / "config.json").read_text())
+    assert hf.config.vocab_size == t_cfg["vocab_size"]
+    assert (
+        sum(p.numel() for p in hf.parameters())
+        < 0.5 * trained.training_info("test-target")["parameters"]
+    )
+
+
+def test_training_learned_and_is_recorded(target_dir):
+    info = trained.training_info("test-target")
+    vocab = trained.recipe("test-target").corpus.vocab_size
+    assert info["recipe_key"] == trained.recipe("test-target").key()
+    assert info["loss_curve"][-1] < info["loss_curve"][0] - 1.0  # the loss came down
+    assert info["heldout_perplexity"] < vocab / 4  # far better than uniform over the vocab
+
+
+def test_our_model_matches_transformers_on_heldout_text(target_dir):
+    from transformers import AutoModelForCausalLM
+
+    windows = eval_windows(trained.corpus_tokens("test-target", "heldout"), 48, 4)
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), local_files_only=True).eval()
+    ours, _ = load_model(target_dir, torch.float32)
+    ref = hf_perplexity(hf, windows)
+    assert perplexity(ours, windows) == pytest.approx(ref, rel=1e-4)
+
+
+def test_heldout_files_never_reach_training():
+    spec = trained.recipe("test-target").corpus
+    train, heldout = split_files(spec)
+    assert heldout and not set(train) & set(heldout)
+    streams = {s: trained.corpus_tokens("test-target", s) for s in ("train", "heldout")}
+    assert streams["train"].dtype == np.uint16 and streams["heldout"].size > 1000
+
+
+def test_cache_is_reused_and_keyed_by_recipe(target_dir):
+    start = time.perf_counter()
+    assert trained.trained_model_dir("test-target") == target_dir
+    assert time.perf_counter() - start < 5  # no retraining
+    a, b = trained.recipe("target"), trained.recipe("draft")
+    assert a.key() != b.key() and a.corpus == b.corpus  # one shared tokenizer for the pair
+    assert trained.DRAFT_FOR["test-target"] == "test-draft"
+
+
+def test_unknown_model_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown built-in model 'huge'"):
+        trained.trained_model_dir("huge")
+
+
+def _build_once(args):
+    """Child process: ask for the same cache entry; the build appends to a log file."""
+    root, log = args
+
+    def build(tmp):
+        with open(log, "a") as f:
+            f.write("built\n")
+        time.sleep(0.5)  # the other process arrives while this one is building
+        (tmp / "done").write_text("x")
+
+    return str(cached_dir(root / "entry", build))
+
+
+def test_concurrent_first_use_builds_once(tmp_path):
+    log = tmp_path / "log.txt"
+    with mp.get_context("fork").Pool(2) as pool:
+        dirs = pool.map(_build_once, [(tmp_path, log)] * 2)
+    assert dirs[0] == dirs[1] and (tmp_path / "entry" / "done").is_file()
+    assert log.read_text().count("built") == 1
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".entry-")]  # no temp left
+
+
+def test_cli_prints_the_models(capsys, draft_dir):
+    trained.main(["test-draft"])
+    out = capsys.readouterr().out
+    assert str(draft_dir) in out and "held-out perplexity" in out
