@@ -15,7 +15,7 @@ from torch import nn
 from paged_llm.quant.base import QuantMethod, linears_by_block, set_module
 from paged_llm.quant.calibration import BlockwiseCalibration
 from paged_llm.quant.int4 import fake_quantize, rtn_quantize
-from paged_llm.quant.layers import Int4Linear, check_int4_shape
+from paged_llm.quant.layers import Int4Linear, check_int4_layers
 
 # For each block type: (layer whose output feeds the group, linears sharing that input). The
 # scale is folded into the first; groups whose shapes do not line up (e.g. v_proj -> o_proj
@@ -138,13 +138,8 @@ class AWQ(QuantMethod):
         if calibration is None:
             raise ValueError("AWQ needs calibration token ids [N, L]")
         blocks = linears_by_block(model)
-        for names in blocks.values():
-            for name in names:
-                lin = model.get_submodule(name)
-                try:
-                    check_int4_shape(lin.in_features, lin.out_features, self.group_size)
-                except ValueError as err:
-                    raise ValueError(f"{self.name}: layer '{name}': {err}") from None
+        all_names = [n for names in blocks.values() for n in names]
+        check_int4_layers(model, all_names, self.group_size, self.name)
         calib = BlockwiseCalibration(model, calibration, next(iter(blocks)))
         for block, names in blocks.items():
             plan = self._plan(model, block)

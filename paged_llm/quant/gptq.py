@@ -14,7 +14,7 @@ from torch import nn
 from paged_llm.quant.base import QuantMethod, linears_by_block, set_module
 from paged_llm.quant.calibration import BlockwiseCalibration
 from paged_llm.quant.int4 import minmax_params, quantize_with
-from paged_llm.quant.layers import Int4Linear, check_int4_shape
+from paged_llm.quant.layers import Int4Linear, check_int4_layers
 
 
 def gptq_quantize(
@@ -87,13 +87,8 @@ class GPTQ(QuantMethod):
         if calibration is None:
             raise ValueError("GPTQ needs calibration token ids [N, L]")
         blocks = linears_by_block(model)
-        for names in blocks.values():
-            for name in names:
-                lin = model.get_submodule(name)
-                try:
-                    check_int4_shape(lin.in_features, lin.out_features, self.group_size)
-                except ValueError as err:
-                    raise ValueError(f"{self.name}: layer '{name}': {err}") from None
+        all_names = [n for names in blocks.values() for n in names]
+        check_int4_layers(model, all_names, self.group_size, self.name)
         calib = BlockwiseCalibration(model, calibration, next(iter(blocks)))
         for block, names in blocks.items():
             hessians = self._hessians(calib, block, names)

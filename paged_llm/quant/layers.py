@@ -268,3 +268,13 @@ def check_int4_shape(in_features: int, out_features: int, group_size: int) -> No
         raise ValueError(
             f"int4 packs eight output channels per int32; {out_features} is not a multiple of 8"
         )
+
+
+def check_int4_layers(model: nn.Module, names: list[str], group_size: int, method: str) -> None:
+    """Refuse, before any work, a model with a layer the int4 group size does not divide."""
+    for name in names:
+        lin = model.get_submodule(name)
+        try:
+            check_int4_shape(lin.in_features, lin.out_features, group_size)
+        except ValueError as err:
+            raise ValueError(f"{method}: layer '{name}': {err}") from None
