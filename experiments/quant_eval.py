@@ -67,21 +67,30 @@ def stdlib_streams_for(model_dir: Path) -> tuple[np.ndarray, np.ndarray]:
 def evaluate_methods(
     cfg: DictConfig, model: torch.nn.Module, heldout: torch.Tensor, calib: torch.Tensor
 ) -> dict[str, dict[str, Any]]:
-    """Quantize a copy of the float model with each method; perplexity, bytes, time."""
+    """Quantize a copy of the float model with each method; perplexity, divergence from the
+    float model's predictions, bytes, time."""
     from paged_llm.quant import apply_quantization
-    from paged_llm.quant.evaluation import linear_weight_bytes, perplexity
+    from paged_llm.quant.evaluation import (
+        divergence,
+        linear_weight_bytes,
+        next_token_logprobs,
+        perplexity_of,
+    )
 
     methods: dict[str, Any] = {"none": None}
     methods.update(OmegaConf.to_container(cfg.methods, resolve=True))
     results: dict[str, dict[str, Any]] = {}
+    reference = next_token_logprobs(model, heldout)
     for name, spec in methods.items():
         start = time.perf_counter()
         q = apply_quantization(copy.deepcopy(model), spec, calibration=calib)
         quantize_s = time.perf_counter() - start
-        ppl = perplexity(q, heldout)
+        logprobs = reference if spec is None else next_token_logprobs(q, heldout)
+        ppl = perplexity_of(logprobs, heldout)
         sizes = linear_weight_bytes(q)
         results[name] = {
             "perplexity": ppl,
+            **divergence(reference, logprobs),
             "weight_bytes": sizes["weight_bytes"],
             "fp16_weight_bytes": sizes["fp16_weight_bytes"],
             "weight_bytes_vs_fp16": sizes["weight_bytes"] / sizes["fp16_weight_bytes"],
@@ -90,9 +99,10 @@ def evaluate_methods(
         }
         base = results["none"]["perplexity"]
         results[name]["perplexity_change_pct"] = 100 * (ppl / base - 1)
-        logger.info("%-10s perplexity %.3f (%+.2f%%), weights %.3fx fp16, quantized in %.1fs",
-                    name, ppl, results[name]["perplexity_change_pct"],
-                    results[name]["weight_bytes_vs_fp16"], quantize_s)  # fmt: skip
+        logger.info("%-10s perplexity %.3f (%+.2f%%), KL %.5f, weights %.3fx fp16, quantized "
+                    "in %.1fs", name, ppl, results[name]["perplexity_change_pct"],
+                    results[name]["kl_divergence"], results[name]["weight_bytes_vs_fp16"],
+                    quantize_s)  # fmt: skip
     return results
 
 
@@ -216,11 +226,15 @@ def run_eval(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
 def summary(result: dict[str, Any]) -> str:
     """A small table of the methods for the console."""
-    lines = [f"{'method':<10} {'perplexity':>10} {'change':>8} {'bytes vs fp16':>14}"]
+    lines = [
+        f"{'method':<10} {'perplexity':>10} {'change':>8} {'KL (nats)':>10} {'top-1':>7} "
+        f"{'bytes vs fp16':>14}"
+    ]
     for name in ["none", *result["config"]["methods"]]:
         r = result[name]
         lines.append(
             f"{name:<10} {r['perplexity']:>10.3f} {r['perplexity_change_pct']:>+7.2f}% "
+            f"{r['kl_divergence']:>10.5f} {100 * r['top1_agreement']:>6.2f}% "
             f"{r['weight_bytes_vs_fp16']:>14.3f}"
         )
     for name, r in result["greedy_agreement"].items():

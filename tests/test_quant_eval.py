@@ -37,6 +37,8 @@ def test_quant_eval_writes_every_method(tmp_path):
     for name in METHODS:
         assert saved[name]["perplexity"] > 1 and saved[name]["weight_bytes"] > 0
     assert saved["int4_gptq"]["weight_bytes_vs_fp16"] <= 0.3  # group size 128 by default
+    assert saved["none"]["kl_divergence"] == 0 and saved["none"]["top1_agreement"] == 1
+    assert saved["int4_rtn"]["kl_divergence"] > saved["int8"]["kl_divergence"] > 0
     assert saved["int8"]["weight_bytes_vs_fp16"] < 0.55
     assert saved["kv_cache"]["int8"]["bytes_per_token_vs_fp16"] < 0.6
     assert 0 <= saved["greedy_agreement"]["int8"]["token_agreement"] <= 1

@@ -14,7 +14,12 @@ from paged_llm.models.loader import load_model
 from paged_llm.quant import apply_quantization
 from paged_llm.quant.awq import search_clip, search_scale
 from paged_llm.quant.calibration import calibration_windows
-from paged_llm.quant.evaluation import linear_weight_bytes, perplexity
+from paged_llm.quant.evaluation import (
+    divergence,
+    linear_weight_bytes,
+    next_token_logprobs,
+    perplexity,
+)
 from paged_llm.quant.gptq import gptq_quantize
 from paged_llm.quant.int4 import dequantize_codes, fake_quantize
 from paged_llm.quant.layers import Fp8Linear, Int4Linear, Int8Linear
@@ -87,6 +92,19 @@ def test_methods_on_the_trained_test_model(target, name):
         sizes["weight_bytes"]
         <= (0.3 if layer_cls is Int4Linear else 0.55) * sizes["fp16_weight_bytes"]
     )
+
+
+def test_gptq_and_awq_track_the_float_model_closer_than_rtn(target):
+    """KL divergence from the float model's next-token distributions: far more sensitive than
+    perplexity, which barely moves for a model this small."""
+    _, model, heldout, calib = target
+    reference = next_token_logprobs(model, heldout)
+    kl = {}
+    for name in ("int4_rtn", "int4_gptq", "int4_awq"):
+        q = apply_quantization(copy.deepcopy(model), METHODS[name][0], calibration=calib)
+        kl[name] = divergence(reference, next_token_logprobs(q, heldout))["kl_divergence"]
+    assert kl["int4_gptq"] < 0.5 * kl["int4_rtn"]
+    assert kl["int4_awq"] < kl["int4_rtn"]
 
 
 def test_llm_quantization_argument_selects_the_modules(target):

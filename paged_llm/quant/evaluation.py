@@ -13,20 +13,53 @@ from paged_llm.quant.layers import QuantLinear
 
 
 @torch.no_grad()
-def perplexity(
+def next_token_logprobs(
     model: nn.Module, windows: torch.Tensor, batch_size: int = 8, kv_cache_dtype: str = "auto"
-) -> float:
-    """exp(mean next-token NLL) of our model over [N, L] token windows (each its own sequence),
+) -> list[torch.Tensor]:
+    """Per batch of [N, L] windows, log-probabilities of every next token: [B * (L-1), V] f32,
     attending through a KV cache of ``kv_cache_dtype``."""
-    total, count = 0.0, 0
+    out = []
     for batch in windows.split(batch_size):
         bsz, length = batch.shape
         hidden = dense_forward(model, batch, kv_cache_dtype).view(bsz, length, -1)
         logits = model.compute_logits(hidden[:, :-1].reshape(-1, hidden.shape[-1]))  # float32
-        targets = batch[:, 1:].reshape(-1).to(logits.device)
-        total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        out.append(logits.log_softmax(dim=-1))
+    return out
+
+
+def perplexity_of(
+    logprobs: list[torch.Tensor], windows: torch.Tensor, batch_size: int = 8
+) -> float:
+    """exp(mean NLL of the actual next tokens) from :func:`next_token_logprobs`."""
+    total, count = 0.0, 0
+    for lp, batch in zip(logprobs, windows.split(batch_size)):
+        targets = batch[:, 1:].reshape(-1, 1).to(lp.device)
+        total -= lp.gather(1, targets).sum().item()
         count += targets.numel()
     return math.exp(total / count)
+
+
+def perplexity(
+    model: nn.Module, windows: torch.Tensor, batch_size: int = 8, kv_cache_dtype: str = "auto"
+) -> float:
+    """exp(mean next-token NLL) of our model over [N, L] token windows (each its own sequence)."""
+    return perplexity_of(
+        next_token_logprobs(model, windows, batch_size, kv_cache_dtype), windows, batch_size
+    )
+
+
+def divergence(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> dict[str, float]:
+    """How far a quantized model's predictions are from the float model's, token by token:
+    mean KL(reference || candidate) in nats and the share of positions with the same argmax.
+
+    Far more sensitive than perplexity, which can stay flat while individual predictions move.
+    """
+    kl, same, count = 0.0, 0, 0
+    for ref, cand in zip(reference, candidate):
+        kl += (ref.exp() * (ref - cand)).sum().item()
+        same += (ref.argmax(-1) == cand.argmax(-1)).sum().item()
+        count += ref.shape[0]
+    return {"kl_divergence": kl / count, "top1_agreement": same / count}
 
 
 def linear_weight_bytes(model: nn.Module) -> dict[str, int]:
