@@ -1,7 +1,7 @@
 """Built-in trained models: a small Llama target and a much smaller draft, trained on the
 Python standard library's own source with one shared BPE tokenizer (nothing is downloaded).
 
-    python -m paged_llm.models.trained              # build target and draft (a few minutes)
+    python -m paged_llm.models.trained              # target + draft: tens of minutes on 2 cores
     python -m paged_llm.models.trained test-target  # the fast variants the tests use
 
 :func:`trained_model_dir` returns an ordinary Hugging Face checkpoint directory (config.json,
