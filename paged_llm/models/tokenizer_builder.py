@@ -27,8 +27,8 @@ def corpus_files() -> list[Path]:
     return files
 
 
-def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):  # -> tokenizers.Tokenizer
-    """Train a byte-level BPE on :func:`corpus_files`; encodings start with the BOS token."""
+def train_bpe(texts: list[str], vocab_size: int):  # -> tokenizers.Tokenizer
+    """A byte-level BPE (ids 0, 1, 2 = <pad>, <s>, </s>); encodings start with <s>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -41,13 +41,17 @@ def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):  # -> tokenizers.Toke
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = [p.read_text(encoding="utf-8") for p in corpus_files()]
     tok.train_from_iterator(texts, trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
     )
     return tok
+
+
+def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):  # -> tokenizers.Tokenizer
+    """Train a byte-level BPE on :func:`corpus_files`; encodings start with the BOS token."""
+    return train_bpe([p.read_text(encoding="utf-8") for p in corpus_files()], vocab_size)
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:

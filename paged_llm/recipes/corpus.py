@@ -17,7 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from paged_llm.models.tokenizer_builder import BOS, EOS, MODEL_MAX_LENGTH, PAD, SPECIAL_TOKENS
+from paged_llm.models.tokenizer_builder import (
+    BOS,
+    EOS,
+    MODEL_MAX_LENGTH,
+    PAD,
+    train_bpe,
+)
 
 # Directories left out: tests (huge, repetitive), third-party code, generated tables and data.
 EXCLUDED_DIRS = frozenset(
@@ -79,28 +85,6 @@ def split_files(spec: CorpusSpec) -> tuple[list[Path], list[Path]]:
 def read_texts(files: list[Path]) -> list[str]:
     """File contents; undecodable bytes are replaced (a few stdlib files are not UTF-8)."""
     return [p.read_text(encoding="utf-8", errors="replace") for p in files]
-
-
-def train_bpe(texts: list[str], vocab_size: int):  # -> tokenizers.Tokenizer
-    """A byte-level BPE (ids 0, 1, 2 = <pad>, <s>, </s>); encodings start with <s>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        # All 256 byte symbols up front, so any text (not just the corpus) can be encoded.
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
-    )
-    return tok
 
 
 def token_stream(tok, texts: list[str]) -> np.ndarray:
