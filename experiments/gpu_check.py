@@ -4,7 +4,8 @@ left of the budget is skipped with the reason recorded, and the JSON is rewritte
 section, so a run cut short still leaves its results.
 
     python -m experiments.gpu_check --out outputs/gpu_check            # full: < 8 min, one H200
-    python -m experiments.gpu_check --quick --out outputs/gpu_check    # ~3 min
+    python -m experiments.gpu_check --quick --out outputs/gpu_check    # ~4 min
+    ... --extras    # + kernel_sweep and quant_decode (experiments/gpu_sweeps.py), ~2.5 min more
     python -m experiments.gpu_check --smoke --out /tmp/gpu_check       # CPU, tiny, interpreter
     ... --trace ../shared/datasets/sharegpt_opt_lengths.csv            # ShareGPT lengths
 
@@ -14,6 +15,9 @@ Sections, in order (later ones use the bandwidth measured first):
 2. ``kernels``: every Triton kernel (KV store incl. int8/fp8, paged decode with and without
    split-K and with an int8 cache, paged prefill, block copy, int8/int4 matmul) against its
    torch reference on the device, in fp16, bf16 and fp32.
+   ``kernel_sweep`` (--extras; experiments/gpu_sweeps.py): launch configs of the decode
+   attention and quantized matmul kernels on LLaMA-7B shapes, the data behind
+   paged_llm/ops/tuning.py.
 3. ``decode_bandwidth``: the paged decode kernel's achieved bandwidth (K/V bytes read / time)
    at batch 1/32/128, contexts 512-8192, block sizes 16/32, as a fraction of the copy bandwidth.
 4. ``fig18a``: the paper's Fig. 18a, paged vs contiguous attention kernel latency: the Triton
@@ -23,6 +27,8 @@ Sections, in order (later ones use the bandwidth measured first):
    bf16 weights on ShareGPT-shaped requests, against transformers' static-batch ``generate``
    and continuous-batching ``generate_batch`` on the same GPU, and against the bandwidth bound
    B x BW / (weight bytes + B x context x KV bytes per token).
+6. ``quant_decode`` (--extras; experiments/gpu_sweeps.py): decode tokens/s of the same model
+   shape in bf16, int8, int4 and fp8 at batch 1 and 32.
 
 Targets (docs/gpu.md) are evaluated into ``targets`` in the JSON; nothing here is estimated.
 """
@@ -52,6 +58,7 @@ if "--smoke" in sys.argv[1:]:  # before triton is imported: kernels run in its C
 import torch  # noqa: E402
 
 SCHEMA = "paged_llm.gpu_check/1"
+EXTRA_SECTIONS = ("kernel_sweep", "quant_decode")  # experiments/gpu_sweeps.py, with --extras
 TOL = {  # the tolerances of tests/test_kernels.py
     torch.float32: dict(atol=1e-5, rtol=1e-4),
     torch.float16: dict(atol=3e-3, rtol=3e-3),
@@ -93,9 +100,18 @@ class Plan:
 FULL = Plan(
     mode="full",
     # Sections stop at their deadlines, but model builds and shutdowns can run ~1 min past
-    # them; with ~20 s of imports this stays under 8 minutes.
-    budget_s=390,
-    section_s=dict(bandwidth=15, kernels=60, decode_bandwidth=60, fig18a=30, end_to_end=210),
+    # them; with ~20 s of imports this stays under 8 minutes. --extras adds the two sweep
+    # sections and their caps (about 2.5 minutes more).
+    budget_s=380,
+    section_s=dict(
+        bandwidth=10,
+        kernels=60,
+        kernel_sweep=55,
+        decode_bandwidth=40,
+        fig18a=20,
+        end_to_end=200,
+        quant_decode=100,
+    ),
     copy_mib=2048,
     matmul_n=8192,
     kernel_dtypes=["fp16", "bf16", "fp32"],
@@ -122,7 +138,15 @@ PLANS = {
         FULL,
         mode="quick",
         budget_s=200,
-        section_s=dict(bandwidth=10, kernels=45, decode_bandwidth=35, fig18a=15, end_to_end=100),
+        section_s=dict(
+            bandwidth=10,
+            kernels=35,
+            kernel_sweep=30,
+            decode_bandwidth=25,
+            fig18a=15,
+            end_to_end=100,
+            quant_decode=60,
+        ),
         copy_mib=1024,
         kernel_seq_lens=[1, 17, 300],
         decode_contexts=[512, 2048, 8192],
@@ -135,8 +159,16 @@ PLANS = {
     "smoke": replace(
         FULL,
         mode="smoke",
-        budget_s=45,
-        section_s=dict(bandwidth=3, kernels=15, decode_bandwidth=6, fig18a=4, end_to_end=20),
+        budget_s=50,
+        section_s=dict(
+            bandwidth=3,
+            kernels=15,
+            kernel_sweep=8,
+            decode_bandwidth=6,
+            fig18a=4,
+            end_to_end=20,
+            quant_decode=15,
+        ),
         copy_mib=8,
         matmul_n=128,
         kernel_dtypes=["fp32"],
@@ -339,7 +371,7 @@ def kernel_checks(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[
     as a failed check and the others still run."""
     results = []
     checks = (check_store_kv, check_store_kv_quantized, check_decode, check_prefill,
-              check_copy_blocks, check_quant_matmul)  # fmt: skip
+              check_copy_blocks, check_quant_matmul, check_fp8_linear)  # fmt: skip
     for check in checks:
         torch.manual_seed(0)
         try:
@@ -481,6 +513,34 @@ def check_quant_matmul(plan: Plan, device: torch.device, dtype: torch.dtype) -> 
     out = int4_matmul_triton(x, qweight, qzeros, scales, group, 1)
     tol = rel * float(ref.abs().max())
     results.append(_compare("int4_matmul", out, ref, dtype, atol=tol, rtol=rel))
+    return results
+
+
+def check_fp8_linear(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Fp8Linear's scaled FP8 matmul (torch._scaled_mm where the GPU has FP8) against the
+    dequantized weight in fp32, at decode (1 row) and batch (32 rows) shapes. The activations
+    are rounded to e4m3 on the fast path, so the bound is on the relative error norm."""
+    from paged_llm.quant.layers import Fp8Linear, fp8_matmul_supported
+
+    if dtype == torch.float32:
+        return []  # the FP8 path serves fp16/bf16 models
+    gen = torch.Generator().manual_seed(2)
+    linear = torch.nn.Linear(256, 384, bias=False)
+    linear.weight.data = torch.randn(384, 256, generator=gen) / 16
+    layer = Fp8Linear.from_float(linear).to(device)
+    results = []
+    for rows in (1, 32):
+        x = torch.randn(rows, 256, generator=gen).to(device=device, dtype=dtype)
+        ref = x.float() @ layer.dequantize().t()
+        out = layer.matmul(x).float()
+        rel = float((out - ref).norm() / ref.norm())
+        results.append({
+            "check": f"fp8_linear_rows_{rows}",
+            "dtype": str(dtype).removeprefix("torch."),
+            "scaled_mm": fp8_matmul_supported(device),
+            "relative_error": rel,
+            "pass": bool(torch.isfinite(out).all()) and rel < 0.05,
+        })  # fmt: skip
     return results
 
 
@@ -1066,6 +1126,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="CSV of input_len,output_len (default: synthetic ShareGPT lengths)",
     )
     parser.add_argument("--budget", type=float, help="override the plan's budget in seconds")
+    parser.add_argument(
+        "--extras",
+        action="store_true",
+        help=f"also run {', '.join(EXTRA_SECTIONS)} (their caps are added to the budget)",
+    )
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
@@ -1115,7 +1180,8 @@ def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dic
             "sections": {},
         },
     )
-    budget = Budget(plan.budget_s)
+    extras = EXTRA_SECTIONS if args.extras else ()
+    budget = Budget(plan.budget_s + sum(plan.section_s[name] for name in extras))
     cap = plan.section_s
     bw = run_section(
         report,
@@ -1129,6 +1195,17 @@ def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dic
     run_section(
         report, "kernels", budget, cap["kernels"], 2, lambda d: section_kernels(plan, device, d)
     )
+    from experiments.gpu_sweeps import section_kernel_sweep, section_quant_decode
+
+    if "kernel_sweep" in extras:
+        run_section(
+            report,
+            "kernel_sweep",
+            budget,
+            cap["kernel_sweep"],
+            2,
+            lambda d: section_kernel_sweep(plan, device, d, copy_bw),
+        )
     run_section(
         report,
         "decode_bandwidth",
@@ -1148,6 +1225,15 @@ def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dic
             cap["end_to_end"],
             min(30, cap["end_to_end"]),
             lambda d: section_end_to_end(plan, device, d, copy_bw, args.trace, Path(workdir)),
+        )
+    if "quant_decode" in extras:
+        run_section(
+            report,
+            "quant_decode",
+            budget,
+            cap["quant_decode"],
+            min(20, cap["quant_decode"]),
+            lambda d: section_quant_decode(plan, device, d, copy_bw),
         )
     report.doc["targets"] = evaluate_targets(report.doc["sections"], device.type == "cuda")
     report.doc["elapsed_s"] = round(time.perf_counter() - budget.start, 2)

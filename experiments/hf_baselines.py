@@ -15,6 +15,7 @@ their tokens can be compared one-for-one with the paged engine's.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import time
@@ -158,6 +159,11 @@ def _attn_impl(model: Any) -> str:
     return str(getattr(model.config, "_attn_implementation", "unknown"))
 
 
+def cb_page_size(cb_config: Any) -> int:
+    """Tokens per KV page of a ContinuousBatchingConfig (named block_size before 5.2x)."""
+    return getattr(cb_config, "page_size", None) or cb_config.block_size
+
+
 def cb_config_for(
     prompts: Sequence[list[int]],
     output_lens: Sequence[int],
@@ -174,8 +180,11 @@ def cb_config_for(
         # Room for every request at once, as the paged engine has: no preemption on either side.
         pages = [math.ceil((len(p) + n) / page_size) for p, n in zip(prompts, output_lens)]
         num_blocks = sum(pages)
+    # transformers renamed block_size to page_size (5.2x); take whichever this version has.
+    params = inspect.signature(ContinuousBatchingConfig).parameters
+    size_arg = "page_size" if "page_size" in params else "block_size"
     return ContinuousBatchingConfig(
-        page_size=page_size,
+        **{size_arg: page_size},
         num_blocks=num_blocks,
         max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_requests_per_batch,
@@ -216,7 +225,7 @@ def run_continuous_batching(
     settings = {
         "per_request_max_tokens": per_request_max_tokens,
         "attn_implementation": _attn_impl(model),
-        "page_size": cb_config.page_size,
+        "page_size": cb_page_size(cb_config),
         "num_blocks": cb_config.num_blocks,
         "max_batch_tokens": cb_config.max_batch_tokens,
         "max_requests_per_batch": cb_config.max_requests_per_batch,

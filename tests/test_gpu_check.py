@@ -22,13 +22,14 @@ from paged_llm.runner.cuda_graphs import (
     pad_decode_batch,
 )
 
-SECTIONS = ["bandwidth", "kernels", "decode_bandwidth", "fig18a", "end_to_end"]
+SECTIONS = ["bandwidth", "kernels", "kernel_sweep", "decode_bandwidth", "fig18a", "end_to_end",
+            "quant_decode"]  # fmt: skip
 
 
 def test_smoke_run_writes_well_formed_json(tmp_path):
     from experiments import gpu_check
 
-    doc = gpu_check.main(["--smoke", "--out", str(tmp_path)])
+    doc = gpu_check.main(["--smoke", "--extras", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == json.loads(
         json.dumps(doc, default=gpu_check._json_default)
     )
@@ -55,6 +56,21 @@ def test_smoke_run_writes_well_formed_json(tmp_path):
         assert e2e["tokens_match_generate"] in (True, None)  # same weights: same greedy tokens
         assert e2e["bandwidth_bound"]["output_tokens_per_s"] > 0
     assert doc["targets"]["pass"] is None  # CPU numbers never pass or fail a GPU target
+    sweep = doc["sections"]["kernel_sweep"]
+    if sweep["status"] == "ok":
+        assert sweep["decode"]["best_overall"]["config"]
+        for shape in sweep["matmul"]["shapes"]:
+            assert shape["bf16_linear"]["seconds"] > 0
+            assert all("error" not in c for n in ("int8", "int4") for c in shape[n]["configs"])
+    quant = doc["sections"]["quant_decode"]
+    if quant["status"] == "ok":
+        for method in ("none", "int8", "int4_rtn", "fp8"):
+            row = quant["methods"][method]
+            assert "error" not in row, (method, row.get("error"))
+            assert row["batch_1"]["decode_steps"] > 0 and row["weight_bytes"] > 0
+        assert (
+            quant["methods"]["int4_rtn"]["weight_bytes"] < quant["methods"]["none"]["weight_bytes"]
+        )
 
 
 # ---- CUDA graphs: the logic that does not need a GPU ---------------------------------------------

@@ -127,7 +127,7 @@ def test_fp8_on_a_gpu_without_fp8_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 70])  # 70: two row tiles of 64
 def test_int8_kernel_matches_reference(rows, dtype):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randint(-127, 128, (80, 72), generator=gen, dtype=torch.int8)  # N, K not tiles
@@ -143,7 +143,7 @@ def test_int8_kernel_matches_reference(rows, dtype):
 @pytest.mark.parametrize(
     "group_size,dtype", [(32, torch.float32), (64, torch.float16), (128, torch.float32)]
 )
-@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("rows", [1, 7, 70])
 def test_int4_kernel_matches_reference(group_size, dtype, rows):
     gen = torch.Generator().manual_seed(group_size + rows)
     k, n = 256, 48
@@ -161,7 +161,26 @@ def test_int4_kernel_matches_reference(group_size, dtype, rows):
 
 
 def test_kernels_refuse_prefill_shapes():
-    with pytest.raises(ValueError, match="M <= 16"):
+    with pytest.raises(ValueError, match="M <= 256"):
         int8_matmul_triton(
-            torch.randn(17, 16), torch.zeros(16, 16, dtype=torch.int8), torch.ones(16)
+            torch.randn(257, 16), torch.zeros(16, 16, dtype=torch.int8), torch.ones(16)
         )
+
+
+@pytest.mark.parametrize("block_n,block_k", [(16, 128), (32, 64), (128, 32)])
+def test_kernel_launch_overrides_keep_results(block_n, block_k):
+    """The configs that gpu_check sweeps compute the same function as the defaults."""
+    gen = torch.Generator().manual_seed(block_n)
+    w = torch.randint(-127, 128, (96, 256), generator=gen, dtype=torch.int8)
+    scale = torch.rand(96, generator=gen) / 100
+    x = torch.randn(3, 256, generator=gen)
+    ref = int8_matmul_reference(x, w, scale)
+    out = int8_matmul_triton(x, w, scale, block_n=block_n, block_k=block_k, num_warps=8)
+    assert torch.allclose(out, ref, atol=1e-5 * ref.abs().max(), rtol=1e-5)
+    q = torch.randint(0, 16, (256, 96), generator=gen)
+    zeros = torch.randint(0, 16, (2, 96), generator=gen)
+    scales = (torch.rand(2, 96, generator=gen) / 50).half()
+    qweight, qzeros = pack_int4(q, 0), pack_int4(zeros, 1)
+    ref = int4_matmul_reference(x, qweight, qzeros, scales, torch.arange(256) // 128, 1)
+    out = int4_matmul_triton(x, qweight, qzeros, scales, 128, 1, block_n=block_n, block_k=block_k)
+    assert torch.allclose(out, ref, atol=1e-5 * ref.abs().max(), rtol=1e-5)

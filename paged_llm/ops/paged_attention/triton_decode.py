@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_llm.ops.tuning import FP32_ATTENTION_BLOCK, kernel_config
+
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the fast hardware instruction)
 
 
@@ -283,9 +285,9 @@ def _reduce_splits_kernel(
 def default_tile(dtype: torch.dtype) -> int:
     """Default BLOCK_M / BLOCK_N: exact-fp32 dots use far more registers, so take smaller tiles.
 
-    Chosen so that no config spills registers on sm_80 / sm_90 at head_dim 128 (ptxas -v).
+    Spills are checked on sm_80 / sm_90 by ``experiments/kernel_compile_report.py``.
     """
-    return 32 if dtype == torch.float32 else 64
+    return FP32_ATTENTION_BLOCK if dtype == torch.float32 else 64
 
 
 def check_tile(name: str, size: int) -> int:
@@ -324,6 +326,8 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     out: torch.Tensor | None = None,  # optional [B, Hq, D] destination (any strides)
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
     v_scale: torch.Tensor | None = None,
@@ -331,7 +335,8 @@ def paged_decode_attention_triton(
     """Decode attention of each sequence's last token over its paged context: [B, Hq, D].
 
     ``num_splits=None`` picks a split-K factor from the GPU size; ``max_seq_len`` (a host int)
-    bounds the context for that choice without a device sync.
+    bounds the context for that choice without a device sync. ``block_n``, ``num_warps`` and
+    ``num_stages`` default to the architecture's row of ``ops/tuning.py``.
     """
     bsz, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -350,6 +355,11 @@ def paged_decode_attention_triton(
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     quant, compute_dtype, scale_args = quantized_cache_args(query, k_cache, k_scale, v_scale)
+    config = kernel_config("paged_decode", query.device).with_overrides(
+        block_n=block_n or (FP32_ATTENTION_BLOCK if compute_dtype == torch.float32 else None),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
 
     if num_splits == 1:
         part, m, l_sum, part_strides = out, out, out, (*out.stride()[:2], 0, out.stride(2))
@@ -379,13 +389,14 @@ def paged_decode_attention_triton(
         *scale_args[2:],
         BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=check_tile("block_n", block_n or default_tile(compute_dtype)),
+        BLOCK_N=check_tile("block_n", config.block_n),
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         DOT_FP32=dot_in_fp32(compute_dtype),
         DOT_PRECISION=dot_precision(compute_dtype),
         KV_QUANT=quant,
-        num_warps=4,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(bsz, num_heads)](

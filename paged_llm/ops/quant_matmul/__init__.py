@@ -10,7 +10,9 @@ import torch
 
 from paged_llm.ops.quant_matmul.reference import int4_matmul_reference, int8_matmul_reference
 
-DECODE_MAX_ROWS = 16
+# Up to a decode batch the kernels (which re-read the weight once per 64 rows) beat expanding
+# the whole weight to the activation dtype; prefill-sized inputs take dequantize + matmul.
+DECODE_MAX_ROWS = 256
 
 
 def _use_triton(x: torch.Tensor) -> bool:

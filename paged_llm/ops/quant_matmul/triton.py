@@ -2,9 +2,10 @@
 
 At decode time a linear layer multiplies a handful of activation rows by a large weight, so the
 cost is reading the weight: reading it as int8 (or int4) instead of fp16 halves (or quarters)
-the bytes. Each program owns ``BLOCK_N`` output columns for all (<= BLOCK_M) rows and walks K
-in tiles, expanding each weight tile to the activation dtype in registers right before
-``tl.dot``; the full-precision weight never exists in memory.
+the bytes. Each program owns ``BLOCK_N`` output columns of one tile of ``BLOCK_M`` rows
+(padded to a power of two, at most 64) and walks K in tiles, expanding each weight tile to
+the activation dtype in registers right before ``tl.dot``; the full-precision weight never
+exists in memory.
 
 Same contract as ``reference.int8_matmul_reference`` / ``int4_matmul_reference``. The int4
 kernel assumes the plain group order ``g_idx[k] = k // group_size`` (no act-order), which the
@@ -17,7 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # tl.dot needs >= 16 rows, so fewer are padded up to this tile
+from paged_llm.ops.tuning import kernel_config
+
+MAX_ROWS = 256  # a decode batch; more rows (prefill) are cheaper as dequantize + one matmul
+MAX_BLOCK_M = 64  # rows per program; larger batches take several row tiles
+
+
+def _block_m(rows: int) -> int:
+    """Row tile: rows padded to a power of two, >= 16 (tl.dot's minimum), <= MAX_BLOCK_M."""
+    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -45,9 +54,9 @@ def _int8_matmul_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """out[:, n-tile] = (x @ w[n-tile].T) * scale[n-tile]."""
+    """out[m-tile, n-tile] = (x[m-tile] @ w[n-tile].T) * scale[n-tile]."""
     pid_n = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
@@ -102,9 +111,9 @@ def _int4_matmul_kernel(
     BLOCK_K: tl.constexpr,  # divides GROUP_SIZE, so one K tile lies in one group
     DOT_PRECISION: tl.constexpr,
 ):
-    """out[:, n-tile] = x @ ((q - z) * s)[:, n-tile], unpacking the int4 weight per tile."""
+    """out[m-tile, n-tile] = x[m-tile] @ ((q - z) * s)[:, n-tile], unpacking int4 per tile."""
     pid_n = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
@@ -145,14 +154,22 @@ def _check_rows(x: torch.Tensor) -> None:
         )
 
 
+def _grid(rows: int, n: int, block_m: int, block_n: int) -> tuple[int, int]:
+    return (triton.cdiv(n, block_n), triton.cdiv(rows, block_m))
+
+
 def int8_matmul_triton(
-    x: torch.Tensor,  # [M <= 16, K]
+    x: torch.Tensor,  # [M <= MAX_ROWS, K]
     weight: torch.Tensor,  # [N, K] int8
     scale: torch.Tensor,  # [N]
-    block_n: int = 64,
-    block_k: int = 64,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """``x @ (weight * scale[:, None]).T`` without materialising the dequantized weight."""
+    """``x @ (weight * scale[:, None]).T`` without materialising the dequantized weight.
+
+    Launch parameters default to the architecture's row of ``ops/tuning.py``."""
     _check_rows(x)
     n, k = weight.shape
     if x.shape[1] != k or weight.dtype != torch.int8 or scale.shape != (n,):
@@ -163,25 +180,36 @@ def int8_matmul_triton(
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    _int8_matmul_kernel[(triton.cdiv(n, block_n),)](
+    cfg = kernel_config("int8_matmul", x.device).with_overrides(
+        block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages
+    )
+    block_m = _block_m(x.shape[0])
+    _int8_matmul_kernel[_grid(x.shape[0], n, block_m, cfg.block_n)](
         x, weight, scale, out, x.shape[0], n, k,
         *x.stride(), *weight.stride(), *out.stride(),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
 
 def int4_matmul_triton(
-    x: torch.Tensor,  # [M <= 16, K]
+    x: torch.Tensor,  # [M <= MAX_ROWS, K]
     qweight: torch.Tensor,  # [K/8, N] int32
     qzeros: torch.Tensor,  # [K/group_size, N/8] int32
     scales: torch.Tensor,  # [K/group_size, N]
     group_size: int,
     zero_offset: int,
-    block_n: int = 64,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """``x @ dequant(W).T`` for a GPTQ-layout int4 weight with ``g_idx[k] = k // group_size``."""
+    """``x @ dequant(W).T`` for a GPTQ-layout int4 weight with ``g_idx[k] = k // group_size``.
+
+    Launch parameters default to the architecture's row of ``ops/tuning.py``; the K tile is
+    capped at the group size (one tile lies in one group)."""
     _check_rows(x)
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if x.shape[1] != k or k % group_size or scales.shape != (k // group_size, n):
@@ -189,16 +217,24 @@ def int4_matmul_triton(
             f"x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)} "
             f"and group_size {group_size} disagree"
         )
-    block_k = min(group_size, 64)  # divides every supported group size (32, 64, 128)
-    if group_size % block_k or block_k % 16:
-        raise ValueError(f"group_size must be a multiple of 16, got {group_size}")
+    cfg = kernel_config("int4_matmul", x.device).with_overrides(
+        block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages
+    )
+    tile_k = min(group_size, cfg.block_k)
+    if group_size % tile_k or tile_k % 16:
+        raise ValueError(
+            f"group_size {group_size} and block_k {cfg.block_k} need a common K tile that is "
+            "a multiple of 16 dividing the group"
+        )
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    _int4_matmul_kernel[(triton.cdiv(n, block_n),)](
+    block_m = _block_m(x.shape[0])
+    _int4_matmul_kernel[_grid(x.shape[0], n, block_m, cfg.block_n)](
         x, qweight, qzeros, scales, out, x.shape[0], n, k, zero_offset,
         *x.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *out.stride(),
-        GROUP_SIZE=group_size, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=tile_k,
         DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

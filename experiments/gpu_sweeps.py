@@ -1,0 +1,285 @@
+"""Two sections of the GPU check that sweep rather than check (see experiments/gpu_check.py):
+
+* ``kernel_sweep``: the launch configs of the paged decode kernel and of the int8 / int4
+  decode matmuls, timed on LLaMA-7B shapes; the best row per shape is what
+  ``paged_llm/ops/tuning.py`` should hold for this GPU's architecture. bf16 ``F.linear`` on the
+  same shapes is timed beside the matmuls as their peer.
+* ``quant_decode``: decode output tokens/s of a LLaMA-7B-shaped engine (random weights) in
+  bf16, int8, int4 (RTN, group 128) and fp8 at batch 1 and 32 (issue: gpt-fast reached 1.48x and
+  1.88x of bf16 at batch 1 on an A100), with the weight-read bound BW / weight bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from experiments.gpu_check import Deadline, Plan, decode_setup, kv_bytes_read, time_op
+
+# (block_n, num_warps, num_stages) of the paged decode kernel
+DECODE_CONFIGS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 3)]
+DECODE_SHAPES = [(32, 2048), (128, 2048), (32, 8192), (128, 8192)]  # (batch, context)
+# (block_n, block_k, num_warps, num_stages) of the quantized matmuls
+MATMUL_CONFIGS = [(16, 128, 4, 3), (32, 64, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 8, 3)]
+MATMUL_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N, K) of LLaMA-7B's linears
+MATMUL_ROWS = [1, 32]
+
+
+def _best(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    timed = [r for r in rows if r.get(key) is not None]
+    return min(timed, key=lambda r: r[key]) if timed else None
+
+
+def _time_decode_config(inputs: tuple, context: int, config: tuple, plan: Plan, device) -> float:
+    """Seconds per decode attention call with one (block_n, num_warps, num_stages)."""
+    from paged_llm.ops.paged_attention.triton_decode import paged_decode_attention_triton
+
+    q, k, v, tables, lens = inputs
+    out = torch.empty_like(q)
+    block_n, warps, stages = config
+    scale = plan.attn_heads[2] ** -0.5
+    return time_op(
+        lambda: paged_decode_attention_triton(
+            q,
+            k,
+            v,
+            tables,
+            lens,
+            scale,
+            max_seq_len=context,
+            out=out,
+            block_n=block_n,
+            num_warps=warps,
+            num_stages=stages,
+        ),  # fmt: skip
+        device,
+        plan.timing_reps,
+    )
+
+
+def _sweep_decode(plan: Plan, device: torch.device, dtype, deadline: Deadline, copy_bw) -> dict:
+    shapes = DECODE_SHAPES if device.type == "cuda" else [(2, 64)]
+    results = []
+    for batch, context in shapes:
+        if deadline.left() <= 0:
+            break
+        inputs = decode_setup(batch, context, 16, plan.attn_heads, dtype, device)
+        nbytes = kv_bytes_read(batch, context, plan.attn_heads, dtype)
+        rows = []
+        for config in DECODE_CONFIGS:
+            if deadline.left() <= 0:
+                break
+            row: dict[str, Any] = dict(zip(("block_n", "num_warps", "num_stages"), config))
+            try:
+                t = _time_decode_config(inputs, context, config, plan, device)
+                row.update(seconds=t, achieved_GBps=nbytes / t / 1e9)
+                if copy_bw:
+                    row["fraction_of_copy_bw"] = row["achieved_GBps"] / copy_bw
+            except Exception as err:  # e.g. out of shared memory: recorded, next config
+                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            rows.append(row)
+        results.append({"batch": batch, "context": context, "block_size": 16, "configs": rows,
+                        "best": _best(rows, "seconds")})  # fmt: skip
+        inputs = None  # free this shape's caches before the next one's
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"shapes": results, "best_overall": _best_overall(results)}
+
+
+def _best_overall(shapes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The config with the lowest geometric-mean time relative to each shape's best."""
+    ratios: dict[tuple, list[float]] = {}
+    for shape in shapes:
+        best = shape["best"]
+        for row in shape["configs"]:
+            if best and row.get("seconds"):
+                key = tuple(v for k, v in row.items() if k.startswith(("block", "num_")))
+                ratios.setdefault(key, []).append(row["seconds"] / best["seconds"])
+    full = {k: v for k, v in ratios.items() if len(v) == len(shapes)}
+    if not full:
+        return None
+    key = min(full, key=lambda k: statistics.geometric_mean(full[k]))
+    return {"config": list(key), "geomean_vs_best": statistics.geometric_mean(full[key])}
+
+
+def _int4_weight(n: int, k: int, device: torch.device) -> dict[str, torch.Tensor]:
+    group = 128
+    return {
+        "qweight": torch.randint(
+            -(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=device
+        ),
+        "qzeros": torch.randint(
+            -(2**31), 2**31 - 1, (k // group, n // 8), dtype=torch.int32, device=device
+        ),
+        "scales": (torch.rand(k // group, n, device=device) / 50).half(),
+    }
+
+
+def _matmul_calls(n: int, k: int, rows: int, dtype, device) -> dict[str, tuple]:
+    """name -> (weight bytes, call(config) or call() for the bf16 peer) on random weights."""
+    import torch.nn.functional as F
+
+    from paged_llm.ops.quant_matmul.triton import int4_matmul_triton, int8_matmul_triton
+
+    x = torch.randn(rows, k, device=device, dtype=dtype)
+    w16 = torch.randn(n, k, device=device, dtype=dtype)
+    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+    s8 = torch.rand(n, device=device) / 100
+    w4 = _int4_weight(n, k, device)
+    return {
+        "bf16_linear": (2 * n * k, lambda: F.linear(x, w16)),
+        "int8": (n * k, lambda cfg: int8_matmul_triton(x, w8, s8, *cfg)),
+        "int4": (n * k // 2, lambda cfg: int4_matmul_triton(
+            x, w4["qweight"], w4["qzeros"], w4["scales"], 128, 1, *cfg)),
+    }  # fmt: skip
+
+
+def _time_matmul_config(call, config: tuple, plan: Plan, device) -> float:
+    return time_op(lambda: call(config), device, plan.timing_reps)
+
+
+def _sweep_matmul(plan: Plan, device: torch.device, dtype, deadline: Deadline, copy_bw) -> dict:
+    shapes = MATMUL_SHAPES if device.type == "cuda" else [(64, 128)]
+    results = []
+    for n, k in shapes:
+        for rows_m in MATMUL_ROWS:
+            if deadline.left() <= 0:
+                break
+            calls = _matmul_calls(n, k, rows_m, dtype, device)
+            peer_bytes, peer = calls.pop("bf16_linear")
+            t16 = time_op(peer, device, plan.timing_reps)
+            entry: dict[str, Any] = {"N": n, "K": k, "rows": rows_m}
+            entry["bf16_linear"] = {"seconds": t16, "weight_GBps": peer_bytes / t16 / 1e9}
+            for name, (weight_bytes, call) in calls.items():
+                configs = []
+                for config in MATMUL_CONFIGS:
+                    if deadline.left() <= 0:
+                        break
+                    row: dict[str, Any] = dict(
+                        zip(("block_n", "block_k", "num_warps", "num_stages"), config)
+                    )
+                    try:
+                        t = _time_matmul_config(call, config, plan, device)
+                        row.update(seconds=t, weight_GBps=weight_bytes / t / 1e9,
+                                   speedup_vs_bf16=t16 / t)  # fmt: skip
+                        if copy_bw:
+                            row["fraction_of_copy_bw"] = row["weight_GBps"] / copy_bw
+                    except Exception as err:
+                        row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                    configs.append(row)
+                entry[name] = {"configs": configs, "best": _best(configs, "seconds")}
+            results.append(entry)
+    per_kernel = {
+        name: _best_overall([r[name] for r in results if name in r]) for name in ("int8", "int4")
+    }
+    return {"shapes": results, "best_overall": per_kernel}
+
+
+def section_kernel_sweep(
+    plan: Plan, device: torch.device, deadline: Deadline, copy_bw: float | None
+) -> dict[str, Any]:
+    """Launch-config sweeps of the decode attention and quantized matmul kernels."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    half = Deadline.after(max(1.0, deadline.left() * 0.5))
+    decode = _sweep_decode(plan, device, dtype, half, copy_bw)
+    matmul = _sweep_matmul(plan, device, dtype, deadline, copy_bw)
+    return {"dtype": dtype, "heads": plan.attn_heads, "decode": decode, "matmul": matmul}
+
+
+# ---- quantized decode throughput --------------------------------------------------------------
+def _decode_rate(engine: Any, batch: int, prompt_len: int, new_tokens: int, vocab: int,
+                 deadline: Deadline) -> dict[str, Any]:  # fmt: skip
+    """Output tokens/s of ``batch`` greedy sequences decoding together, after their prefill."""
+    from paged_llm import SamplingParams
+
+    rng = random.Random(batch)
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for rid in ids:
+        engine.add_request(rid, {"prompt_token_ids": [rng.randrange(vocab) for _ in
+                                                      range(prompt_len)]}, params)  # fmt: skip
+    started: set[str] = set()
+    while len(started) < batch and engine.has_unfinished_requests():  # prefill (maybe chunked)
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    steps, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests() and deadline.left() > 0:
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    engine.abort_request(ids)
+    return {
+        "batch": batch,
+        "decode_steps": steps,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": batch * steps / elapsed if steps else None,
+        "ms_per_step": 1e3 * elapsed / steps if steps else None,
+    }
+
+
+def section_quant_decode(
+    plan: Plan, device: torch.device, deadline: Deadline, copy_bw: float | None
+) -> dict[str, Any]:
+    """Decode tokens/s at batch 1 and 32 in bf16, int8 and int4 on the plan's model shape."""
+    from paged_llm import LLM
+
+    smoke = device.type == "cpu"
+    model = plan.model if not smoke else "tiny"
+    methods = [("none", None), ("int8", "int8"), ("int4_rtn", "int4_rtn"), ("fp8", "fp8")]
+    new_tokens, prompt_len = (64, 128) if not smoke else (4, 8)
+    results: dict[str, Any] = {}
+    for label, method in methods:
+        share = Deadline.after(max(1.0, deadline.left() / (len(methods) - len(results))))
+        if share.left() < 5 and not smoke:
+            results[label] = {"skipped": f"{share.left():.0f} s left"}
+            continue
+        row: dict[str, Any] = {}
+        try:
+            start = time.perf_counter()
+            llm = LLM(model, quantization=method, dtype=plan.dtype, max_num_seqs=32,
+                      max_model_len=prompt_len + new_tokens + 16, max_num_batched_tokens=4096,
+                      gpu_memory_utilization=0.6, device=str(device), seed=0,
+                      **({"cpu_kv_cache_gib": 0.02} if smoke else {}))  # fmt: skip
+            engine = llm.llm_engine
+            model_module = engine.runner.model
+            row["engine_build_s"] = time.perf_counter() - start
+            row["weight_bytes"] = sum(
+                t.numel() * t.element_size()
+                for t in [*model_module.parameters(), *model_module.buffers()]
+            )
+            row["cuda_graphs"] = engine.runner.cuda_graphs is not None
+            vocab = engine.vocab_size
+            _decode_rate(engine, 1, prompt_len, 4, vocab, share)  # warm-up: kernels compile
+            for batch in (1, 32):
+                row[f"batch_{batch}"] = _decode_rate(engine, batch, prompt_len, new_tokens,
+                                                     vocab, share)  # fmt: skip
+            if copy_bw:
+                # Reading every weight once per step (at copy speed) bounds batch-1 decode.
+                row["batch_1_weight_read_bound_tokens_per_s"] = copy_bw * 1e9 / row["weight_bytes"]
+            llm.shutdown()
+            del llm, engine, model_module
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        results[label] = row
+    base = results.get("none", {})
+    for row in results.values():
+        for batch in (1, 32):
+            ours = row.get(f"batch_{batch}", {}).get("output_tokens_per_s")
+            ref = base.get(f"batch_{batch}", {}).get("output_tokens_per_s")
+            if ours and ref:
+                row[f"batch_{batch}_vs_none"] = ours / ref
+    return {
+        "model": model,
+        "dtype": plan.dtype,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "methods": results,
+        "reference": "gpt-fast on A100, batch 1: int8 1.48x and int4 1.88x of bf16",
+    }

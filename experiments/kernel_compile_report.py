@@ -1,0 +1,283 @@
+"""Compile every Triton kernel for a GPU architecture on a machine without one, and report each
+compiled variant's registers, spills and shared memory (one JSON).
+
+The CPU interpreter checks what the kernels compute, not that they compile: a kernel can pass
+every interpreter test and still fail to lower for sm_90, or spill registers to local memory
+there. This compiles the kernels exactly as the engine launches them (through the public
+wrappers, with the tuned configs of ``paged_llm/ops/tuning.py`` for that architecture) against
+a stand-in driver that reports the target GPU and never launches; the cubins' resource usage
+comes from the ``cuobjdump`` that Triton ships.
+
+    python -m experiments.kernel_compile_report --arch 90 80 --out outputs/kernel_compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class _CompileOnlyDriver:
+    """Reports a CUDA target of the given capability; Triton compiles but never launches."""
+
+    def __init__(self, capability: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_device_interface(self) -> Any:
+        return torch.cuda
+
+    @staticmethod
+    def is_active() -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def compile_only(capability: int, arch: str) -> Iterator[list[Any]]:
+    """Within: Triton kernels compile for ``sm_<capability>`` and are not run; the tuned configs
+    are those of ``arch``. Yields the list the compiled kernels are appended to."""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from paged_llm.ops import tuning
+
+    compiled: list[Any] = []
+    original_run = JITFunction.run
+
+    def run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        self.device_caches.clear()  # its binders hold the target they were made for
+        kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append(kernel)
+        return kernel
+
+    original_arch, original_driver = tuning.arch_of, driver._active
+    driver.set_active(_CompileOnlyDriver(capability))
+    JITFunction.run = run
+    tuning.arch_of = lambda device: arch
+    try:
+        yield compiled
+    finally:
+        JITFunction.run = original_run
+        tuning.arch_of = original_arch
+        driver._active = original_driver  # reset_active() would look for a real GPU driver
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG / STACK / SHARED / LOCAL of the one function in a cubin (Triton's cuobjdump)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    line = next(ln for ln in text.splitlines() if "REG:" in ln)
+    fields = dict(item.split(":", 1) for item in line.split())
+    return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "SHARED", "LOCAL")}
+
+
+# ---- the launches to compile: (case name, function launching the kernels for one dtype) -------
+def _paged(batch: int, context: int, block_size: int, hkv: int, d: int, dtype: torch.dtype):
+    per_seq = -(-context // block_size)
+    k = torch.empty(batch * per_seq, block_size, hkv, d, dtype=dtype)
+    tables = torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    return k, torch.empty_like(k), tables, lens
+
+
+def _decode(hq: int, hkv: int, block_size: int, splits: int, kv: str | None = None):
+    def launch(dtype: torch.dtype) -> None:
+        from paged_llm.ops.paged_attention.triton_decode import paged_decode_attention_triton
+        from paged_llm.quant.kv_cache import KV_CACHE_DTYPES
+
+        k, v, tables, lens = _paged(4, 512, block_size, hkv, 128, dtype)
+        scales: dict[str, torch.Tensor] = {}
+        if kv:
+            cache_dtype = KV_CACHE_DTYPES[kv].dtype
+            k, v = k.to(cache_dtype), v.to(cache_dtype)
+            scales = dict(k_scale=torch.ones(k.shape[:3]), v_scale=torch.ones(k.shape[:3]))
+        q = torch.empty(4, hq, 128, dtype=dtype)
+        paged_decode_attention_triton(q, k, v, tables, lens, 0.1, num_splits=splits, **scales)
+
+    return launch
+
+
+def _prefill(hq: int, hkv: int):
+    def launch(dtype: torch.dtype) -> None:
+        from paged_llm.ops.paged_attention.triton_prefill import paged_prefill_attention_triton
+
+        k, v, tables, lens = _paged(2, 256, 16, hkv, 128, dtype)
+        q = torch.empty(512, hq, 128, dtype=dtype)
+        starts = torch.tensor([0, 256, 512], dtype=torch.int32)
+        paged_prefill_attention_triton(q, k, v, tables, starts, lens, 256, 0.1)
+
+    return launch
+
+
+def _store_kv(kv: str | None):
+    def launch(dtype: torch.dtype) -> None:
+        from paged_llm.ops.kv_store.triton import store_kv_triton
+        from paged_llm.quant.kv_cache import KV_CACHE_DTYPES
+
+        k, v, _, _ = _paged(1, 64, 16, 8, 128, dtype)
+        scales: dict[str, torch.Tensor] = {}
+        if kv:
+            k, v = (c.to(KV_CACHE_DTYPES[kv].dtype) for c in (k, v))
+            scales = dict(k_scale=torch.ones(k.shape[:3]), v_scale=torch.ones(k.shape[:3]))
+        new = torch.empty(8, 8, 128, dtype=dtype)
+        store_kv_triton(new, new, k, v, torch.arange(8), **scales)
+
+    return launch
+
+
+def _copy_blocks(dtype: torch.dtype) -> None:
+    from paged_llm.ops.copy_blocks.triton import copy_blocks_triton
+
+    k, v, _, _ = _paged(1, 64, 16, 8, 128, dtype)
+    copy_blocks_triton(k, v, torch.tensor([0]), torch.tensor([1]))
+
+
+def _int8_matmul(rows: int):
+    def launch(dtype: torch.dtype) -> None:
+        from paged_llm.ops.quant_matmul.triton import int8_matmul_triton
+
+        w = torch.empty(4096, 4096, dtype=torch.int8)
+        int8_matmul_triton(torch.empty(rows, 4096, dtype=dtype), w, torch.empty(4096))
+
+    return launch
+
+
+def _int4_matmul(rows: int):
+    def launch(dtype: torch.dtype) -> None:
+        from paged_llm.ops.quant_matmul.triton import int4_matmul_triton
+
+        qweight = torch.empty(512, 4096, dtype=torch.int32)
+        qzeros = torch.empty(32, 512, dtype=torch.int32)
+        scales = torch.empty(32, 4096, dtype=torch.float16)
+        x = torch.empty(rows, 4096, dtype=dtype)
+        int4_matmul_triton(x, qweight, qzeros, scales, 128, 1)
+
+    return launch
+
+
+CASES: dict[str, Callable[[torch.dtype], None]] = {
+    "decode_mha_bs16": _decode(32, 32, 16, 1),
+    "decode_gqa_bs32": _decode(32, 8, 32, 1),
+    "decode_split4": _decode(32, 8, 16, 4),
+    "decode_int8_cache": _decode(32, 8, 16, 1, "int8"),
+    "decode_fp8_cache": _decode(32, 8, 16, 1, "fp8_e4m3"),
+    "prefill_gqa": _prefill(32, 8),
+    "store_kv": _store_kv(None),
+    "store_kv_int8": _store_kv("int8"),
+    "store_kv_fp8": _store_kv("fp8_e4m3"),
+    "copy_blocks": _copy_blocks,
+    "int8_matmul_m1": _int8_matmul(1),
+    "int8_matmul_m32": _int8_matmul(32),
+    "int4_matmul_m1": _int4_matmul(1),
+    "int4_matmul_m32": _int4_matmul(32),
+}
+FP8_CASES = {"decode_fp8_cache", "store_kv_fp8"}  # need compute capability >= 8.9
+
+
+def compile_case(name: str, capability: int, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Compile one case; one row per kernel it launched (or one error row)."""
+    arch = {9: "sm90", 8: "sm80"}.get(capability // 10, "default")
+    row = {"case": name, "capability": capability, "dtype": str(dtype).removeprefix("torch.")}
+    try:
+        with compile_only(capability, arch) as kernels:
+            CASES[name](dtype)
+    except Exception as err:  # recorded: the report is for finding exactly these
+        return [{**row, "ok": False, "error": f"{type(err).__name__}: {str(err)[:400]}"}]
+    rows = []
+    for kernel in kernels:
+        meta = kernel.metadata
+        usage = resource_usage(kernel.asm["cubin"])
+        rows.append(
+            {
+                **row,
+                "kernel": meta.name,
+                "num_warps": meta.num_warps,
+                "num_stages": meta.num_stages,
+                "dynamic_shared": meta.shared,  # Triton's tiles live in dynamic shared memory
+                **usage,
+                "ok": usage["local"] == 0,  # spills go to local memory
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Compile the cases for each architecture and dtype; write and return the report."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", nargs="+", type=int, default=[90, 80], help="e.g. 90 80")
+    parser.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--out", default="outputs/kernel_compile")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: this compiles kernels instead of interpreting")
+    import triton
+
+    rows = []
+    for capability in args.arch:
+        for dtype_name in args.dtypes:
+            for case in args.cases:
+                if case in FP8_CASES and capability < 89:
+                    continue
+                rows.extend(compile_case(case, capability, DTYPES[dtype_name]))
+                last = rows[-1]
+                print(
+                    f"sm_{capability} {dtype_name:4} {case:18} "
+                    + (
+                        f"regs {last['reg']:3} local {last['local']} "
+                        f"shared {last['dynamic_shared']}"
+                        if "reg" in last
+                        else last.get("error", "")
+                    ),
+                    flush=True,
+                )
+    report = {
+        "schema": "paged_llm.kernel_compile/1",
+        "measured": False,
+        "note": "compiled on a CPU for the targets named; nothing ran on a GPU",
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "rows": rows,
+        "all_ok": all(r["ok"] for r in rows),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernel_compile.json").write_text(json.dumps(report, indent=2))
+    print(f"all_ok={report['all_ok']}  wrote {out / 'kernel_compile.json'}")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

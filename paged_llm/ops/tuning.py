@@ -1,0 +1,74 @@
+"""Per-architecture launch configurations of the Triton kernels, as data.
+
+Each kernel takes its tile sizes, warps and pipeline stages from :func:`kernel_config`, which
+picks the row for the GPU's architecture (``sm90`` Hopper, ``sm80`` Ampere) or ``default``
+(other GPUs, and the CPU interpreter, where only correctness matters). Every argument can
+still be overridden per call, which is how ``experiments/gpu_check.py`` sweeps candidates.
+
+Where a row came from is written beside it: a measurement (file and date) or "untuned". To
+tune a new architecture, run the sweep of ``experiments/gpu_check.py`` on it and add a row;
+``experiments/kernel_compile_report.py`` checks registers and spills for any target on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of one kernel: tiles, warps per program, software-pipeline stages."""
+
+    block_n: int  # attention: context positions per tile; matmul: output columns per program
+    block_k: int = 0  # matmul: reduction tile (0 where the kernel has none)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def with_overrides(self, **overrides: int | None) -> KernelConfig:
+        """This config with every non-None override applied."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# kernel -> architecture -> config.
+TUNED: dict[str, dict[str, KernelConfig]] = {
+    "paged_decode": {
+        "default": KernelConfig(block_n=64, num_warps=4, num_stages=2),  # untuned
+        "sm80": KernelConfig(block_n=64, num_warps=4, num_stages=2),  # untuned (no A100 run)
+        "sm90": KernelConfig(block_n=64, num_warps=4, num_stages=2),  # untuned until measured
+    },
+    "int8_matmul": {
+        "default": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2),  # untuned
+        "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # untuned
+        "sm90": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # untuned
+    },
+    "int4_matmul": {
+        "default": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2),  # untuned
+        "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # untuned
+        "sm90": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # untuned
+    },
+}
+
+# fp32 operands (a debug dtype) need far more registers per tile: smaller attention tiles.
+FP32_ATTENTION_BLOCK = 32
+
+
+def arch_of(device: torch.device) -> str:
+    """``sm90``, ``sm80`` or ``default`` for a device (the CPU is ``default``)."""
+    if device.type != "cuda":
+        return "default"
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache  # asked on every kernel launch
+def _cuda_arch(index: int) -> str:
+    major, _ = torch.cuda.get_device_capability(index)
+    return {9: "sm90", 8: "sm80"}.get(major, "default")
+
+
+def kernel_config(kernel: str, device: torch.device) -> KernelConfig:
+    """The tuned launch config of ``kernel`` on ``device``'s architecture."""
+    rows = TUNED[kernel]
+    return rows.get(arch_of(device), rows["default"])
