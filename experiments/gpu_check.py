@@ -49,6 +49,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,20 @@ import torch  # noqa: E402
 
 SCHEMA = "paged_llm.gpu_check/1"
 EXTRA_SECTIONS = ("kernel_sweep", "quant_decode")  # experiments/gpu_sweeps.py, with --extras
+SECTIONS = ("kernels", "kernel_sweep", "decode_bandwidth", "fig18a", "end_to_end", "quant_decode")
+
+
+def selected_sections(args: argparse.Namespace) -> set[str]:
+    """The sections this run does: --only's list, else the core ones (+ the extras)."""
+    if args.only:
+        chosen = {name.strip() for name in args.only.split(",") if name.strip()}
+        unknown = chosen - set(SECTIONS) - {"bandwidth"}
+        if unknown:
+            raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+        return chosen
+    return {n for n in SECTIONS if n not in EXTRA_SECTIONS or args.extras}
+
+
 TOL = {  # the tolerances of tests/test_kernels.py
     torch.float32: dict(atol=1e-5, rtol=1e-4),
     torch.float16: dict(atol=3e-3, rtol=3e-3),
@@ -109,8 +124,8 @@ FULL = Plan(
         kernel_sweep=55,
         decode_bandwidth=40,
         fig18a=20,
-        end_to_end=200,
-        quant_decode=100,
+        end_to_end=220,
+        quant_decode=90,
     ),
     copy_mib=2048,
     matmul_n=8192,
@@ -748,9 +763,17 @@ def run_ours(engine: Any, work: Workload, deadline: Deadline) -> dict[str, Any]:
     progress: dict[str, int] = {}
     outputs: dict[str, list[int]] = {}
     first_step = len(engine.iteration_stats)
+    runner = engine.runner
+    by_kind: dict[str, list[float]] = {}  # forward kind -> wall seconds of each such step
     start = time.perf_counter()
     while engine.has_unfinished_requests() and deadline.left() > 0:
-        for out in engine.step():
+        runner.last_forward_kind = None
+        step_start = time.perf_counter()
+        step_outputs = engine.step()
+        by_kind.setdefault(runner.last_forward_kind or "none", []).append(
+            time.perf_counter() - step_start
+        )
+        for out in step_outputs:
             progress[out.request_id] = len(out.outputs[0].token_ids)
             if out.finished:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
@@ -769,6 +792,12 @@ def run_ours(engine: Any, work: Workload, deadline: Deadline) -> dict[str, Any]:
         "requests_per_s": len(outputs) / elapsed,
         "mean_running_batch": statistics.mean(running) if running else 0.0,
         "steps": len(engine.iteration_stats) - first_step,
+        # Where the time went: steps by how the forward ran (CUDA graph replay, eager decode,
+        # eager with prompt tokens), their count, total and median wall time (engine.step()).
+        "steps_by_kind": {
+            kind: {"steps": len(t), "total_s": sum(t), "median_ms": 1e3 * statistics.median(t)}
+            for kind, t in sorted(by_kind.items())
+        },
         "outputs": [outputs.get(f"r{i}") for i in range(len(work.prompts))],
     }
 
@@ -785,9 +814,11 @@ def run_hf_static(model: Any, work: Workload, batch_size: int, deadline: Deadlin
         prompts = work.prompts[lo : lo + batch_size]
         outs = work.output_lens[lo : lo + batch_size]
         if per_step is None:  # a short probe batch measures the per-step time first
+            probe = min(16, max(outs))
+            generate_static_batch(model, prompts, [2] * len(outs))  # warm-up: CUDA/cuBLAS init
             start = time.perf_counter()
-            generate_static_batch(model, prompts, [min(8, max(outs))] * len(outs))
-            per_step = (time.perf_counter() - start) / min(8, max(outs))
+            generate_static_batch(model, prompts, [probe] * len(outs))
+            per_step = (time.perf_counter() - start) / probe
         if per_step * max(outs) * 1.2 > deadline.left():
             stop_reason = f"time: batch at request {lo} would take ~{per_step * max(outs):.0f} s"
             break
@@ -901,6 +932,38 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def profile_steps(engine: Any, work: Workload, out_dir: Path, steps: int = 6) -> dict[str, Any]:
+    """torch.profiler over a few engine steps (a prefill-carrying step, then decodes) of 64
+    requests; the op tables go to ``profile_steps.txt`` in ``out_dir``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from paged_llm import SamplingParams
+
+    head = work.head(64)
+    ids = [f"profile-{i}" for i in range(len(head.prompts))]
+    for rid, prompt in zip(ids, head.prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    kinds, times = [], []
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+            kinds.append(engine.runner.last_forward_kind)
+    engine.abort_request(ids)
+    table = prof.key_averages()
+    path = out_dir / "profile_steps.txt"
+    sort_keys = ["self_cpu_time_total"] + (["self_cuda_time_total"] if len(activities) > 1 else [])
+    path.write_text(
+        "\n\n".join(f"sorted by {k}\n{table.table(sort_by=k, row_limit=30)}" for k in sort_keys)
+    )
+    return {"file": path.name, "step_kinds": kinds, "step_ms": [1e3 * t for t in times]}
+
+
 def _attempt_engine(
     plan: Plan,
     device: torch.device,
@@ -909,6 +972,7 @@ def _attempt_engine(
     subset: Workload,
     share: Callable[[float], Deadline],
     result: dict[str, Any],
+    profile_dir: Path | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """This engine on all requests, then on the generate_batch subset; freed afterwards.
 
@@ -950,7 +1014,9 @@ def _attempt_engine(
         use_tqdm=False,
     )
     ours = run_ours(llm.llm_engine, work, share(0.45))
-    ours_subset = run_ours(llm.llm_engine, subset, share(0.15))
+    ours_subset = run_ours(llm.llm_engine, subset, share(0.2))
+    if profile_dir is not None:
+        result["profile"] = _attempt(partial(profile_steps, llm.llm_engine, work, profile_dir))
     llm.shutdown()
     del llm
     _free(device)
@@ -994,6 +1060,7 @@ def section_end_to_end(
     copy_bw: float | None,
     trace: str | None,
     workdir: Path,
+    profile_dir: Path | None = None,
 ) -> dict[str, Any]:
     """This engine vs transformers generate / generate_batch, and vs the bandwidth bound."""
     from paged_llm.models import presets
@@ -1019,7 +1086,9 @@ def section_end_to_end(
     # Time shares of what is left: ours on everything, ours on the subset, HF static, HF CB.
     share = lambda frac: Deadline.after(max(1.0, deadline.left() * frac))  # noqa: E731
 
-    ours, ours_subset = _attempt_engine(plan, device, model_dir, work, subset, share, result)
+    ours, ours_subset = _attempt_engine(
+        plan, device, model_dir, work, subset, share, result, profile_dir
+    )
     static, cb = run_transformers(plan, device, dtype, hf_config, model_dir, work, subset, share)
     _free(device)
 
@@ -1131,6 +1200,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help=f"also run {', '.join(EXTRA_SECTIONS)} (their caps are added to the budget)",
     )
+    parser.add_argument(
+        "--only",
+        help=f"comma-separated sections to run (bandwidth always runs): {', '.join(SECTIONS)}",
+    )
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
@@ -1180,9 +1253,14 @@ def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dic
             "sections": {},
         },
     )
-    extras = EXTRA_SECTIONS if args.extras else ()
-    budget = Budget(plan.budget_s + sum(plan.section_s[name] for name in extras))
+    from experiments.gpu_sweeps import section_kernel_sweep, section_quant_decode
+
+    chosen = selected_sections(args)
+    budget = Budget(
+        plan.budget_s + sum(plan.section_s[name] for name in EXTRA_SECTIONS if name in chosen)
+    )
     cap = plan.section_s
+    # Every later section compares with the copy bandwidth, so it is always measured first.
     bw = run_section(
         report,
         "bandwidth",
@@ -1192,49 +1270,21 @@ def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dic
         lambda d: section_bandwidth(plan, device, d),
     )
     copy_bw = bw.get("copy_bandwidth_GBps")
-    run_section(
-        report, "kernels", budget, cap["kernels"], 2, lambda d: section_kernels(plan, device, d)
-    )
-    from experiments.gpu_sweeps import section_kernel_sweep, section_quant_decode
-
-    if "kernel_sweep" in extras:
-        run_section(
-            report,
-            "kernel_sweep",
-            budget,
-            cap["kernel_sweep"],
-            2,
-            lambda d: section_kernel_sweep(plan, device, d, copy_bw),
-        )
-    run_section(
-        report,
-        "decode_bandwidth",
-        budget,
-        cap["decode_bandwidth"],
-        2,
-        lambda d: section_decode_bandwidth(plan, device, d, copy_bw),
-    )
-    run_section(
-        report, "fig18a", budget, cap["fig18a"], 2, lambda d: section_fig18a(plan, device, d)
-    )
-    with tempfile.TemporaryDirectory(prefix="gpu_check-") as workdir:
-        run_section(
-            report,
-            "end_to_end",
-            budget,
-            cap["end_to_end"],
-            min(30, cap["end_to_end"]),
-            lambda d: section_end_to_end(plan, device, d, copy_bw, args.trace, Path(workdir)),
-        )
-    if "quant_decode" in extras:
-        run_section(
-            report,
-            "quant_decode",
-            budget,
-            cap["quant_decode"],
-            min(20, cap["quant_decode"]),
-            lambda d: section_quant_decode(plan, device, d, copy_bw),
-        )
+    workdir = tempfile.TemporaryDirectory(prefix="gpu_check-")
+    sections: list[tuple[str, float, Callable[[Deadline], dict[str, Any]]]] = [
+        ("kernels", 2, lambda d: section_kernels(plan, device, d)),
+        ("kernel_sweep", 2, lambda d: section_kernel_sweep(plan, device, d, copy_bw)),
+        ("decode_bandwidth", 2, lambda d: section_decode_bandwidth(plan, device, d, copy_bw)),
+        ("fig18a", 2, lambda d: section_fig18a(plan, device, d)),
+        ("end_to_end", min(30, cap["end_to_end"]), lambda d: section_end_to_end(
+            plan, device, d, copy_bw, args.trace, Path(workdir.name), out_dir)),
+        ("quant_decode", min(20, cap["quant_decode"]),
+         lambda d: section_quant_decode(plan, device, d, copy_bw)),
+    ]  # fmt: skip
+    with workdir:
+        for name, min_s, fn in sections:
+            if name in chosen:
+                run_section(report, name, budget, cap[name], min_s, fn)
     report.doc["targets"] = evaluate_targets(report.doc["sections"], device.type == "cuda")
     report.doc["elapsed_s"] = round(time.perf_counter() - budget.start, 2)
     report.write()

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 import statistics
@@ -24,8 +25,17 @@ from experiments.gpu_check import Deadline, Plan, decode_setup, kv_bytes_read, t
 # (block_n, num_warps, num_stages) of the paged decode kernel
 DECODE_CONFIGS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 3)]
 DECODE_SHAPES = [(32, 2048), (128, 2048), (32, 8192), (128, 8192)]  # (batch, context)
-# (block_n, block_k, num_warps, num_stages) of the quantized matmuls
-MATMUL_CONFIGS = [(16, 128, 4, 3), (32, 64, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 8, 3)]
+# (block_n, block_k, num_warps, num_stages, split_k; 0 = from the GPU size) of the quantized
+# matmuls. Run 1 on an H200 (no split-K) reached at best ~0.76x of bf16's time.
+MATMUL_CONFIGS = [
+    (64, 128, 4, 3, 0),
+    (32, 128, 4, 3, 0),
+    (64, 64, 4, 4, 0),
+    (128, 128, 8, 3, 0),
+    (64, 256, 8, 3, 0),
+    (32, 128, 4, 4, 1),
+    (16, 128, 4, 3, 1),
+]
 MATMUL_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N, K) of LLaMA-7B's linears
 MATMUL_ROWS = [1, 32]
 
@@ -161,7 +171,7 @@ def _sweep_matmul(plan: Plan, device: torch.device, dtype, deadline: Deadline, c
                     if deadline.left() <= 0:
                         break
                     row: dict[str, Any] = dict(
-                        zip(("block_n", "block_k", "num_warps", "num_stages"), config)
+                        zip(("block_n", "block_k", "num_warps", "num_stages", "split_k"), config)
                     )
                     try:
                         t = _time_matmul_config(call, config, plan, device)
@@ -185,10 +195,39 @@ def section_kernel_sweep(
 ) -> dict[str, Any]:
     """Launch-config sweeps of the decode attention and quantized matmul kernels."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    half = Deadline.after(max(1.0, deadline.left() * 0.5))
-    decode = _sweep_decode(plan, device, dtype, half, copy_bw)
+    share = Deadline.after(max(1.0, deadline.left() * 0.3))
+    decode = _sweep_decode(plan, device, dtype, share, copy_bw)
     matmul = _sweep_matmul(plan, device, dtype, deadline, copy_bw)
-    return {"dtype": dtype, "heads": plan.attn_heads, "decode": decode, "matmul": matmul}
+    return {
+        "dtype": dtype,
+        "heads": plan.attn_heads,
+        "decode": decode,
+        "matmul": matmul,
+        "applied": apply_best_configs(decode, matmul, device),
+    }
+
+
+def apply_best_configs(decode: dict, matmul: dict, device: torch.device) -> dict[str, Any]:
+    """Make the sweep's best configs this process's tuned rows for the device's architecture,
+    so the later sections run with them; return what was applied (copy it into
+    paged_llm/ops/tuning.py to keep it)."""
+    from paged_llm.ops import tuning
+
+    if device.type != "cuda":  # CPU timings say nothing about a GPU's configs
+        return {}
+    arch = tuning.arch_of(device)
+    best = {"paged_decode": decode.get("best_overall")}
+    best.update({f"{k}_matmul": v for k, v in matmul.get("best_overall", {}).items()})
+    applied = {}
+    for kernel, found in best.items():
+        if not found:
+            continue
+        fields = ("block_n", "num_warps", "num_stages") if kernel == "paged_decode" else (
+            "block_n", "block_k", "num_warps", "num_stages", "split_k")  # fmt: skip
+        config = tuning.KernelConfig(**dict(zip(fields, found["config"])))
+        tuning.TUNED[kernel][arch] = config
+        applied[kernel] = {"arch": arch, **dataclasses.asdict(config)}
+    return applied
 
 
 # ---- quantized decode throughput --------------------------------------------------------------

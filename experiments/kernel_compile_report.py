@@ -164,17 +164,18 @@ def _copy_blocks(dtype: torch.dtype) -> None:
     copy_blocks_triton(k, v, torch.tensor([0]), torch.tensor([1]))
 
 
-def _int8_matmul(rows: int):
+def _int8_matmul(rows: int, split_k: int | None = None):
     def launch(dtype: torch.dtype) -> None:
         from paged_llm.ops.quant_matmul.triton import int8_matmul_triton
 
         w = torch.empty(4096, 4096, dtype=torch.int8)
-        int8_matmul_triton(torch.empty(rows, 4096, dtype=dtype), w, torch.empty(4096))
+        x = torch.empty(rows, 4096, dtype=dtype)
+        int8_matmul_triton(x, w, torch.empty(4096), split_k=split_k)
 
     return launch
 
 
-def _int4_matmul(rows: int):
+def _int4_matmul(rows: int, split_k: int | None = None):
     def launch(dtype: torch.dtype) -> None:
         from paged_llm.ops.quant_matmul.triton import int4_matmul_triton
 
@@ -182,7 +183,7 @@ def _int4_matmul(rows: int):
         qzeros = torch.empty(32, 512, dtype=torch.int32)
         scales = torch.empty(32, 4096, dtype=torch.float16)
         x = torch.empty(rows, 4096, dtype=dtype)
-        int4_matmul_triton(x, qweight, qzeros, scales, 128, 1)
+        int4_matmul_triton(x, qweight, qzeros, scales, 128, 1, split_k=split_k)
 
     return launch
 
@@ -202,6 +203,8 @@ CASES: dict[str, Callable[[torch.dtype], None]] = {
     "int8_matmul_m32": _int8_matmul(32),
     "int4_matmul_m1": _int4_matmul(1),
     "int4_matmul_m32": _int4_matmul(32),
+    "int8_matmul_m1_split8": _int8_matmul(1, 8),
+    "int4_matmul_m1_split8": _int4_matmul(1, 8),
 }
 FP8_CASES = {"decode_fp8_cache", "store_kv_fp8"}  # need compute capability >= 8.9
 

@@ -167,20 +167,27 @@ def test_kernels_refuse_prefill_shapes():
         )
 
 
-@pytest.mark.parametrize("block_n,block_k", [(16, 128), (32, 64), (128, 32)])
-def test_kernel_launch_overrides_keep_results(block_n, block_k):
-    """The configs that gpu_check sweeps compute the same function as the defaults."""
+@pytest.mark.parametrize(
+    "block_n,block_k,split_k", [(16, 128, 1), (32, 64, 3), (128, 32, 8), (64, 64, 2)]
+)
+def test_kernel_launch_overrides_keep_results(block_n, block_k, split_k):
+    """The configs that gpu_check sweeps (split-K included: 3 leaves uneven partitions)
+    compute the same function as the defaults."""
     gen = torch.Generator().manual_seed(block_n)
     w = torch.randint(-127, 128, (96, 256), generator=gen, dtype=torch.int8)
     scale = torch.rand(96, generator=gen) / 100
     x = torch.randn(3, 256, generator=gen)
     ref = int8_matmul_reference(x, w, scale)
-    out = int8_matmul_triton(x, w, scale, block_n=block_n, block_k=block_k, num_warps=8)
+    out = int8_matmul_triton(
+        x, w, scale, block_n=block_n, block_k=block_k, num_warps=8, split_k=split_k
+    )
     assert torch.allclose(out, ref, atol=1e-5 * ref.abs().max(), rtol=1e-5)
     q = torch.randint(0, 16, (256, 96), generator=gen)
     zeros = torch.randint(0, 16, (2, 96), generator=gen)
     scales = (torch.rand(2, 96, generator=gen) / 50).half()
     qweight, qzeros = pack_int4(q, 0), pack_int4(zeros, 1)
     ref = int4_matmul_reference(x, qweight, qzeros, scales, torch.arange(256) // 128, 1)
-    out = int4_matmul_triton(x, qweight, qzeros, scales, 128, 1, block_n=block_n, block_k=block_k)
+    out = int4_matmul_triton(
+        x, qweight, qzeros, scales, 128, 1, block_n=block_n, block_k=block_k, split_k=split_k
+    )
     assert torch.allclose(out, ref, atol=1e-5 * ref.abs().max(), rtol=1e-5)

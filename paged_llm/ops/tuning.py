@@ -26,6 +26,7 @@ class KernelConfig:
     block_k: int = 0  # matmul: reduction tile (0 where the kernel has none)
     num_warps: int = 4
     num_stages: int = 2
+    split_k: int = 0  # matmul: K partitions; 0 picks one from the GPU size
 
     def with_overrides(self, **overrides: int | None) -> KernelConfig:
         """This config with every non-None override applied."""
@@ -37,7 +38,9 @@ TUNED: dict[str, dict[str, KernelConfig]] = {
     "paged_decode": {
         "default": KernelConfig(block_n=64, num_warps=4, num_stages=2),  # untuned
         "sm80": KernelConfig(block_n=64, num_warps=4, num_stages=2),  # untuned (no A100 run)
-        "sm90": KernelConfig(block_n=64, num_warps=4, num_stages=2),  # untuned until measured
+        # H200, paper_repro/gpu_results/2026-11-30-h200-run1.json (kernel_sweep): best of 6
+        # configs at batch 32/128 x context 2048/8192, 1.00-1.06x the copy bandwidth.
+        "sm90": KernelConfig(block_n=64, num_warps=4, num_stages=3),
     },
     "int8_matmul": {
         "default": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2),  # untuned

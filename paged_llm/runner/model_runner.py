@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from paged_llm.attention.metadata import AttentionMetadata, build_attention_meta
 from paged_llm.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.quant.kv_cache import SCALE_DTYPE, KVCacheSpec
-from paged_llm.runner.cuda_graphs import CudaGraphRunner
+from paged_llm.runner.cuda_graphs import CudaGraphRunner, is_decode_batch
 from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, allocate_kv_scales, move_blocks
 from paged_llm.runner.sampler import Sampler, SampleResult
 
@@ -134,6 +135,10 @@ class ModelRunner:
         self.parallel = parallel
         self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
         self.cuda_graph_error: str | None = None  # why capturing failed, if it did
+        # How each forward ran ("graph" replay, "eager_decode", "eager_prefill": a batch with
+        # any prompt tokens), counted and last: benchmarks attribute step time by kind.
+        self.forward_kinds: collections.Counter[str] = collections.Counter()
+        self.last_forward_kind: str | None = None
         self.kv_spec = kv_spec or KVCacheSpec(dtype)
         self.kv_caches: KVCaches = []
         self.cpu_caches: KVCaches = []
@@ -203,8 +208,10 @@ class ModelRunner:
         if batch is None:
             return None
         if self.cuda_graphs is not None and self.cuda_graphs.can_replay(batch):
+            self._count_forward("graph")
             hidden = self.cuda_graphs.replay(batch)  # [T, hidden]
         else:
+            self._count_forward("eager_decode" if is_decode_batch(batch) else "eager_prefill")
             inputs = to_step_inputs(batch, self.block_size, self.device)
             ctx = ForwardContext(
                 inputs.attn_metadata, self.backend, self.kv_caches, self.kv_scales or None
@@ -214,6 +221,10 @@ class ModelRunner:
             return None
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])  # [R, V]
+
+    def _count_forward(self, kind: str) -> None:
+        self.forward_kinds[kind] += 1
+        self.last_forward_kind = kind
 
     @torch.inference_mode()
     def execute(

@@ -14,11 +14,16 @@ caller checks.
 
 from __future__ import annotations
 
+import functools
+import math
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from paged_llm.ops.tuning import kernel_config
+from paged_llm.ops.paged_attention.triton_decode import interpreting
+from paged_llm.ops.tuning import KernelConfig, kernel_config
 
 MAX_ROWS = 256  # a decode batch; more rows (prefill) are cheaper as dequantize + one matmul
 MAX_BLOCK_M = 64  # rows per program; larger batches take several row tiles
@@ -39,29 +44,34 @@ def _int8_matmul_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K] int8
     scale_ptr,  # [N] per-output-channel scales
-    out_ptr,  # [M, N]
+    out_ptr,  # [M, N]; with SPLIT_K > 1: [SPLIT_K, M, N] fp32 partial sums
     M,
     N,
     K,
+    k_per_split,  # a multiple of BLOCK_K
     stride_xm,
     stride_xk,
     stride_wn,
     stride_wk,
+    stride_os,  # split stride of the partial sums (unused when SPLIT_K == 1)
     stride_om,
     stride_on,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """out[m-tile, n-tile] = (x[m-tile] @ w[n-tile].T) * scale[n-tile]."""
+    """out[m-tile, n-tile] (+)= (x[m-tile, k-split] @ w[n-tile, k-split].T) * scale[n-tile]."""
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(2)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_k * k_per_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(
@@ -76,10 +86,16 @@ def _int8_matmul_kernel(
         )  # [BLOCK_K, BLOCK_N] int8; |w| <= 127 is exact in every float dtype
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
     scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    out = acc * scale[None, :]
+    _store_tile(acc * scale[None, :], out_ptr + pid_k * stride_os, offs_m, offs_n, m_mask, n_mask,
+                stride_om, stride_on)  # fmt: skip
+
+
+@triton.jit
+def _store_tile(acc, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, stride_on):
+    """Store a [BLOCK_M, BLOCK_N] tile in the output's dtype (fp32 for partial sums)."""
     tl.store(
         out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-        out.to(out_ptr.dtype.element_ty),
+        acc.to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & n_mask[None, :],
     )
 
@@ -90,10 +106,11 @@ def _int4_matmul_kernel(
     qweight_ptr,  # [K/8, N] int32, GPTQ layout (eight input rows per int32)
     qzeros_ptr,  # [G, N/8] int32 (eight output columns per int32)
     scales_ptr,  # [G, N]
-    out_ptr,  # [M, N]
+    out_ptr,  # [M, N]; with SPLIT_K > 1: [SPLIT_K, M, N] fp32 partial sums
     M,
     N,
     K,
+    k_per_split,  # a multiple of BLOCK_K
     zero_offset,  # added to the stored zeros (GPTQ stores zero - 1)
     stride_xm,
     stride_xk,
@@ -103,23 +120,28 @@ def _int4_matmul_kernel(
     stride_zn,
     stride_sg,
     stride_sn,
+    stride_os,
     stride_om,
     stride_on,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides GROUP_SIZE, so one K tile lies in one group
+    SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """out[m-tile, n-tile] = x[m-tile] @ ((q - z) * s)[:, n-tile], unpacking int4 per tile."""
+    """out[m-tile, n-tile] (+)= x[m-tile, k-split] @ ((q - z) * s)[k-split, n-tile]."""
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(2)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
     z_shift = (offs_n % 8) * 4  # nibble of column n inside its qzeros int32
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K is a multiple of GROUP_SIZE, hence of BLOCK_K
+    k_lo = pid_k * k_per_split
+    # K is a multiple of GROUP_SIZE, hence of BLOCK_K
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
@@ -137,13 +159,13 @@ def _int4_matmul_kernel(
         zp = tl.load(qzeros_ptr + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
         z = ((zp >> z_shift) & 0xF) + zero_offset  # [BLOCK_N]
         s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
-        w = (q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]  # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+        # The tile lies in one group, so its scale factors out of the dot: multiply the small
+        # [BLOCK_M, BLOCK_N] result instead of every weight. q - z in [-16, 15] is exact in
+        # every float dtype.
+        w = (q - z[None, :]).to(x.dtype)  # [BLOCK_K, BLOCK_N]
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s.to(tl.float32)[None, :]
+    _store_tile(acc, out_ptr + pid_k * stride_os, offs_m, offs_n, m_mask, n_mask,
+                stride_om, stride_on)  # fmt: skip
 
 
 def _check_rows(x: torch.Tensor) -> None:
@@ -154,8 +176,56 @@ def _check_rows(x: torch.Tensor) -> None:
         )
 
 
-def _grid(rows: int, n: int, block_m: int, block_n: int) -> tuple[int, int]:
-    return (triton.cdiv(n, block_n), triton.cdiv(rows, block_m))
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_split_k(programs: int, k_tiles: int, device: torch.device) -> int:
+    """Split K when (row tiles x column tiles) alone cannot keep every SM reading weights:
+    aim at ~4 programs per SM (the bytes in flight a GEMV needs), at most 16 splits."""
+    if device.type != "cuda" or interpreting():
+        return 1
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= 4 * sms:
+        return 1
+    return max(1, min(k_tiles, 16, math.ceil(4 * sms / programs)))
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """Grid, split and output buffer of one quantized matmul call."""
+
+    grid: tuple[int, int, int]
+    block_m: int
+    split_k: int
+    k_per_split: int
+    target: torch.Tensor  # out, or the [split_k, M, N] fp32 partial sums
+    split_stride: int
+
+
+def _plan_launch(x: torch.Tensor, n: int, k: int, cfg: KernelConfig, k_tile: int) -> _Launch:
+    rows = x.shape[0]
+    block_m = _block_m(rows)
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(rows, block_m)
+    k_tiles = triton.cdiv(k, k_tile)
+    split_k = cfg.split_k or choose_split_k(tiles, k_tiles, x.device)
+    split_k = min(split_k, k_tiles)
+    k_per_split = triton.cdiv(k_tiles, split_k) * k_tile
+    split_k = triton.cdiv(k, k_per_split)  # no empty trailing splits
+    if split_k == 1:
+        target = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    else:
+        target = torch.empty(split_k, rows, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(rows, block_m), split_k)
+    return _Launch(grid, block_m, split_k, k_per_split, target, target.stride(0))
+
+
+def _finish(launch: _Launch, dtype: torch.dtype) -> torch.Tensor:
+    """The [M, N] result: the output itself, or the sum of the partial sums in ``dtype``."""
+    if launch.split_k == 1:
+        return launch.target
+    return launch.target.sum(0).to(dtype)
 
 
 def int8_matmul_triton(
@@ -166,10 +236,12 @@ def int8_matmul_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:  # [M, N]
     """``x @ (weight * scale[:, None]).T`` without materialising the dequantized weight.
 
-    Launch parameters default to the architecture's row of ``ops/tuning.py``."""
+    Launch parameters default to the architecture's row of ``ops/tuning.py``; ``split_k`` 0 or
+    None picks the K split from the GPU size."""
     _check_rows(x)
     n, k = weight.shape
     if x.shape[1] != k or weight.dtype != torch.int8 or scale.shape != (n,):
@@ -177,21 +249,21 @@ def int8_matmul_triton(
             f"x {tuple(x.shape)}, int8 weight {tuple(weight.shape)} {weight.dtype} and scale "
             f"{tuple(scale.shape)} disagree"
         )
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
-        return out
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
     cfg = kernel_config("int8_matmul", x.device).with_overrides(
-        block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages
-    )
-    block_m = _block_m(x.shape[0])
-    _int8_matmul_kernel[_grid(x.shape[0], n, block_m, cfg.block_n)](
-        x, weight, scale, out, x.shape[0], n, k,
-        *x.stride(), *weight.stride(), *out.stride(),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(x.dtype),
+        block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+        split_k=split_k,
+    )  # fmt: skip
+    launch = _plan_launch(x, n, k, cfg, cfg.block_k)
+    _int8_matmul_kernel[launch.grid](
+        x, weight, scale, launch.target, x.shape[0], n, k, launch.k_per_split,
+        *x.stride(), *weight.stride(), launch.split_stride, *launch.target.stride()[-2:],
+        BLOCK_M=launch.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=launch.split_k, DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out
+    return _finish(launch, x.dtype)
 
 
 def int4_matmul_triton(
@@ -205,6 +277,7 @@ def int4_matmul_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:  # [M, N]
     """``x @ dequant(W).T`` for a GPTQ-layout int4 weight with ``g_idx[k] = k // group_size``.
 
@@ -218,23 +291,24 @@ def int4_matmul_triton(
             f"and group_size {group_size} disagree"
         )
     cfg = kernel_config("int4_matmul", x.device).with_overrides(
-        block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages
-    )
+        block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+        split_k=split_k,
+    )  # fmt: skip
     tile_k = min(group_size, cfg.block_k)
     if group_size % tile_k or tile_k % 16:
         raise ValueError(
             f"group_size {group_size} and block_k {cfg.block_k} need a common K tile that is "
             "a multiple of 16 dividing the group"
         )
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
-        return out
-    block_m = _block_m(x.shape[0])
-    _int4_matmul_kernel[_grid(x.shape[0], n, block_m, cfg.block_n)](
-        x, qweight, qzeros, scales, out, x.shape[0], n, k, zero_offset,
-        *x.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *out.stride(),
-        GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=tile_k,
-        DOT_PRECISION=_dot_precision(x.dtype),
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
+    launch = _plan_launch(x, n, k, cfg, tile_k)
+    _int4_matmul_kernel[launch.grid](
+        x, qweight, qzeros, scales, launch.target, x.shape[0], n, k, launch.k_per_split,
+        zero_offset, *x.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(),
+        launch.split_stride, *launch.target.stride()[-2:],
+        GROUP_SIZE=group_size, BLOCK_M=launch.block_m, BLOCK_N=cfg.block_n, BLOCK_K=tile_k,
+        SPLIT_K=launch.split_k, DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out
+    return _finish(launch, x.dtype)
