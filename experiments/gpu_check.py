@@ -15,6 +15,8 @@ Sections, in order (later ones use the bandwidth measured first):
 2. ``kernels``: every Triton kernel (KV store incl. int8/fp8, paged decode with and without
    split-K and with an int8 cache, paged prefill, block copy, int8/int4 matmul) against its
    torch reference on the device, in fp16, bf16 and fp32.
+   ``parity`` (experiments/gpu_parity.py): greedy tokens of this engine vs transformers on the
+   same device for Llama/Mistral/Qwen2/OPT in fp32 (must be identical), bf16 and fp16.
    ``kernel_sweep`` (--extras; experiments/gpu_sweeps.py): launch configs of the decode
    attention and quantized matmul kernels on LLaMA-7B shapes, the data behind
    paged_llm/ops/tuning.py.
@@ -60,7 +62,10 @@ import torch  # noqa: E402
 
 SCHEMA = "paged_llm.gpu_check/1"
 EXTRA_SECTIONS = ("kernel_sweep", "quant_decode")  # experiments/gpu_sweeps.py, with --extras
-SECTIONS = ("kernels", "kernel_sweep", "decode_bandwidth", "fig18a", "end_to_end", "quant_decode")
+SECTIONS = (
+    "kernels", "parity", "kernel_sweep", "decode_bandwidth", "fig18a", "end_to_end",
+    "quant_decode",
+)  # fmt: skip
 
 
 def selected_sections(args: argparse.Namespace) -> set[str]:
@@ -117,10 +122,11 @@ FULL = Plan(
     # Sections stop at their deadlines, but model builds and shutdowns can run ~1 min past
     # them; with ~20 s of imports this stays under 8 minutes. --extras adds the two sweep
     # sections and their caps (about 2.5 minutes more).
-    budget_s=380,
+    budget_s=400,
     section_s=dict(
         bandwidth=10,
         kernels=60,
+        parity=40,
         kernel_sweep=55,
         decode_bandwidth=40,
         fig18a=20,
@@ -156,6 +162,7 @@ PLANS = {
         section_s=dict(
             bandwidth=10,
             kernels=35,
+            parity=30,
             kernel_sweep=30,
             decode_bandwidth=25,
             fig18a=15,
@@ -174,10 +181,11 @@ PLANS = {
     "smoke": replace(
         FULL,
         mode="smoke",
-        budget_s=50,
+        budget_s=70,
         section_s=dict(
             bandwidth=3,
             kernels=15,
+            parity=20,
             kernel_sweep=8,
             decode_bandwidth=6,
             fig18a=4,
@@ -1196,6 +1204,9 @@ def evaluate_targets(sections: dict[str, Any], on_gpu: bool) -> dict[str, Any]:
     kernels = sections.get("kernels", {})
     return {
         "kernels_match_reference": kernels.get("all_pass"),
+        "fp32_greedy_identical_to_transformers": sections.get("parity", {}).get(
+            "fp32_all_identical"
+        ),
         "decode_attention_ge_80pct_copy_bw": {
             "worst_fraction": worst,
             "pass": None if worst is None else worst >= 0.8,
@@ -1301,6 +1312,7 @@ def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dic
             "sections": {},
         },
     )
+    from experiments.gpu_parity import section_parity
     from experiments.gpu_sweeps import section_kernel_sweep, section_quant_decode
 
     chosen = selected_sections(args)
@@ -1321,6 +1333,7 @@ def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dic
     workdir = tempfile.TemporaryDirectory(prefix="gpu_check-")
     sections: list[tuple[str, float, Callable[[Deadline], dict[str, Any]]]] = [
         ("kernels", 2, lambda d: section_kernels(plan, device, d)),
+        ("parity", 2, lambda d: section_parity(plan, device, d, Path(workdir.name))),
         ("kernel_sweep", 2, lambda d: section_kernel_sweep(plan, device, d, copy_bw)),
         ("decode_bandwidth", 2, lambda d: section_decode_bandwidth(plan, device, d, copy_bw)),
         ("fig18a", 2, lambda d: section_fig18a(plan, device, d)),

@@ -22,8 +22,8 @@ from paged_llm.runner.cuda_graphs import (
     pad_decode_batch,
 )
 
-SECTIONS = ["bandwidth", "kernels", "kernel_sweep", "decode_bandwidth", "fig18a", "end_to_end",
-            "quant_decode"]  # fmt: skip
+SECTIONS = ["bandwidth", "kernels", "parity", "kernel_sweep", "decode_bandwidth", "fig18a",
+            "end_to_end", "quant_decode"]  # fmt: skip
 
 
 def test_smoke_run_writes_well_formed_json(tmp_path):
@@ -56,6 +56,11 @@ def test_smoke_run_writes_well_formed_json(tmp_path):
         assert e2e["tokens_match_generate"] in (True, None)  # same weights: same greedy tokens
         assert e2e["bandwidth_bound"]["output_tokens_per_s"] > 0
     assert doc["targets"]["pass"] is None  # CPU numbers never pass or fail a GPU target
+    parity = doc["sections"]["parity"]
+    if parity["status"] == "ok" and not parity["skipped"]:
+        assert {r["arch"] for r in parity["rows"]} == {"llama-gqa", "mistral", "qwen2", "opt"}
+        assert all("error" not in r for r in parity["rows"]), parity["rows"]
+        assert parity["fp32_all_identical"], parity["rows"]
     sweep = doc["sections"]["kernel_sweep"]
     if sweep["status"] == "ok":
         assert sweep["decode"]["best_overall"]["config"]
