@@ -419,7 +419,8 @@ def kernel_checks(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[
     as a failed check and the others still run."""
     results = []
     checks = (check_store_kv, check_store_kv_quantized, check_decode, check_prefill,
-              check_copy_blocks, check_quant_matmul, check_fp8_linear)  # fmt: skip
+              check_copy_blocks, check_quant_matmul, check_fp8_linear,
+              check_elementwise)  # fmt: skip
     for check in checks:
         torch.manual_seed(0)
         try:
@@ -562,6 +563,31 @@ def check_quant_matmul(plan: Plan, device: torch.device, dtype: torch.dtype) -> 
     tol = rel * float(ref.abs().max())
     results.append(_compare("int4_matmul", out, ref, dtype, atol=tol, rtol=rel))
     return results
+
+
+def check_elementwise(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Fused RMSNorm, rotary and SwiGLU-gate kernels against the torch reference (which rounds
+    as transformers does); on a GPU both round to nearest, so they agree to a float32 ulp."""
+    from paged_llm.ops.elementwise import reference as ref
+    from paged_llm.ops.elementwise import triton as tri
+
+    hq, _, d = plan.kernel_heads
+    gen = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(7, hq * d, generator=gen)).to(device=device, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(hq * d, generator=gen)).to(device=device, dtype=dtype)
+    angles = torch.rand(7, d // 2, generator=gen) * 6
+    cos, sin = (f(torch.cat((angles, angles), -1)).to(device=device, dtype=dtype)
+                for f in (torch.cos, torch.sin))  # fmt: skip
+    q = x.view(7, hq, d)
+    up = torch.randn(7, hq * d, generator=gen).to(device=device, dtype=dtype)
+    # one rounding step of the dtype (interpreter runs truncate bf16: two)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    pairs = [
+        ("rms_norm", tri.rms_norm_triton(x, w, 1e-6), ref.rms_norm_reference(x, w, 1e-6)),
+        ("rotary", tri.rotary_triton(q, cos, sin), ref.rotary_reference(q, cos, sin)),
+        ("silu_mul", tri.silu_mul_triton(x, up), ref.silu_mul_reference(x, up)),
+    ]
+    return [_compare(name, out, want, dtype, atol=tol, rtol=tol) for name, out, want in pairs]
 
 
 def check_fp8_linear(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict]:

@@ -188,6 +188,16 @@ def _int4_matmul(rows: int, split_k: int | None = None):
     return launch
 
 
+def _elementwise(dtype: torch.dtype) -> None:
+    from paged_llm.ops.elementwise import triton as tri
+
+    x = torch.empty(8, 4096, dtype=dtype)
+    tri.rms_norm_triton(x, torch.empty(4096, dtype=dtype), 1e-6)
+    tri.rotary_triton(x.view(8, 32, 128), torch.empty(8, 128, dtype=dtype),
+                      torch.empty(8, 128, dtype=dtype))  # fmt: skip
+    tri.silu_mul_triton(torch.empty(8, 11008, dtype=dtype), torch.empty(8, 11008, dtype=dtype))
+
+
 CASES: dict[str, Callable[[torch.dtype], None]] = {
     "decode_mha_bs16": _decode(32, 32, 16, 1),
     "decode_gqa_bs32": _decode(32, 8, 32, 1),
@@ -205,6 +215,7 @@ CASES: dict[str, Callable[[torch.dtype], None]] = {
     "int4_matmul_m32": _int4_matmul(32),
     "int8_matmul_m1_split8": _int8_matmul(1, 8),
     "int4_matmul_m1_split8": _int4_matmul(1, 8),
+    "elementwise": _elementwise,
 }
 FP8_CASES = {"decode_fp8_cache", "store_kv_fp8"}  # need compute capability >= 8.9
 

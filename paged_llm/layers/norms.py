@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paged_llm.ops.elementwise import rms_norm
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale (LLaMA / Mistral / Qwen2)."""
@@ -16,12 +18,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        """Normalise each row in float32, cast back to the input dtype, then scale."""
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast before multiplying by the weight, in that order, to round exactly as HF does in bf16.
-        return self.weight * x32.to(dtype)
+        """Normalise each row in float32, cast back to the input dtype, then scale (one fused
+        kernel on CUDA; ops/elementwise)."""
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paged_llm.ops.elementwise import rotary
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -93,17 +95,10 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Map (x1, x2) halves of the last dim to (-x2, x1)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(
     x: torch.Tensor,  # [T, H, D]
     cos: torch.Tensor,  # [T, D]
     sin: torch.Tensor,  # [T, D]
 ) -> torch.Tensor:  # [T, H, D]
-    """Rotate every head of ``x`` by its token's angles."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
+    """Rotate every head of ``x`` by its token's angles (a fused kernel on CUDA)."""
+    return rotary(x, cos, sin)

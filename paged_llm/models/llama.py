@@ -20,6 +20,7 @@ from paged_llm.layers.attention import ForwardContext, PagedAttention
 from paged_llm.layers.norms import RMSNorm
 from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from paged_llm.models.base import CausalLM, head_dim_of, num_kv_heads_of
+from paged_llm.ops.elementwise import silu_mul
 
 
 class LlamaAttention(nn.Module):
@@ -71,9 +72,12 @@ class LlamaMLP(nn.Module):
         self.up_proj = column_linear(hidden, inter, bias)
         self.down_proj = row_linear(inter, hidden, bias)
         self.act_fn = get_activation(config.hidden_act)
+        self.silu = config.hidden_act in ("silu", "swish")  # one fused kernel on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         """Apply the gated MLP row-wise."""
+        if self.silu:
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
