@@ -15,7 +15,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from paged_llm import LLM, SamplingParams
 from paged_llm.metrics.run_info import run_info
-from paged_llm.spec.rejection import expected_tokens_per_step
 
 
 def model_dir(name: str) -> str:
@@ -97,7 +96,8 @@ def run(cfg: dict, out_dir: Path) -> dict:
                     "output_tokens_per_s": tps,
                       "speedup": None,  # filled in below, against the final baseline
                     "tokens_per_target_step": stats.mean_acceptance_length,
-                    "predicted_tokens_per_step": expected_tokens_per_step(a, k),
+                    # at the measured a, per verification's own number of drafts
+                    "predicted_tokens_per_step": stats.predicted_tokens_per_step,
                     **stats.as_dict(),
                 })  # fmt: skip
                 r = results["runs"][-1]

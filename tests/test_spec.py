@@ -91,6 +91,26 @@ def test_expected_tokens_formula_and_stats():
     assert d["acceptance_rate_per_position"] == [1.0, 0.5, 0.5]
 
 
+def test_acceptance_rate_and_prediction_with_variable_draft_lengths():
+    """An n-gram drafter proposes fewer than k tokens when its match runs out: the per-token
+    rate counts only the positions the verifier judged, and the prediction averages the
+    formula over each verification's own k."""
+    s = SpecDecodeStats()
+    s.record(3, 3)  # judged 3, accepted 3
+    s.record(2, 2)  # judged 2 (no third draft to judge), accepted 2
+    s.record(3, 0)  # judged 1 (the first rejection ends it)
+    a = 5 / 6
+    assert s.conditional_acceptance_rate == pytest.approx(a)
+    expected = (2 * expected_tokens_per_step(a, 3) + expected_tokens_per_step(a, 2)) / 3
+    assert s.predicted_tokens_per_step == pytest.approx(expected)
+    assert s.as_dict()["steps_by_num_drafts"] == {2: 1, 3: 2}
+    # fixed-k drafts: the estimate is the usual accepted / reached
+    fixed = SpecDecodeStats()
+    for accepted in (0, 1, 2, 2):
+        fixed.record(2, accepted)
+    assert fixed.conditional_acceptance_rate == pytest.approx(5 / (1 + 2 + 2 + 2))
+
+
 # ---- the engine -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
