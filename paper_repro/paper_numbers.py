@@ -47,3 +47,25 @@ FIG18B = {
 # Fig. 19 (fig): preemption cost (ms) by block size 1..256 (OPT-13B, A100).
 FIG19_SWAP_MS = {1: 137, 2: 89, 4: 61, 8: 47, 16: 40, 32: 37, 64: 35, 128: 34, 256: 33}
 FIG19_RECOMPUTE_MS = (36, 39)  # flat across block sizes
+
+# Fig. 14 (OPT-13B, Alpaca): vLLM's sustained rate over Orca (Oracle) grows from 1.3x with basic
+# sampling to 2.3x with beam search of width 6 (Sec. 6.3).
+FIG14_GAIN_OVER_ORACLE = {"basic": 1.3, "beam_6": 2.3}
+
+# Fig. 15: memory saved by sharing = blocks saved / blocks without sharing (fractions).
+FIG15 = {
+    "alpaca": {
+        "parallel_2": 0.0609, "parallel_4": 0.0853, "parallel_6": 0.0979,
+        "beam_2": 0.3756, "beam_4": 0.5313, "beam_6": 0.5516,
+    },
+}  # fmt: skip
+# ShareGPT: the text gives ranges only (over n / width 2-6).
+FIG15_SHAREGPT_RANGE = {"parallel": (0.162, 0.305), "beam": (0.443, 0.663)}
+FIG15_TOLERANCE_PP = 5.0  # acceptance: each Alpaca saving within 5 percentage points
+
+# Fig. 16 (LLaMA-13B, WMT16 En->De): vLLM with the prefix shared over Orca (Oracle).
+FIG16_PREFIX_LEN = {"one_shot": 80, "five_shot": 341}
+FIG16_GAIN_OVER_ORACLE = {"one_shot": 1.67, "five_shot": 3.58}
+
+# Fig. 17 (OPT-13B, ShareGPT chatbot, history cut to 1024 tokens): 2x every Orca variant.
+FIG17_GAIN_OVER_ORCA = 2.0

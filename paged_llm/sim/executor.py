@@ -6,18 +6,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from paged_llm.core.request import Request
 from paged_llm.core.scheduler import SchedulerOutput
 from paged_llm.metrics.serving import IterationRecord, RequestRecord, RunTrace
-from paged_llm.sampling_params import SamplingParams
 from paged_llm.sim.calibration import calibrate
 from paged_llm.sim.cost_model import RooflineCostModel, StepShape
+from paged_llm.sim.groups import SequenceGroup, SharingStats, prompt_ids
 from paged_llm.sim.hardware import GPUSpec, get_hardware
 from paged_llm.sim.model_shapes import ModelShape, get_model_shape
 from paged_llm.sim.settings import ServingSettings, build_scheduler
@@ -142,35 +142,40 @@ class SimulatedExecutor:
             r.request_id: RequestRecord(r.request_id, r.input_len, r.output_len, r.arrival_time)
             for r in workload.requests
         }
-        live: dict[str, Request] = {}
+        kv = scheduler.kv
+        sharing = kv.supports_sharing
+        distinct = settings.enable_prefix_caching  # prompts whose shared prefix is the only match
+        shaped = any(r.n > 1 or r.beam_width > 1 or r.prefix_len for r in workload.requests)
+        stats = SharingStats() if sharing and (shaped or distinct) else None
+        rng = random.Random(workload.meta.get("seed", 0))  # beam parents
+        parents = workload.meta.get("beam_parents", "uniform")
+        groups: dict[str, SequenceGroup] = {}  # request id -> its unfinished sequence group
+        owner: dict[str, SequenceGroup] = {}  # sequence id -> its group
         pending = deque(sorted(workload.requests, key=lambda r: r.arrival_time))
         iterations: list[IterationRecord] = []
-        bar = _progress(
-            len(pending), progress, f"{scheduler.kv.name} @ {workload.request_rate:g} req/s"
-        )
+        bar = _progress(len(pending), progress, f"{kv.name} @ {workload.request_rate:g} req/s")
         step_time = cm.step_time
         bs = settings.block_size
-        kv = scheduler.kv
-        n_mem = 0
+        n_mem = n_arrived = 0
         clock = 0.0
         while pending or scheduler.has_unfinished():
             if stop_time is not None and clock >= stop_time:
                 break
             while pending and pending[0].arrival_time <= clock:
                 tr = pending.popleft()
-                req = Request(
-                    tr.request_id, [0] * tr.input_len,
-                    SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True),
-                    arrival_time=tr.arrival_time, max_model_len=settings.max_model_len,
-                )  # fmt: skip
-                scheduler.add_request(req)
-                live[tr.request_id] = req
+                prompt = prompt_ids(tr, n_arrived, distinct)
+                g = SequenceGroup(tr, prompt, settings.max_model_len, sharing, rng, parents)
+                g.start(scheduler)
+                groups[tr.request_id] = g
+                owner.update((r.request_id, g) for r in g.live + g.unforked)
+                n_arrived += 1
             if not scheduler.has_unfinished():
                 clock = pending[0].arrival_time  # idle: jump to the next arrival
                 continue
             out = scheduler.schedule(clock)
             memory = None
-            if memory_every and lo <= clock <= hi:
+            in_window = lo <= clock <= hi
+            if memory_every and in_window:
                 if n_mem % memory_every == 0:
                     memory = kv.memory_breakdown(scheduler.running)
                 n_mem += 1
@@ -178,13 +183,27 @@ class SimulatedExecutor:
                 if not pending:
                     raise RuntimeError(
                         f"the scheduler can run none of {len(scheduler.requests)} requests "
-                        f"with an empty batch ({scheduler.kv.name}, {num_blocks} blocks)"
+                        f"with an empty batch ({kv.name}, {num_blocks} blocks)"
                     )
                 clock = max(clock, pending[0].arrival_time)
                 continue
+            beam_groups = {}
+            for s in out.scheduled:
+                g = owner[s.request.request_id]
+                if g.unforked and s.samples and s.request is g.live[0]:
+                    owner.update((c.request_id, g) for c in g.fork_samples(scheduler))
+                if g.is_beam:
+                    beam_groups[id(g)] = g
             dt = step_time(step_shape(out, bs))
+            if stats is not None and in_window:
+                stats.add([kv.block_tables.get(r.request_id, []) for r in scheduler.running], dt)
             start, clock = clock, clock + dt
-            sampled = {s.request.request_id: [0] for s in out.scheduled if s.samples}
+            # beams take no sampled token: the beam-search step below picks their next tokens
+            sampled = {
+                s.request.request_id: [0]
+                for s in out.scheduled
+                if s.samples and not owner[s.request.request_id].is_beam
+            }
             finished = scheduler.update_from_output(out, sampled, clock)
             st = out.stats
             iterations.append(
@@ -200,25 +219,44 @@ class SimulatedExecutor:
                     memory,
                 )  # fmt: skip
             )
+            done = []
             for req in finished:
-                _finish_record(records[req.request_id], live.pop(req.request_id))
-            if bar is not None and finished:
-                bar.update(len(finished))
+                g = owner.pop(req.request_id)
+                g.on_finished(req, clock)
+                if g.finished:
+                    done.append(g)
+            for g in beam_groups.values():
+                if g.beams_ready():
+                    for b in g.live:
+                        owner.pop(b.request_id)
+                    owner.update((c.request_id, g) for c in g.advance_beams(scheduler, clock))
+                    if g.finished:
+                        done.append(g)
+            for g in done:
+                g.fill_record(records[g.tr.request_id])
+                del groups[g.tr.request_id]
+            if bar is not None and done:
+                bar.update(len(done))
         if bar is not None:
             bar.close()
-        for rid, req in live.items():  # stopped early: keep what the unfinished ones did
-            _finish_record(records[rid], req, finished=False)
+        for rid, g in groups.items():  # stopped early: keep what the unfinished ones did
+            g.fill_record(records[rid])
+        extra: dict[str, Any] = {"cost_model": cm.to_dict()}
+        if stats is not None:
+            extra["sharing"] = stats.to_dict()
+        if distinct and hasattr(kv, "prefix_cache_hit_rate"):
+            extra["prefix_cache_hit_rate"] = kv.prefix_cache_hit_rate()
         return RunTrace(
             requests=list(records.values()),
             iterations=iterations,
             end_time=clock,
             mode=self.mode,
             hardware=self.describe(),
-            policy=scheduler.kv.name,
+            policy=kv.name,
             num_kv_blocks=num_blocks,
             block_size=settings.block_size,
             wall_time_s=time.perf_counter() - wall0,
-            extra={"cost_model": cm.to_dict()},
+            extra=extra,
         )
 
 
@@ -233,14 +271,6 @@ def _quiet_preemption_warnings():
         yield
     finally:
         log.setLevel(old)
-
-
-def _finish_record(rec: RequestRecord, req: Request, finished: bool = True) -> None:
-    rec.first_scheduled_time = req.first_scheduled_time
-    rec.first_token_time = req.first_token_time
-    rec.finished_time = req.finished_time if finished else None
-    rec.token_times = req.token_times
-    rec.num_preemptions = req.num_preemptions
 
 
 def _progress(total: int, enabled: bool, desc: str) -> Any:

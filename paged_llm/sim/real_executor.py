@@ -54,6 +54,7 @@ class RealExecutor:
                 num_gpu_blocks_override=settings.num_gpu_blocks,
                 gpu_memory_utilization=settings.gpu_memory_utilization,
                 swap_space=settings.swap_space_gib,
+                enable_prefix_caching=settings.enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 policy=policy,
@@ -97,6 +98,11 @@ class RealExecutor:
     ) -> RunTrace:
         from paged_llm.sampling_params import SamplingParams
 
+        if any(r.n > 1 or r.beam_width > 1 or r.prefix_len for r in workload.requests):
+            raise NotImplementedError(
+                "parallel-sampling, beam-search and shared-prefix workloads run in the simulated "
+                "executor only (executor=paper_sim or executor=simulated)"
+            )
         engine = self.engine(policy, settings)
         vocab = engine.vocab_size
         self._warm_up(engine, workload, vocab)

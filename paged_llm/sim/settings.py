@@ -24,6 +24,7 @@ class ServingSettings:
     swap_space_gib: float = 20.0
     preemption_mode: str = "recompute"
     enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False  # sharing policies only (paged)
 
     def with_overrides(self, **kw: Any) -> ServingSettings:
         """A copy with some settings changed (e.g. a policy's own max_num_seqs)."""
@@ -52,8 +53,14 @@ def build_scheduler(
 ) -> Scheduler:
     """The real Scheduler over the policy's KV manager (a name from POLICIES, a dotted path or a
     ``{_target_: ...}`` mapping)."""
-    kv = build(
-        "policy", policy, POLICIES, num_blocks=num_blocks, block_size=settings.block_size,
-        max_model_len=settings.max_model_len, num_cpu_blocks=num_cpu_blocks,
-    )  # fmt: skip
+    extra = {"enable_prefix_caching": True} if settings.enable_prefix_caching else {}
+    try:
+        kv = build(
+            "policy", policy, POLICIES, num_blocks=num_blocks, block_size=settings.block_size,
+            max_model_len=settings.max_model_len, num_cpu_blocks=num_cpu_blocks, **extra,
+        )  # fmt: skip
+    except TypeError as err:
+        if not extra:
+            raise
+        raise ValueError(f"policy {policy!r} cannot cache prefixes: {err}") from err
     return Scheduler(kv, settings.limits(), track_memory=track_memory)

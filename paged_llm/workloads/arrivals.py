@@ -2,17 +2,20 @@
 both the real and the simulated executors replay (plain Python, no torch).
 
 Every request generates exactly its trace output length (``ignore_eos``), as in the paper's
-artifact; prompt token ids are arbitrary, only their number matters.
+artifact; prompt token ids are arbitrary, only their number matters. A request may ask for
+several sequences that share memory (parallel samples, beam search) or start with a prompt
+prefix common to the whole workload; the simulated executor runs those (paged_llm/sim/groups.py).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
+from paged_llm.workloads.conversations import conversation_pairs
 from paged_llm.workloads.lengths import LengthPair, sample_pairs
 from paged_llm.workloads.traces import LengthSource, length_source
 
@@ -25,6 +28,9 @@ class TimedRequest:
     input_len: int
     output_len: int
     arrival_time: float
+    n: int = 1  # parallel samples (SamplingParams.n)
+    beam_width: int = 1  # > 1: beam search of this width
+    prefix_len: int = 0  # the first prefix_len prompt tokens are the same in every request
 
 
 @dataclass
@@ -118,6 +124,12 @@ def prompt_token_ids(request: TimedRequest, vocab_size: int | None = None) -> li
     return [3 + (i * 7919) % span for i in range(request.input_len)]
 
 
+# How a simulated beam search picks the parent of each new beam: "uniform" (each at random
+# among the live beams: the neutral model), "best" (all from one beam: the most sharing),
+# "own" (beam i always extends beam i: beams share only the prompt, the least sharing).
+BEAM_PARENTS = ("uniform", "best", "own")
+
+
 # ---- a workload from a spec (the ``workload`` config group) ------------------------------------
 @dataclass(frozen=True)
 class WorkloadSpec:
@@ -136,6 +148,45 @@ class WorkloadSpec:
     min_input_len: int = 1
     min_output_len: int = 1
     length_scale: float = 1.0  # shrink lengths for small-model runs
+    # ---- memory sharing (Fig. 14-17) ----
+    n: int = 1  # parallel samples per request
+    beam_width: int = 1  # > 1: every request is a beam search of this width
+    # which live beam each new beam extends (simulation has no logits; paged_llm/sim/groups.py)
+    beam_parents: str = "uniform"
+    prefix_len: int = 0  # a prefix of this many tokens, the same for all, before every prompt
+    chat_turns: float = 0.0  # > 0: chatbot prompts with this mean number of earlier turns
+    max_prompt_len: int | None = None  # keep only the last tokens of longer prompts
+    max_output_len: int | None = None  # cap output lengths
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.beam_width < 1 or self.prefix_len < 0 or self.chat_turns < 0:
+            raise ValueError("need n >= 1, beam_width >= 1, prefix_len >= 0 and chat_turns >= 0")
+        if self.n > 1 and self.beam_width > 1:
+            raise ValueError("give either n (parallel sampling) or beam_width, not both")
+        if self.beam_parents not in BEAM_PARENTS:
+            raise ValueError(f"beam_parents must be one of {BEAM_PARENTS}, got {self.beam_parents}")
+
+    @property
+    def shapes_requests(self) -> bool:
+        """True when any sharing / chatbot / cut option changes the plain trace requests."""
+        return (self.n, self.beam_width, self.prefix_len, self.chat_turns) != (1, 1, 0, 0.0) or (
+            self.max_prompt_len is not None or self.max_output_len is not None
+        )
+
+
+def shape_requests(requests: list[TimedRequest], spec: WorkloadSpec) -> list[TimedRequest]:
+    """Cut prompts (to their last max_prompt_len tokens) and outputs, prepend the shared prefix,
+    and set the sequences each request asks for."""
+    out = []
+    for r in requests:
+        inp = r.input_len if spec.max_prompt_len is None else min(r.input_len, spec.max_prompt_len)
+        o = r.output_len if spec.max_output_len is None else min(r.output_len, spec.max_output_len)
+        shaped = replace(
+            r, input_len=spec.prefix_len + inp, output_len=o, n=spec.n,
+            beam_width=spec.beam_width, prefix_len=spec.prefix_len,
+        )  # fmt: skip
+        out.append(shaped)
+    return out
 
 
 @lru_cache(maxsize=8)
@@ -171,11 +222,24 @@ def build_workload(spec: WorkloadSpec | dict[str, Any]) -> Workload:
         times = arrivals_within(spec.duration_s, rate, spec.seed, spec.burstiness)
     else:
         raise ValueError("a workload needs duration_s or num_requests")
+    pairs = source.pairs
+    meta: dict[str, Any] = {
+        "burstiness": spec.burstiness, "seed": spec.seed, "duration_s": spec.duration_s
+    }  # fmt: skip
+    if spec.chat_turns > 0:
+        pairs = conversation_pairs(pairs, len(times), spec.seed + 2, spec.chat_turns)
+    requests = timed_requests(pairs, times, spec.seed + 1)
+    if spec.shapes_requests:
+        requests = shape_requests(requests, spec)
+        keys = ("n", "beam_width", "prefix_len", "chat_turns", "max_prompt_len", "max_output_len")
+        meta.update({k: getattr(spec, k) for k in keys})
+        if spec.beam_width > 1:
+            meta["beam_parents"] = spec.beam_parents
     return Workload(
-        requests=timed_requests(source.pairs, times, spec.seed + 1),
+        requests=requests,
         source=source.label,
         synthetic=source.synthetic,
         request_rate=rate,
         name=spec.name,
-        meta={"burstiness": spec.burstiness, "seed": spec.seed, "duration_s": spec.duration_s},
+        meta=meta,
     )
