@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,9 +70,14 @@ def _score(seq: BeamSearchSequence, num_prompt: int, length_penalty: float) -> f
 
 
 def beam_search(
-    engine: LLMEngine, prompts: list[Any], params: BeamSearchParams
+    engine: LLMEngine,
+    prompts: list[Any],
+    params: BeamSearchParams,
+    on_step: Callable[[LLMEngine], None] | None = None,
 ) -> list[BeamSearchOutput]:
-    """Run beam search for every prompt in one batch; return the beams of each, best first."""
+    """Run beam search for every prompt in one batch; return the beams of each, best first.
+
+    ``on_step(engine)`` runs after every engine step (e.g. to read the KV manager's sharing)."""
     sched = engine.scheduler
     if not sched.kv.supports_sharing:
         raise ValueError(f"beam search needs a block-sharing policy, not '{sched.kv.name}'")
@@ -94,6 +100,8 @@ def beam_search(
         out = sched.schedule(engine.clock())
         rows.update(engine.runner.execute_logprobs(out))
         sched.update_from_output(out, {}, engine.clock())
+        if on_step is not None:
+            on_step(engine)
         for p, beams in enumerate(live):
             if beams and all(_ready(b, rows) for b in beams):
                 live[p] = _advance(engine, beams, rows, done[p], params, width, ids, p)
