@@ -36,9 +36,13 @@ def running_tables(engine: Any) -> list[list[int]]:
     return [list(sched.kv.get_block_table(r)) for r in sched.running]
 
 
-def measure_beam(engine: Any, prompts: list[list[int]], width: int, new: list[int]) -> dict:
+def measure_beam(
+    engine: Any, prompts: list[list[int]], width: int, new: list[int], parents: list | None = None
+) -> dict:
     """Beam search of ``width`` over ``prompts`` (one call per output length, all together
-    in flight would need per-prompt lengths); the sharing along the way."""
+    in flight would need per-prompt lengths); the sharing along the way. ``parents``, a
+    [width][width] count table, collects which rank's beam each new beam of each rank
+    extended (steps after the first, when all ``width`` beams are live)."""
     from paged_llm.beam_search import BeamSearchParams, beam_search
 
     stats, last = SharingStats(), [time.perf_counter()]
@@ -48,12 +52,16 @@ def measure_beam(engine: Any, prompts: list[list[int]], width: int, new: list[in
         stats.add(running_tables(eng), now - last[0])
         last[0] = now
 
+    def on_fork(num_parents: int, child: int, parent: int) -> None:
+        if parents is not None and num_parents == width:
+            parents[child][parent] += 1
+
     by_len: dict[int, list[list[int]]] = {}
     for p, n in zip(prompts, new):
         by_len.setdefault(n, []).append(p)
     for n, group in sorted(by_len.items()):
         params = BeamSearchParams(beam_width=width, max_tokens=n, ignore_eos=True)
-        beam_search(engine, [{"prompt_token_ids": p} for p in group], params, on_step=on_step)
+        beam_search(engine, [{"prompt_token_ids": p} for p in group], params, on_step, on_fork)
         last[0] = time.perf_counter()
     return stats.to_dict()
 
@@ -97,14 +105,19 @@ def run(model: str, num_prompts: int, fixed: tuple[int, int] | None, out: Path) 
     prompts = [p[:i] for p, (i, _) in zip(pool, lengths)]
     new = [o for _, o in lengths]
     results: dict[str, Any] = {}
+    parent_ranks: dict[str, list[list[int]]] = {}
     for k in (2, 4, 6):
         results[f"parallel_{k}"] = measure_parallel(llm.llm_engine, prompts, k, new, seed=k)
-        results[f"beam_{k}"] = measure_beam(llm.llm_engine, prompts, k, new)
+        parent_ranks[str(k)] = [[0] * k for _ in range(k)]
+        results[f"beam_{k}"] = measure_beam(llm.llm_engine, prompts, k, new, parent_ranks[str(k)])
     for name, r in results.items():
         r["saving_percent"] = 100 * r["saving"] if r["saving"] is not None else None
         r["paper_alpaca_percent"] = PAPER_ALPACA[name]
     doc = {
         "settings": results,
+        # width -> [child rank][parent rank] counts: the beam-parent model the simulator can
+        # replay (paged_llm/sim/groups.py, beam_parents="measured")
+        "parent_ranks": parent_ranks,
         "model": model,
         "prompts": num_prompts,
         "lengths": "fixed" if fixed else "synthetic Alpaca (log-normal, means 19.31 / 58.45)",

@@ -74,10 +74,12 @@ def beam_search(
     prompts: list[Any],
     params: BeamSearchParams,
     on_step: Callable[[LLMEngine], None] | None = None,
+    on_fork: Callable[[int, int, int], None] | None = None,
 ) -> list[BeamSearchOutput]:
     """Run beam search for every prompt in one batch; return the beams of each, best first.
 
-    ``on_step(engine)`` runs after every engine step (e.g. to read the KV manager's sharing)."""
+    ``on_step(engine)`` runs after every engine step (e.g. to read the KV manager's sharing);
+    ``on_fork(num_parents, child_rank, parent_rank)`` for every new beam (ranks: 0 = best)."""
     sched = engine.scheduler
     if not sched.kv.supports_sharing:
         raise ValueError(f"beam search needs a block-sharing policy, not '{sched.kv.name}'")
@@ -104,7 +106,7 @@ def beam_search(
             on_step(engine)
         for p, beams in enumerate(live):
             if beams and all(_ready(b, rows) for b in beams):
-                live[p] = _advance(engine, beams, rows, done[p], params, width, ids, p)
+                live[p] = _advance(engine, beams, rows, done[p], params, width, ids, p, on_fork)
     results = []
     for p, seqs in enumerate(done):
         seqs.sort(key=lambda s: _score(s, num_prompt[p], params.length_penalty), reverse=True)
@@ -134,6 +136,7 @@ def _advance(
     width: int,
     ids: Any,
     p: int,
+    on_fork: Callable[[int, int, int], None] | None = None,
 ) -> list[_Beam]:
     """Keep the best ``width`` extensions of a prompt's beams; fork them, drop the parents."""
     sched = engine.scheduler
@@ -173,6 +176,8 @@ def _advance(
             group_id=parent.request.group_id,
         )
         sched.fork_request(parent.request, child)
+        if on_fork is not None:  # live beams are kept best first, so an index is a rank
+            on_fork(len(beams), len(new_beams), beams.index(parent))
         new_beams.append(_Beam(child, parent.logprobs + [lp], cum))
     for b in beams:
         sched.abort_request(b.request.request_id)

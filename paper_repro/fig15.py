@@ -134,11 +134,15 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
             if overrides is None:
                 continue
             spec = {**base, **overrides}
+            beam = int(overrides.get("beam_width", 1)) > 1
+            if beam:
+                spec["beam_parents"] = c.get("beam_parents", "uniform")
             r = measure(exp, spec, policy)
-            if c.get("beam_bounds") and int(overrides.get("beam_width", 1)) > 1:
+            if c.get("beam_bounds") and beam:
                 r["bounds"] = {
                     parents: measure(exp, {**spec, "beam_parents": parents}, policy)["saving"]
-                    for parents in ("own", "best")
+                    for parents in ("own", "uniform", "best")
+                    if parents != spec["beam_parents"]
                 }
             r["paper"] = paper_value(wname, name)
             result[wname][name] = r
@@ -147,6 +151,7 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     result["acceptance"] = acceptance(result)
     result["paper"] = {"alpaca": FIG15["alpaca"], "sharegpt_range": FIG15_SHAREGPT_RANGE}
     result["tolerance_pp"] = FIG15_TOLERANCE_PP
+    result["beam_parents"] = c.get("beam_parents", "uniform")
     result["run_info"] = exp.provenance(used)
     title = f"Fig. 15, {exp.label(used)}, policy {policy}"
     paths = write_results(exp, "fig15", result, rows, plot(result, workloads, title))

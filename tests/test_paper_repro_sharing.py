@@ -98,6 +98,22 @@ def test_beam_search_lifecycle_and_parent_models():
     assert savings["own"] == pytest.approx(parallel.extra["sharing"]["saving"], abs=0.02)
 
 
+def test_measured_beam_parents_replay_the_recorded_ranks():
+    """beam_parents='measured' draws parents from the ranks real beam search chose (the data
+    file experiments/beam_sharing.py records): a saving between the extremes, and a clear
+    error for a width that was not measured."""
+    from paged_llm.sim.groups import measured_parent_ranks
+
+    table = measured_parent_ranks(4)
+    assert len(table) == 4 and all(len(row) == 4 and sum(row) > 0 for row in table)
+    reqs = [TimedRequest(f"r{i}", 40, 60, 0.1 * i, beam_width=4) for i in range(6)]
+    saving = {p: run(workload(*reqs, beam_parents=p, seed=0)).extra["sharing"]["saving"]
+              for p in ("own", "measured", "best")}  # fmt: skip
+    assert saving["own"] < saving["measured"] <= saving["best"]
+    with pytest.raises(ValueError, match="no measured beam-parent ranks for width 3"):
+        measured_parent_ranks(3)
+
+
 def test_beam_groups_survive_preemption_by_swap_and_recompute():
     """A pool too small for all beam groups at once: groups are preempted (swapped or
     recomputed) and still finish with the right number of tokens."""

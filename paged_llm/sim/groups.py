@@ -13,7 +13,9 @@ forked the way the engine forks them, and the block sharing read off the real KV
   it. There are no logits here, so which parent each new beam extends is a modelling choice
   (``WorkloadSpec.beam_parents``): by default each is drawn uniformly at random among the live
   beams (seeded), a neutral model of how beams descend from one another; "best" (all from one
-  beam) and "own" (beam i extends beam i) bound the sharing from above and below. A
+  beam) and "own" (beam i extends beam i) bound the sharing from above and below; "measured"
+  replays how real beam search with a trained model picked parents (by rank, from
+  ``data/beam_parent_ranks.json``, recorded by experiments/beam_sharing.py). A
   reservation policy cannot share, so there the beams run as ``beam_width`` independent
   sequences that each reserve their own space (the copies a contiguous cache would need at each
   fork are not charged).
@@ -21,15 +23,37 @@ forked the way the engine forks them, and the block sharing read off the real KV
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from paged_llm.core.request import Request, RequestStatus
 from paged_llm.core.scheduler import Scheduler
 from paged_llm.metrics.serving import RequestRecord
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.workloads.arrivals import TimedRequest
+
+PARENT_RANKS_FILE = Path(__file__).parent / "data" / "beam_parent_ranks.json"
+
+
+@functools.cache
+def _parent_rank_tables() -> dict[str, list[list[int]]]:
+    return json.loads(PARENT_RANKS_FILE.read_text())["parent_ranks"]
+
+
+def measured_parent_ranks(width: int) -> list[list[int]]:
+    """[child rank][parent rank] counts of real beam search at ``width`` (see the data file's
+    provenance); a clear error for a width that was not measured."""
+    tables = _parent_rank_tables()
+    if str(width) not in tables:
+        raise ValueError(
+            f"no measured beam-parent ranks for width {width} (have {sorted(tables)}); "
+            "record them with python -m experiments.beam_sharing, or use beam_parents=uniform"
+        )
+    return tables[str(width)]
 
 
 def prompt_ids(tr: TimedRequest, index: int, distinct: bool) -> list[int]:
@@ -153,6 +177,9 @@ class SequenceGroup:
             return beams[0]
         if self.parents == "own":
             return beams[i]
+        if self.parents == "measured":  # live beams are kept best first: an index is a rank
+            weights = measured_parent_ranks(len(beams))[i]
+            return beams[self.rng.choices(range(len(beams)), weights=weights)[0]]
         return self.rng.choice(beams)
 
     def fill_record(self, rec: RequestRecord) -> None:

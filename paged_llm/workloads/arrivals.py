@@ -127,7 +127,10 @@ def prompt_token_ids(request: TimedRequest, vocab_size: int | None = None) -> li
 # How a simulated beam search picks the parent of each new beam: "uniform" (each at random
 # among the live beams: the neutral model), "best" (all from one beam: the most sharing),
 # "own" (beam i always extends beam i: beams share only the prompt, the least sharing).
-BEAM_PARENTS = ("uniform", "best", "own")
+# "measured": each new beam of rank i picks its parent's rank from the distribution that
+# experiments/beam_sharing.py recorded for real beam search with a trained model
+# (paged_llm/sim/data/beam_parent_ranks.json).
+BEAM_PARENTS = ("uniform", "best", "own", "measured")
 
 
 # ---- a workload from a spec (the ``workload`` config group) ------------------------------------
