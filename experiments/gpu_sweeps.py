@@ -22,12 +22,13 @@ import torch
 
 from experiments.gpu_check import Deadline, Plan, decode_setup, kv_bytes_read, time_op
 
-# (block_n, num_warps, num_stages) of the paged decode kernel
+DECODE_FIELDS = ("block_n", "num_warps", "num_stages")  # of the paged decode kernel
 DECODE_CONFIGS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 3)]
 DECODE_SHAPES = [(32, 2048), (128, 2048), (32, 8192), (128, 8192)]  # (batch, context)
-# (block_n, block_k, num_warps, num_stages, split_k; 0 = from the GPU size) of the quantized
-# matmuls. Runs 1-2 on an H200 timed eager launches, which Python's launch overhead dominated;
-# kernels are now timed inside CUDA graphs (time_op(graph=True)), as the engine runs them.
+# Of the quantized matmuls; split_k 0 = from the GPU size. Runs 1-2 on an H200 timed eager
+# launches, which Python's launch overhead dominated; kernels are now timed inside CUDA graphs
+# (time_op(graph=True)), as the engine runs them.
+MATMUL_FIELDS = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
 MATMUL_CONFIGS = [
     (64, 128, 4, 3, 0),
     (32, 128, 4, 3, 0),
@@ -86,7 +87,7 @@ def _sweep_decode(plan: Plan, device: torch.device, dtype, deadline: Deadline, c
         for config in DECODE_CONFIGS:
             if deadline.left() <= 0:
                 break
-            row: dict[str, Any] = dict(zip(("block_n", "num_warps", "num_stages"), config))
+            row: dict[str, Any] = dict(zip(DECODE_FIELDS, config))
             try:
                 t = _time_decode_config(inputs, context, config, plan, device)
                 row.update(seconds=t, achieved_GBps=nbytes / t / 1e9)
@@ -100,23 +101,27 @@ def _sweep_decode(plan: Plan, device: torch.device, dtype, deadline: Deadline, c
         inputs = None  # free this shape's caches before the next one's
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"shapes": results, "best_overall": _best_overall(results)}
+    return {"shapes": results, "best_overall": _best_overall(results, DECODE_FIELDS)}
 
 
-def _best_overall(shapes: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The config with the lowest geometric-mean time relative to each shape's best."""
+def _best_overall(shapes: list[dict[str, Any]], fields: tuple[str, ...]) -> dict[str, Any] | None:
+    """The config (its ``fields``) with the lowest geometric-mean time relative to each shape's
+    best."""
     ratios: dict[tuple, list[float]] = {}
     for shape in shapes:
         best = shape["best"]
         for row in shape["configs"]:
             if best and row.get("seconds"):
-                key = tuple(v for k, v in row.items() if k.startswith(("block", "num_")))
+                key = tuple(row[f] for f in fields)
                 ratios.setdefault(key, []).append(row["seconds"] / best["seconds"])
     full = {k: v for k, v in ratios.items() if len(v) == len(shapes)}
     if not full:
         return None
     key = min(full, key=lambda k: statistics.geometric_mean(full[k]))
-    return {"config": list(key), "geomean_vs_best": statistics.geometric_mean(full[key])}
+    return {
+        "config": dict(zip(fields, key)),
+        "geomean_vs_best": statistics.geometric_mean(full[key]),
+    }
 
 
 def _int4_weight(n: int, k: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -172,9 +177,7 @@ def _sweep_matmul(plan: Plan, device: torch.device, dtype, deadline: Deadline, c
                 for config in MATMUL_CONFIGS:
                     if deadline.left() <= 0:
                         break
-                    row: dict[str, Any] = dict(
-                        zip(("block_n", "block_k", "num_warps", "num_stages", "split_k"), config)
-                    )
+                    row: dict[str, Any] = dict(zip(MATMUL_FIELDS, config))
                     try:
                         t = _time_matmul_config(call, config, plan, device)
                         row.update(seconds=t, weight_GBps=weight_bytes / t / 1e9,
@@ -187,7 +190,8 @@ def _sweep_matmul(plan: Plan, device: torch.device, dtype, deadline: Deadline, c
                 entry[name] = {"configs": configs, "best": _best(configs, "seconds")}
             results.append(entry)
     per_kernel = {
-        name: _best_overall([r[name] for r in results if name in r]) for name in ("int8", "int4")
+        name: _best_overall([r[name] for r in results if name in r], MATMUL_FIELDS)
+        for name in ("int8", "int4")
     }
     return {"shapes": results, "best_overall": per_kernel}
 
@@ -224,9 +228,7 @@ def apply_best_configs(decode: dict, matmul: dict, device: torch.device) -> dict
     for kernel, found in best.items():
         if not found:
             continue
-        fields = ("block_n", "num_warps", "num_stages") if kernel == "paged_decode" else (
-            "block_n", "block_k", "num_warps", "num_stages", "split_k")  # fmt: skip
-        config = tuning.KernelConfig(**dict(zip(fields, found["config"])))
+        config = tuning.KernelConfig(**found["config"])
         tuning.TUNED[kernel][arch] = config
         applied[kernel] = {"arch": arch, **dataclasses.asdict(config)}
     return applied
