@@ -287,3 +287,27 @@ def test_sweep_decode_and_prefill(block_size, head_dim, hq, hkv):
     # CI runs slow tests too, so this covers the remaining block sizes in a few cases only.
     check_decode([2, 63, 129], block_size, hq, hkv, head_dim, torch.float32, num_splits=3)
     check_prefill([9, 64, 1], [40, 64, 130], block_size, hq, hkv, head_dim, torch.float32)
+
+
+def test_split_choices_follow_the_gpu_size(monkeypatch):
+    """The split-K heuristics of the decode attention and quantized matmul kernels, with a
+    stand-in 132-SM GPU (what they do on CUDA, checked without one)."""
+    from paged_llm.ops import tuning
+    from paged_llm.ops.paged_attention import triton_decode
+    from paged_llm.ops.quant_matmul import triton as quant_triton
+
+    monkeypatch.setattr(tuning, "_cuda_sms", lambda index: 132)
+    for module in (triton_decode, quant_triton):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    gpu = torch.device("cuda", 0)
+    assert tuning.num_sms(gpu) == 132
+    # enough (sequence, KV head) programs: no split; few: split by length, at most 2 x SMs
+    assert triton_decode.choose_num_splits(4096, 8192, gpu) == 1
+    assert triton_decode.choose_num_splits(32, 8192, gpu) == 9  # ceil(264 / 32)
+    assert triton_decode.choose_num_splits(32, 1024, gpu) == 2  # 1024 // 512
+    assert triton_decode.choose_num_splits(32, 8192, torch.device("cpu")) == 1
+    # quantized matmul: ~4 programs per SM
+    assert quant_triton.choose_split_k(1024, 32, gpu) == 1
+    assert quant_triton.choose_split_k(256, 64, gpu) == 3  # ceil(528 / 256)
+    assert quant_triton.choose_split_k(16, 64, gpu) == 16
+    assert quant_triton.choose_split_k(16, 4, gpu) == 4  # no more splits than K tiles

@@ -42,10 +42,12 @@ TUNED: dict[str, dict[str, KernelConfig]] = {
         # configs at batch 32/128 x context 2048/8192, 1.00-1.06x the copy bandwidth.
         "sm90": KernelConfig(block_n=64, num_warps=4, num_stages=3),
     },
-    # sm90 rows: H200 run 2 (paper_repro/gpu_results/2026-11-30-h200-run2.json): the sweep's
-    # best of 7 (timed eagerly, so partly launch overhead); in the engine (CUDA graphs) they
-    # gave batch-1 decode at 0.89x (int8) and 0.65x (int4) of bf16, up from 0.64x / 0.48x
-    # with the run-1 defaults (64, 64, no split-K). Still slower than bf16: docs/gpu.md.
+    # sm90 rows: H200 run 2 (paper_repro/gpu_results/2026-11-30-h200-run2.json). The sweep's
+    # best of 7 (timed eagerly, so partly launch overhead) was block_n 16, block_k 128, 4 warps,
+    # 3 stages with split_k 1; the run applied it with split_k 0 (the sweep then dropped split_k
+    # from its best config, since fixed), and that is what the engine measured: batch-1 decode
+    # at 0.89x (int8) and 0.65x (int4) of bf16, up from 0.64x / 0.48x with the run-1 defaults
+    # (64, 64, no split-K). Still slower than bf16: docs/gpu.md.
     "int8_matmul": {
         "default": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2),  # untuned
         "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # untuned
@@ -67,6 +69,16 @@ def arch_of(device: torch.device) -> str:
     if device.type != "cuda":
         return "default"
     return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (split-K choices are made from it)."""
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache  # asked on every decode step
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.cache  # asked on every kernel launch

@@ -13,7 +13,6 @@ with the prefill kernel.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -21,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_llm.ops.tuning import FP32_ATTENTION_BLOCK, kernel_config
+from paged_llm.ops.tuning import FP32_ATTENTION_BLOCK, kernel_config, num_sms
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the fast hardware instruction)
 
@@ -297,22 +296,16 @@ def check_tile(name: str, size: int) -> int:
     return size
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    """Streaming multiprocessors of one CUDA device (cached: queried on every decode step)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(num_programs: int, max_context: int, device: torch.device) -> int:
     """Split long contexts only when (sequences x KV heads) alone cannot fill the GPU."""
     if device.type != "cuda" or interpreting():
         return 1
-    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if num_programs >= num_sms:
+    sms = num_sms(device)
+    if num_programs >= sms:
         return 1
     # Partitions of at least 512 tokens keep the reduce overhead small relative to the work.
     by_length = max(1, max_context // 512)
-    return int(min(by_length, math.ceil(2 * num_sms / num_programs), 16))
+    return int(min(by_length, math.ceil(2 * sms / num_programs), 16))
 
 
 def paged_decode_attention_triton(

@@ -14,7 +14,6 @@ caller checks.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -23,9 +22,10 @@ import triton
 import triton.language as tl
 
 from paged_llm.ops.paged_attention.triton_decode import interpreting
-from paged_llm.ops.tuning import KernelConfig, kernel_config
+from paged_llm.ops.quant_matmul import DECODE_MAX_ROWS
+from paged_llm.ops.tuning import KernelConfig, kernel_config, num_sms
 
-MAX_ROWS = 256  # a decode batch; more rows (prefill) are cheaper as dequantize + one matmul
+MAX_ROWS = DECODE_MAX_ROWS  # more rows (prefill) are cheaper as dequantize + one matmul
 MAX_BLOCK_M = 64  # rows per program; larger batches take several row tiles
 
 
@@ -176,17 +176,12 @@ def _check_rows(x: torch.Tensor) -> None:
         )
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_split_k(programs: int, k_tiles: int, device: torch.device) -> int:
     """Split K when (row tiles x column tiles) alone cannot keep every SM reading weights:
     aim at ~4 programs per SM (the bytes in flight a GEMV needs), at most 16 splits."""
     if device.type != "cuda" or interpreting():
         return 1
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = num_sms(device)
     if programs >= 4 * sms:
         return 1
     return max(1, min(k_tiles, 16, math.ceil(4 * sms / programs)))
