@@ -54,14 +54,13 @@ def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):  # -> tokenizers.Toke
     return train_bpe([p.read_text(encoding="utf-8") for p in corpus_files()], vocab_size)
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
-    """Train the tokenizer and save it in HF format into ``out_dir``; return ``out_dir``."""
+def save_hf_tokenizer(tok, out_dir: str | Path) -> None:  # tok: tokenizers.Tokenizer
+    """Save a trained BPE in HF format (tokenizer.json and configs) with this project's special
+    tokens, so AutoTokenizer loads it."""
     from transformers import PreTrainedTokenizerFast
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(vocab_size),
+        tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
@@ -69,4 +68,11 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -
         clean_up_tokenization_spaces=False,
     )
     hf_tok.save_pretrained(str(out_dir))
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
+    """Train the tokenizer and save it in HF format into ``out_dir``; return ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_hf_tokenizer(train_tokenizer(vocab_size), out_dir)
     return out_dir

@@ -17,13 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paged_llm.models.tokenizer_builder import (
-    BOS,
-    EOS,
-    MODEL_MAX_LENGTH,
-    PAD,
-    train_bpe,
-)
+from paged_llm.models.tokenizer_builder import EOS, save_hf_tokenizer, train_bpe
 
 # Directories left out: tests (huge, repetitive), third-party code, generated tables and data.
 EXCLUDED_DIRS = frozenset(
@@ -101,20 +95,10 @@ def token_stream(tok, texts: list[str]) -> np.ndarray:
 
 def build_corpus(spec: CorpusSpec, out_dir: Path) -> None:
     """Write the tokenizer (HF format), ``train.npy``, ``heldout.npy`` and ``corpus.json``."""
-    from transformers import PreTrainedTokenizerFast
-
     train_files, heldout_files = split_files(spec)
     train_texts, heldout_texts = read_texts(train_files), read_texts(heldout_files)
     tok = train_bpe(train_texts, spec.vocab_size)
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        model_max_length=MODEL_MAX_LENGTH,
-        clean_up_tokenization_spaces=False,
-    )
-    hf_tok.save_pretrained(str(out_dir))
+    save_hf_tokenizer(tok, out_dir)
     train, heldout = token_stream(tok, train_texts), token_stream(tok, heldout_texts)
     np.save(out_dir / "train.npy", train)
     np.save(out_dir / "heldout.npy", heldout)
