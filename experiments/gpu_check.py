@@ -127,7 +127,7 @@ FULL = Plan(
         bandwidth=10,
         kernels=60,
         parity=40,
-        kernel_sweep=55,
+        kernel_sweep=75,
         decode_bandwidth=40,
         fig18a=20,
         end_to_end=220,
@@ -536,9 +536,14 @@ def check_copy_blocks(plan: Plan, device: torch.device, dtype: torch.dtype) -> l
 
 
 def check_quant_matmul(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """The int8 and int4 (GPTQ layout) decode matmul kernels against dequantize + matmul."""
+    """The int8, fp8 and int4 (GPTQ layout) decode matmul kernels against dequantize + matmul,
+    on both paths: GEMV (1 row) and tl.dot (5 / 7 rows)."""
     from paged_llm.ops.quant_matmul.reference import int4_matmul_reference, int8_matmul_reference
-    from paged_llm.ops.quant_matmul.triton import int4_matmul_triton, int8_matmul_triton
+    from paged_llm.ops.quant_matmul.triton import (
+        fp8_matmul_triton,
+        int4_matmul_triton,
+        int8_matmul_triton,
+    )
     from paged_llm.quant.packing import pack_int4
 
     # relative to the largest output, as tests/test_quant_layers.py does
@@ -546,22 +551,30 @@ def check_quant_matmul(plan: Plan, device: torch.device, dtype: torch.dtype) -> 
     gen = torch.Generator().manual_seed(1)
     w = torch.randint(-127, 128, (80, 72), generator=gen, dtype=torch.int8).to(device)
     scale = (torch.rand(80, generator=gen) / 100).to(device)
-    x = torch.randn(5, 72, generator=gen).to(device=device, dtype=dtype)
-    ref = int8_matmul_reference(x.float(), w, scale)
-    out = int8_matmul_triton(x, w, scale)
-    tol = rel * float(ref.abs().max())
-    results = [_compare("int8_matmul", out, ref, dtype, atol=tol, rtol=rel)]
+    w_fp8 = (torch.randn(80, 72, generator=gen) * 8).to(torch.float8_e4m3fn).to(device)
     k, n, group = 256, 48, 64
     q = torch.randint(0, 16, (k, n), generator=gen)
     zeros = torch.randint(0, 16, (k // group, n), generator=gen)
     scales = (torch.rand(k // group, n, generator=gen) / 50).to(device=device, dtype=torch.float16)
     qweight, qzeros = pack_int4(q, 0).to(device), pack_int4(zeros, 1).to(device)
     g_idx = (torch.arange(k) // group).to(device)
-    x = torch.randn(7, k, generator=gen).to(device=device, dtype=dtype)
-    ref = int4_matmul_reference(x.float(), qweight, qzeros, scales, g_idx, 1)
-    out = int4_matmul_triton(x, qweight, qzeros, scales, group, 1)
-    tol = rel * float(ref.abs().max())
-    results.append(_compare("int4_matmul", out, ref, dtype, atol=tol, rtol=rel))
+    fp8_ok = device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 9)
+    results = []
+    for rows in (1, 5):  # GEMV (rows <= gemv_rows = 4) and tl.dot
+        x = torch.randn(rows, 72, generator=gen).to(device=device, dtype=dtype)
+        x4 = torch.randn(rows, k, generator=gen).to(device=device, dtype=dtype)
+        pairs = [
+            ("int8_matmul", int8_matmul_triton(x, w, scale),
+             int8_matmul_reference(x.float(), w, scale)),
+            ("int4_matmul", int4_matmul_triton(x4, qweight, qzeros, scales, group, 1),
+             int4_matmul_reference(x4.float(), qweight, qzeros, scales, g_idx, 1)),
+        ]  # fmt: skip
+        if fp8_ok:
+            pairs.append(("fp8_matmul", fp8_matmul_triton(x, w_fp8, scale),
+                          int8_matmul_reference(x.float(), w_fp8.float(), scale)))  # fmt: skip
+        for name, out, ref in pairs:
+            tol = rel * float(ref.abs().max())
+            results.append(_compare(f"{name}_rows_{rows}", out, ref, dtype, atol=tol, rtol=rel))
     return results
 
 
@@ -591,9 +604,9 @@ def check_elementwise(plan: Plan, device: torch.device, dtype: torch.dtype) -> l
 
 
 def check_fp8_linear(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """Fp8Linear's scaled FP8 matmul (torch._scaled_mm where the GPU has FP8) against the
-    dequantized weight in fp32, at decode (1 row) and batch (32 rows) shapes. The activations
-    are rounded to e4m3 on the fast path, so the bound is on the relative error norm."""
+    """Fp8Linear against the dequantized weight in fp32 at decode (1 and 32 rows: the weight-only
+    Triton kernel) and prefill (300 rows: torch._scaled_mm where the GPU has FP8, which rounds the
+    activations to e4m3, hence a bound on the relative error norm)."""
     from paged_llm.quant.layers import Fp8Linear, fp8_matmul_supported
 
     if dtype == torch.float32:
@@ -603,7 +616,7 @@ def check_fp8_linear(plan: Plan, device: torch.device, dtype: torch.dtype) -> li
     linear.weight.data = torch.randn(384, 256, generator=gen) / 16
     layer = Fp8Linear.from_float(linear).to(device)
     results = []
-    for rows in (1, 32):
+    for rows in (1, 32, 300):
         x = torch.randn(rows, 256, generator=gen).to(device=device, dtype=dtype)
         ref = x.float() @ layer.dequantize().t()
         out = layer.matmul(x).float()

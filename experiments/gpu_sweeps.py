@@ -11,11 +11,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import os
 import random
 import statistics
 import time
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,19 +31,29 @@ DECODE_CONFIGS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (
 DECODE_SHAPES = [(32, 2048), (128, 2048), (32, 8192), (128, 8192)]  # (batch, context)
 # Of the quantized matmuls; split_k 0 = from the GPU size. Runs 1-2 on an H200 timed eager
 # launches, which Python's launch overhead dominated; kernels are now timed inside CUDA graphs
-# (time_op(graph=True)), as the engine runs them.
+# (time_op(graph=True)), as the engine runs them. Two paths: tl.dot (DOT_CONFIGS, every row
+# count) and multiply-and-sum (GEMV_CONFIGS, the few-row counts of GEMV_ROWS).
 MATMUL_FIELDS = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
-MATMUL_CONFIGS = [
-    (64, 128, 4, 3, 0),
-    (32, 128, 4, 3, 0),
+DOT_CONFIGS = [
+    (16, 128, 4, 3, 0),
+    (32, 128, 4, 4, 0),
     (64, 64, 4, 4, 0),
+    (64, 128, 4, 3, 0),
     (128, 128, 8, 3, 0),
+]
+GEMV_CONFIGS = [
+    (16, 256, 4, 3, 0),
+    (32, 128, 4, 3, 0),
+    (32, 256, 4, 3, 0),
+    (64, 128, 4, 3, 0),
+    (16, 512, 8, 3, 0),
+    (32, 256, 8, 4, 0),
     (64, 256, 8, 3, 0),
-    (32, 128, 4, 4, 1),
-    (16, 128, 4, 3, 1),
 ]
 MATMUL_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N, K) of LLaMA-7B's linears
-MATMUL_ROWS = [1, 32]
+MATMUL_ROWS = [1, 4, 32]
+GEMV_ROWS = (1, 4)  # the row counts the GEMV path is timed at (and may be switched on for)
+MATMUL_PATHS = {"dot": (DOT_CONFIGS, 0), "gemv": (GEMV_CONFIGS, max(GEMV_ROWS))}  # gemv_rows
 
 
 def _best(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
@@ -138,7 +152,8 @@ def _int4_weight(n: int, k: int, device: torch.device) -> dict[str, torch.Tensor
 
 
 def _matmul_calls(n: int, k: int, rows: int, dtype, device) -> dict[str, tuple]:
-    """name -> (weight bytes, call(config) or call() for the bf16 peer) on random weights."""
+    """name -> (weight bytes, call(config, gemv_rows) or call() for the bf16 peer) on random
+    weights."""
     import torch.nn.functional as F
 
     from paged_llm.ops.quant_matmul.triton import int4_matmul_triton, int8_matmul_triton
@@ -150,14 +165,30 @@ def _matmul_calls(n: int, k: int, rows: int, dtype, device) -> dict[str, tuple]:
     w4 = _int4_weight(n, k, device)
     return {
         "bf16_linear": (2 * n * k, lambda: F.linear(x, w16)),
-        "int8": (n * k, lambda cfg: int8_matmul_triton(x, w8, s8, *cfg)),
-        "int4": (n * k // 2, lambda cfg: int4_matmul_triton(
-            x, w4["qweight"], w4["qzeros"], w4["scales"], 128, 1, *cfg)),
+        "int8": (n * k, lambda cfg, gemv: int8_matmul_triton(x, w8, s8, *cfg, gemv_rows=gemv)),
+        "int4": (n * k // 2, lambda cfg, gemv: int4_matmul_triton(
+            x, w4["qweight"], w4["qzeros"], w4["scales"], 128, 1, *cfg, gemv_rows=gemv)),
     }  # fmt: skip
 
 
-def _time_matmul_config(call, config: tuple, plan: Plan, device) -> float:
-    return time_op(lambda: call(config), device, plan.timing_reps, graph=True)
+def _time_matmul_configs(call, path: str, weight_bytes: int, t16: float, plan: Plan, device,
+                         deadline: Deadline, copy_bw) -> dict[str, Any]:  # fmt: skip
+    """Every config of one path (``dot`` or ``gemv``) of one kernel on one shape."""
+    configs, gemv_rows = MATMUL_PATHS[path]
+    rows = []
+    for config in configs:
+        if deadline.left() <= 0:
+            break
+        row: dict[str, Any] = dict(zip(MATMUL_FIELDS, config))
+        try:
+            t = time_op(partial(call, config, gemv_rows), device, plan.timing_reps, graph=True)
+            row.update(seconds=t, weight_GBps=weight_bytes / t / 1e9, speedup_vs_bf16=t16 / t)
+            if copy_bw:
+                row["fraction_of_copy_bw"] = row["weight_GBps"] / copy_bw
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+    return {"configs": rows, "best": _best(rows, "seconds")}
 
 
 def _sweep_matmul(plan: Plan, device: torch.device, dtype, deadline: Deadline, copy_bw) -> dict:
@@ -172,28 +203,33 @@ def _sweep_matmul(plan: Plan, device: torch.device, dtype, deadline: Deadline, c
             t16 = time_op(peer, device, plan.timing_reps, graph=True)
             entry: dict[str, Any] = {"N": n, "K": k, "rows": rows_m}
             entry["bf16_linear"] = {"seconds": t16, "weight_GBps": peer_bytes / t16 / 1e9}
+            paths = ("dot", "gemv") if rows_m in GEMV_ROWS else ("dot",)
             for name, (weight_bytes, call) in calls.items():
-                configs = []
-                for config in MATMUL_CONFIGS:
-                    if deadline.left() <= 0:
-                        break
-                    row: dict[str, Any] = dict(zip(MATMUL_FIELDS, config))
-                    try:
-                        t = _time_matmul_config(call, config, plan, device)
-                        row.update(seconds=t, weight_GBps=weight_bytes / t / 1e9,
-                                   speedup_vs_bf16=t16 / t)  # fmt: skip
-                        if copy_bw:
-                            row["fraction_of_copy_bw"] = row["weight_GBps"] / copy_bw
-                    except Exception as err:
-                        row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-                    configs.append(row)
-                entry[name] = {"configs": configs, "best": _best(configs, "seconds")}
+                entry[name] = {path: _time_matmul_configs(call, path, weight_bytes, t16, plan,
+                                                          device, deadline, copy_bw)
+                               for path in paths}  # fmt: skip
             results.append(entry)
-    per_kernel = {
-        name: _best_overall([r[name] for r in results if name in r], MATMUL_FIELDS)
-        for name in ("int8", "int4")
-    }
-    return {"shapes": results, "best_overall": per_kernel}
+    best = {}
+    for name in ("int8", "int4"):
+        for path in MATMUL_PATHS:
+            timed = [r[name][path] for r in results if path in r.get(name, {})]
+            best[f"{name}_{path}"] = _best_overall(timed, MATMUL_FIELDS)
+        best[f"{name}_gemv_rows"] = _gemv_rows(results, name)
+    return {"shapes": results, "best_overall": best}
+
+
+def _gemv_rows(results: list[dict[str, Any]], name: str) -> int:
+    """The largest timed row count at which the GEMV path beat tl.dot on every shape (0: none)."""
+    for rows in sorted(GEMV_ROWS, reverse=True):
+        entries = [r[name] for r in results if r["rows"] == rows and name in r]
+        wins = [
+            e["gemv"]["best"] and e["dot"]["best"]
+            and e["gemv"]["best"]["seconds"] < e["dot"]["best"]["seconds"]
+            for e in entries
+        ]  # fmt: skip
+        if entries and all(wins):
+            return rows
+    return 0
 
 
 def section_kernel_sweep(
@@ -201,7 +237,7 @@ def section_kernel_sweep(
 ) -> dict[str, Any]:
     """Launch-config sweeps of the decode attention and quantized matmul kernels."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    share = Deadline.after(max(1.0, deadline.left() * 0.3))
+    share = Deadline.after(max(1.0, deadline.left() * 0.2))  # tuned in runs 1-2 already
     decode = _sweep_decode(plan, device, dtype, share, copy_bw)
     matmul = _sweep_matmul(plan, device, dtype, deadline, copy_bw)
     return {
@@ -222,13 +258,19 @@ def apply_best_configs(decode: dict, matmul: dict, device: torch.device) -> dict
     if device.type != "cuda":  # CPU timings say nothing about a GPU's configs
         return {}
     arch = tuning.arch_of(device)
+    found = matmul.get("best_overall", {})
     best = {"paged_decode": decode.get("best_overall")}
-    best.update({f"{k}_matmul": v for k, v in matmul.get("best_overall", {}).items()})
+    for name in ("int8", "int4"):
+        best[f"{name}_gemv"] = found.get(f"{name}_gemv")
+        dot = found.get(f"{name}_dot")
+        if dot:
+            gemv_rows = found.get(f"{name}_gemv_rows", 0)
+            best[f"{name}_matmul"] = {"config": {**dot["config"], "gemv_rows": gemv_rows}}
     applied = {}
-    for kernel, found in best.items():
-        if not found:
+    for kernel, row in best.items():
+        if not row:
             continue
-        config = tuning.KernelConfig(**found["config"])
+        config = tuning.KernelConfig(**row["config"])
         tuning.TUNED[kernel][arch] = config
         applied[kernel] = {"arch": arch, **dataclasses.asdict(config)}
     return applied
@@ -264,47 +306,79 @@ def _decode_rate(engine: Any, batch: int, prompt_len: int, new_tokens: int, voca
     }
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the block, then restore them."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _measure_method(model: str, method: str | None, plan: Plan, device: torch.device,
+                    share: Deadline, copy_bw: float | None, smoke: bool, prompt_len: int,
+                    new_tokens: int) -> dict[str, Any]:  # fmt: skip
+    """Build one engine (quantized by ``method``), time decode at batch 1 and 32, free it."""
+    from paged_llm import LLM
+
+    row: dict[str, Any] = {}
+    start = time.perf_counter()
+    llm = LLM(model, quantization=method, dtype=plan.dtype, max_num_seqs=32,
+              max_model_len=prompt_len + new_tokens + 16, max_num_batched_tokens=4096,
+              gpu_memory_utilization=0.6, device=str(device), seed=0,
+              **({"cpu_kv_cache_gib": 0.02} if smoke else {}))  # fmt: skip
+    engine = llm.llm_engine
+    model_module = engine.runner.model
+    row["engine_build_s"] = time.perf_counter() - start
+    row["weight_bytes"] = sum(
+        t.numel() * t.element_size() for t in [*model_module.parameters(), *model_module.buffers()]
+    )
+    row["cuda_graphs"] = engine.runner.cuda_graphs is not None
+    vocab = engine.vocab_size
+    _decode_rate(engine, 1, prompt_len, 4, vocab, share)  # warm-up: kernels compile
+    for batch in (1, 32):
+        row[f"batch_{batch}"] = _decode_rate(engine, batch, prompt_len, new_tokens, vocab, share)
+    if copy_bw:
+        # Reading every weight once per step (at copy speed) bounds batch-1 decode.
+        row["batch_1_weight_read_bound_tokens_per_s"] = copy_bw * 1e9 / row["weight_bytes"]
+    llm.shutdown()
+    return row
+
+
 def section_quant_decode(
     plan: Plan, device: torch.device, deadline: Deadline, copy_bw: float | None
 ) -> dict[str, Any]:
-    """Decode tokens/s at batch 1 and 32 in bf16, int8 and int4 on the plan's model shape."""
-    from paged_llm import LLM
-
+    """Decode tokens/s at batch 1 and 32 in bf16, int8, int4 and fp8 on the plan's model shape
+    (and bf16 without the fused elementwise kernels)."""
     smoke = device.type == "cpu"
     model = plan.model if not smoke else "tiny"
-    methods = [("none", None), ("int8", "int8"), ("int4_rtn", "int4_rtn"), ("fp8", "fp8")]
+    # label -> (quantization, environment); the unfused row is bf16 with the fused elementwise
+    # kernels off (ops/elementwise), the A/B of those kernels.
+    methods = {
+        "none": (None, {}),
+        "int8": ("int8", {}),
+        "int4_rtn": ("int4_rtn", {}),
+        "fp8": ("fp8", {}),
+        "none_unfused_elementwise": (None, {"PAGED_LLM_FUSED_ELEMENTWISE": "0"}),
+    }
     new_tokens, prompt_len = (64, 128) if not smoke else (4, 8)
     results: dict[str, Any] = {}
-    for label, method in methods:
+    for label, (method, env) in methods.items():
         share = Deadline.after(max(1.0, deadline.left() / (len(methods) - len(results))))
         if share.left() < 5 and not smoke:
             results[label] = {"skipped": f"{share.left():.0f} s left"}
             continue
-        row: dict[str, Any] = {}
+        row: dict[str, Any] = {"environment": env} if env else {}
         try:
-            start = time.perf_counter()
-            llm = LLM(model, quantization=method, dtype=plan.dtype, max_num_seqs=32,
-                      max_model_len=prompt_len + new_tokens + 16, max_num_batched_tokens=4096,
-                      gpu_memory_utilization=0.6, device=str(device), seed=0,
-                      **({"cpu_kv_cache_gib": 0.02} if smoke else {}))  # fmt: skip
-            engine = llm.llm_engine
-            model_module = engine.runner.model
-            row["engine_build_s"] = time.perf_counter() - start
-            row["weight_bytes"] = sum(
-                t.numel() * t.element_size()
-                for t in [*model_module.parameters(), *model_module.buffers()]
-            )
-            row["cuda_graphs"] = engine.runner.cuda_graphs is not None
-            vocab = engine.vocab_size
-            _decode_rate(engine, 1, prompt_len, 4, vocab, share)  # warm-up: kernels compile
-            for batch in (1, 32):
-                row[f"batch_{batch}"] = _decode_rate(engine, batch, prompt_len, new_tokens,
-                                                     vocab, share)  # fmt: skip
-            if copy_bw:
-                # Reading every weight once per step (at copy speed) bounds batch-1 decode.
-                row["batch_1_weight_read_bound_tokens_per_s"] = copy_bw * 1e9 / row["weight_bytes"]
-            llm.shutdown()
-            del llm, engine, model_module
+            with _environment(env):
+                row.update(_measure_method(model, method, plan, device, share, copy_bw, smoke,
+                                           prompt_len, new_tokens))  # fmt: skip
         except Exception as err:
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         gc.collect()

@@ -164,18 +164,19 @@ def _copy_blocks(dtype: torch.dtype) -> None:
     copy_blocks_triton(k, v, torch.tensor([0]), torch.tensor([1]))
 
 
-def _int8_matmul(rows: int, split_k: int | None = None):
+def _w8_matmul(rows: int, weight_dtype: torch.dtype = torch.int8, **overrides: int):
     def launch(dtype: torch.dtype) -> None:
-        from paged_llm.ops.quant_matmul.triton import int8_matmul_triton
+        from paged_llm.ops.quant_matmul.triton import fp8_matmul_triton, int8_matmul_triton
 
-        w = torch.empty(4096, 4096, dtype=torch.int8)
+        matmul = int8_matmul_triton if weight_dtype == torch.int8 else fp8_matmul_triton
+        w = torch.empty(4096, 4096, dtype=weight_dtype)
         x = torch.empty(rows, 4096, dtype=dtype)
-        int8_matmul_triton(x, w, torch.empty(4096), split_k=split_k)
+        matmul(x, w, torch.empty(4096), **overrides)
 
     return launch
 
 
-def _int4_matmul(rows: int, split_k: int | None = None):
+def _int4_matmul(rows: int, **overrides: int):
     def launch(dtype: torch.dtype) -> None:
         from paged_llm.ops.quant_matmul.triton import int4_matmul_triton
 
@@ -183,7 +184,7 @@ def _int4_matmul(rows: int, split_k: int | None = None):
         qzeros = torch.empty(32, 512, dtype=torch.int32)
         scales = torch.empty(32, 4096, dtype=torch.float16)
         x = torch.empty(rows, 4096, dtype=dtype)
-        int4_matmul_triton(x, qweight, qzeros, scales, 128, 1, split_k=split_k)
+        int4_matmul_triton(x, qweight, qzeros, scales, 128, 1, **overrides)
 
     return launch
 
@@ -209,15 +210,24 @@ CASES: dict[str, Callable[[torch.dtype], None]] = {
     "store_kv_int8": _store_kv("int8"),
     "store_kv_fp8": _store_kv("fp8_e4m3"),
     "copy_blocks": _copy_blocks,
-    "int8_matmul_m1": _int8_matmul(1),
-    "int8_matmul_m32": _int8_matmul(32),
+    "int8_matmul_m1": _w8_matmul(1),  # GEMV path (rows <= gemv_rows)
+    "int8_matmul_m4": _w8_matmul(4),
+    "int8_matmul_m8_gemv": _w8_matmul(8, gemv_rows=8),
+    "int8_matmul_m1_dot": _w8_matmul(1, gemv_rows=0),
+    "int8_matmul_m32": _w8_matmul(32),
+    "fp8_matmul_m1": _w8_matmul(1, torch.float8_e4m3fn),
+    "fp8_matmul_m32": _w8_matmul(32, torch.float8_e4m3fn),
     "int4_matmul_m1": _int4_matmul(1),
+    "int4_matmul_m4": _int4_matmul(4),
+    "int4_matmul_m8_gemv": _int4_matmul(8, gemv_rows=8),
+    "int4_matmul_m1_dot": _int4_matmul(1, gemv_rows=0),
     "int4_matmul_m32": _int4_matmul(32),
-    "int8_matmul_m1_split8": _int8_matmul(1, 8),
-    "int4_matmul_m1_split8": _int4_matmul(1, 8),
+    "int8_matmul_m1_split8": _w8_matmul(1, split_k=8),
+    "int4_matmul_m1_split8": _int4_matmul(1, split_k=8),
     "elementwise": _elementwise,
 }
-FP8_CASES = {"decode_fp8_cache", "store_kv_fp8"}  # need compute capability >= 8.9
+# need compute capability >= 8.9
+FP8_CASES = {"decode_fp8_cache", "store_kv_fp8", "fp8_matmul_m1", "fp8_matmul_m32"}
 
 
 def compile_case(name: str, capability: int, dtype: torch.dtype) -> list[dict[str, Any]]:

@@ -44,7 +44,8 @@ def test_smoke_run_writes_well_formed_json(tmp_path):
     assert kernels["status"] == "ok" and kernels["all_pass"], kernels["failed"]
     assert {c["check"] for c in kernels["checks"]} >= {
         "store_kv", "store_kv_int8", "paged_decode_splits_4", "paged_decode_int8_cache",
-        "paged_prefill", "copy_blocks", "int8_matmul", "int4_matmul",
+        "paged_prefill", "copy_blocks", "int8_matmul_rows_1", "int8_matmul_rows_5",
+        "int4_matmul_rows_1", "int4_matmul_rows_5", "fp8_matmul_rows_1",
     }  # fmt: skip
     bw = doc["sections"]["bandwidth"]
     assert bw["copy_bandwidth_GBps"] > 0 and bw["matmul_bf16_TFLOPs"] > 0
@@ -66,7 +67,13 @@ def test_smoke_run_writes_well_formed_json(tmp_path):
         assert sweep["decode"]["best_overall"]["config"]
         for shape in sweep["matmul"]["shapes"]:
             assert shape["bf16_linear"]["seconds"] > 0
-            assert all("error" not in c for n in ("int8", "int4") for c in shape[n]["configs"])
+            for name in ("int8", "int4"):
+                paths = shape[name]
+                assert set(paths) == ({"dot", "gemv"} if shape["rows"] <= 4 else {"dot"})
+                assert all("error" not in c for p in paths.values() for c in p["configs"])
+        best = sweep["matmul"]["best_overall"]
+        assert best["int8_dot"]["config"] and best["int4_gemv"]["config"]
+        assert best["int8_gemv_rows"] in (0, 1, 4)
     quant = doc["sections"]["quant_decode"]
     if quant["status"] == "ok":
         for method in ("none", "int8", "int4_rtn", "fp8"):

@@ -16,7 +16,11 @@ from paged_llm.ops.quant_matmul.reference import (  # noqa: E402
     int4_matmul_reference,
     int8_matmul_reference,
 )
-from paged_llm.ops.quant_matmul.triton import int4_matmul_triton, int8_matmul_triton  # noqa: E402
+from paged_llm.ops.quant_matmul.triton import (  # noqa: E402
+    fp8_matmul_triton,
+    int4_matmul_triton,
+    int8_matmul_triton,
+)
 from paged_llm.quant import build_method  # noqa: E402
 from paged_llm.quant.int4 import fake_quantize, rtn_quantize  # noqa: E402
 from paged_llm.quant.layers import Fp8Linear, Int4Linear, Int8Linear  # noqa: E402
@@ -158,6 +162,56 @@ def test_int4_kernel_matches_reference(group_size, dtype, rows):
         out = int4_matmul_triton(x, qweight, qzeros, scales, group_size, zero_offset)
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         assert torch.allclose(out.float(), ref, atol=tol * ref.abs().max(), rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_gemv_path_matches_dot_path_and_reference(rows):
+    """Few rows reduce by multiply-and-sum (gemv_rows >= rows) instead of tl.dot (gemv_rows 0):
+    both compute the reference's product, int8 and int4, with split-K too."""
+    gen = torch.Generator().manual_seed(100 + rows)
+    w = torch.randint(-127, 128, (80, 256), generator=gen, dtype=torch.int8)
+    scale = torch.rand(80, generator=gen) / 100
+    q = torch.randint(0, 16, (256, 80), generator=gen)
+    zeros = torch.randint(0, 16, (2, 80), generator=gen)
+    scales = (torch.rand(2, 80, generator=gen) / 50).half()
+    qweight, qzeros = pack_int4(q, 0), pack_int4(zeros, 1)
+    x = torch.randn(rows, 256, generator=gen)
+    ref8 = int8_matmul_reference(x, w, scale)
+    ref4 = int4_matmul_reference(x, qweight, qzeros, scales, torch.arange(256) // 128, 1)
+    for gemv_rows, split_k in ((0, 1), (8, 1), (8, 3)):
+        out8 = int8_matmul_triton(x, w, scale, gemv_rows=gemv_rows, split_k=split_k)
+        out4 = int4_matmul_triton(x, qweight, qzeros, scales, 128, 1, gemv_rows=gemv_rows,
+                                  split_k=split_k)  # fmt: skip
+        assert torch.allclose(out8, ref8, atol=1e-5 * ref8.abs().max(), rtol=1e-5)
+        assert torch.allclose(out4, ref4, atol=1e-5 * ref4.abs().max(), rtol=1e-5)
+
+
+def test_gemv_k_tile_shrinks_with_rows():
+    """The GEMV K tile keeps [rows, K tile, N tile] within the register budget."""
+    from paged_llm.ops.quant_matmul.triton import GEMV_ELEMENTS_PER_THREAD, _gemv_block_k
+
+    assert _gemv_block_k(128, 1, 16, 4) == 128
+    for block_m in (1, 2, 4, 8):
+        tile = _gemv_block_k(256, block_m, 64, 4)
+        assert tile & (tile - 1) == 0 and tile >= 16
+        assert block_m * tile * 64 <= GEMV_ELEMENTS_PER_THREAD * 128 or tile == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_fp8_weight_only_kernel_matches_reference(rows, dtype):
+    """The 8-bit kernel with e4m3 weights (Fp8Linear's decode path on FP8 GPUs)."""
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(80, 72, generator=gen) * 8).to(torch.float8_e4m3fn)
+    scale = torch.rand(80, generator=gen) / 100
+    x = torch.randn(rows, 72, generator=gen).to(dtype)
+    ref = int8_matmul_reference(x.float(), w.float(), scale)
+    out = fp8_matmul_triton(x, w, scale)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(out.float(), ref, atol=tol * ref.abs().max(), rtol=tol)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_matmul_triton(x, w.to(torch.int8), scale)
 
 
 def test_kernels_refuse_prefill_shapes():

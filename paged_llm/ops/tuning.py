@@ -27,6 +27,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_k: int = 0  # matmul: K partitions; 0 picks one from the GPU size
+    gemv_rows: int = 0  # matmul: up to this many rows, the *_gemv row's multiply-and-sum path
 
     def with_overrides(self, **overrides: int | None) -> KernelConfig:
         """This config with every non-None override applied."""
@@ -48,15 +49,29 @@ TUNED: dict[str, dict[str, KernelConfig]] = {
     # from its best config, since fixed), and that is what the engine measured: batch-1 decode
     # at 0.89x (int8) and 0.65x (int4) of bf16, up from 0.64x / 0.48x with the run-1 defaults
     # (64, 64, no split-K). Still slower than bf16: docs/gpu.md.
+    # gemv_rows 4 everywhere is a prior (GEMV kernels are the usual batch-1 choice), not yet
+    # measured; the CPU (default row) runs both paths in the interpreter tests. Up to gemv_rows
+    # rows the kernels launch with the *_gemv row below instead.
     "int8_matmul": {
-        "default": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2),  # untuned
-        "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # untuned
-        "sm90": KernelConfig(block_n=16, block_k=128, num_warps=4, num_stages=3, split_k=0),
+        "default": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2, gemv_rows=4),
+        "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3, gemv_rows=4),
+        "sm90": KernelConfig(block_n=16, block_k=128, num_warps=4, num_stages=3, gemv_rows=4),
     },
     "int4_matmul": {
-        "default": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2),  # untuned
-        "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # untuned
-        "sm90": KernelConfig(block_n=16, block_k=128, num_warps=4, num_stages=3, split_k=0),
+        "default": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2, gemv_rows=4),
+        "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3, gemv_rows=4),
+        "sm90": KernelConfig(block_n=16, block_k=128, num_warps=4, num_stages=3, gemv_rows=4),
+    },
+    # The multiply-and-sum (GEMV) path of the two kernels; untuned until an H200 sweep.
+    "int8_gemv": {
+        "default": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=2),
+        "sm80": KernelConfig(block_n=16, block_k=256, num_warps=4, num_stages=3),
+        "sm90": KernelConfig(block_n=16, block_k=256, num_warps=4, num_stages=3),
+    },
+    "int4_gemv": {
+        "default": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=2),
+        "sm80": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=3),
+        "sm90": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=3),
     },
 }
 

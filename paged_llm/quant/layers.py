@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paged_llm.ops.quant_matmul import int4_linear, int8_linear
+from paged_llm.ops.quant_matmul import fp8_decode_linear, int4_linear, int8_linear
 from paged_llm.ops.quant_matmul.reference import dequantize_int4, dequantize_int8
 from paged_llm.quant.packing import pack_int4
 
@@ -197,9 +197,11 @@ class Int4Linear(QuantLinear):
 class Fp8Linear(QuantLinear):
     """FP8 (e4m3) weight with one float32 scale per output channel: W = w_fp8 * scale[:, None].
 
-    On GPUs with FP8 tensor cores (compute capability >= 8.9) the activations are quantized
-    per row on the fly and multiplied with ``torch._scaled_mm``; elsewhere (the CPU) the weight
-    is dequantized and multiplied in the activation dtype: the documented emulated path.
+    On GPUs with FP8 tensor cores (compute capability >= 8.9), decode-sized inputs take a
+    weight-only Triton kernel (the activations stay in their dtype: quantizing them would cost
+    more launches than the matmul at a few rows), and larger ones are quantized per row on the
+    fly and multiplied with ``torch._scaled_mm``; elsewhere (the CPU) the weight is dequantized
+    and multiplied in the activation dtype: the documented emulated path.
     """
 
     def __init__(
@@ -217,9 +219,14 @@ class Fp8Linear(QuantLinear):
         return cls(w / scale[:, None], scale, linear.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """Scaled FP8 matmul on capable GPUs, dequantize + matmul otherwise."""
-        if x.is_cuda and fp8_matmul_supported(x.device) and self._scaled_mm_shapes_ok():
-            return self._scaled_mm(x)
+        """Weight-only kernel (decode) or scaled FP8 matmul on capable GPUs, dequantize + matmul
+        otherwise."""
+        if x.is_cuda and fp8_matmul_supported(x.device):
+            y = fp8_decode_linear(x, self.weight, self.weight_scale)
+            if y is not None:
+                return y
+            if self._scaled_mm_shapes_ok():
+                return self._scaled_mm(x)
         w = self.weight.to(x.dtype)
         return torch.nn.functional.linear(x, w) * self.weight_scale.to(x.dtype)
 

@@ -1,7 +1,8 @@
 """Quantized linear layers' matmuls: a torch reference and Triton kernels for decode shapes.
 
-:func:`int8_linear` and :func:`int4_linear` pick the path: the Triton kernel on CUDA when the
-input has few rows (decode), dequantize + matmul otherwise (prefill, and always on the CPU).
+:func:`int8_linear`, :func:`int4_linear` and :func:`fp8_decode_linear` pick the path: the Triton
+kernel on CUDA when the input has few rows (decode), dequantize + matmul otherwise (prefill, and
+always on the CPU).
 """
 
 from __future__ import annotations
@@ -33,6 +34,20 @@ def int8_linear(
     return int8_matmul_reference(x, weight, scale)
 
 
+def fp8_decode_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [N]
+) -> torch.Tensor | None:  # [M, N], or None where the caller's own path applies
+    """Weight-only ``x @ (weight * scale).T`` by the Triton kernel for decode rows on CUDA; None
+    otherwise (prefill takes the scaled FP8 GEMM, the CPU the dequantizing path)."""
+    if not _use_triton(x):
+        return None
+    from paged_llm.ops.quant_matmul.triton import fp8_matmul_triton
+
+    return fp8_matmul_triton(x, weight, scale)
+
+
 def int4_linear(
     x: torch.Tensor,  # [M, K]
     qweight: torch.Tensor,  # [K/8, N] int32
@@ -51,4 +66,4 @@ def int4_linear(
     return int4_matmul_reference(x, qweight, qzeros, scales, g_idx, zero_offset)
 
 
-__all__ = ["int8_linear", "int4_linear", "DECODE_MAX_ROWS"]
+__all__ = ["int8_linear", "int4_linear", "fp8_decode_linear", "DECODE_MAX_ROWS"]

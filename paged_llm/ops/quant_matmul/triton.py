@@ -7,6 +7,14 @@ the bytes. Each program owns ``BLOCK_N`` output columns of one tile of ``BLOCK_M
 the activation dtype in registers right before ``tl.dot``; the full-precision weight never
 exists in memory.
 
+``tl.dot`` needs at least 16 rows per tile, so a batch-1 decode would spend 15/16 of each tile's
+work on padding. Up to ``gemv_rows`` rows (a per-architecture setting in ``ops/tuning.py``) the
+kernels instead multiply and sum over K on the CUDA cores (a GEMV), with the row tile padded
+only to a power of two; a weight-bound matmul has the arithmetic to spare.
+
+The 8-bit kernel also takes FP8 (e4m3) weights: at decode shapes it is a weight-only FP8 path
+that skips quantizing the activations, which ``torch._scaled_mm`` needs.
+
 Same contract as ``reference.int8_matmul_reference`` / ``int4_matmul_reference``. The int4
 kernel assumes the plain group order ``g_idx[k] = k // group_size`` (no act-order), which the
 caller checks.
@@ -29,9 +37,29 @@ MAX_ROWS = DECODE_MAX_ROWS  # more rows (prefill) are cheaper as dequantize + on
 MAX_BLOCK_M = 64  # rows per program; larger batches take several row tiles
 
 
-def _block_m(rows: int) -> int:
-    """Row tile: rows padded to a power of two, >= 16 (tl.dot's minimum), <= MAX_BLOCK_M."""
-    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+def _block_m(rows: int, gemv: bool) -> int:
+    """Row tile: rows padded to a power of two, >= 16 for tl.dot (its minimum), <= MAX_BLOCK_M."""
+    return min(MAX_BLOCK_M, max(1 if gemv else 16, triton.next_power_of_2(rows)))
+
+
+# Per-thread product elements of one GEMV K tile ([BLOCK_M, BLOCK_K, BLOCK_N] over the program's
+# threads); more would spill registers, so the K tile shrinks as the row tile grows.
+GEMV_ELEMENTS_PER_THREAD = 64
+
+
+def _gemv_block_k(block_k: int, block_m: int, block_n: int, num_warps: int) -> int:
+    """The K tile of a GEMV launch: ``block_k`` capped by the register budget (a power of 2)."""
+    budget = GEMV_ELEMENTS_PER_THREAD * 32 * num_warps // (block_m * block_n)
+    return max(16, min(block_k, 1 << max(0, budget.bit_length() - 1)))
+
+
+@triton.jit
+def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """x[BLOCK_M, BLOCK_K] @ w[BLOCK_K, BLOCK_N] in fp32 (w exact in x's dtype): on tensor
+    cores, or (few rows) as a broadcast multiply summed over K on the CUDA cores."""
+    if USE_DOT:
+        return tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+    return tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -40,9 +68,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _int8_matmul_kernel(
+def _w8_matmul_kernel(
     x_ptr,  # [M, K]
-    w_ptr,  # [N, K] int8
+    w_ptr,  # [N, K] int8 or float8_e4m3fn
     scale_ptr,  # [N] per-output-channel scales
     out_ptr,  # [M, N]; with SPLIT_K > 1: [SPLIT_K, M, N] fp32 partial sums
     M,
@@ -60,6 +88,7 @@ def _int8_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """out[m-tile, n-tile] (+)= (x[m-tile, k-split] @ w[n-tile, k-split].T) * scale[n-tile]."""
@@ -82,9 +111,9 @@ def _int8_matmul_kernel(
         w = tl.load(
             w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
             mask=k_mask[:, None] & n_mask[None, :],
-            other=0,
-        )  # [BLOCK_K, BLOCK_N] int8; |w| <= 127 is exact in every float dtype
-        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]; int8 |w| <= 127 and e4m3 are exact in fp16/bf16/fp32
+        acc += _tile_product(x, w, USE_DOT, DOT_PRECISION)
     scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     _store_tile(acc * scale[None, :], out_ptr + pid_k * stride_os, offs_m, offs_n, m_mask, n_mask,
                 stride_om, stride_on)  # fmt: skip
@@ -128,6 +157,7 @@ def _int4_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides GROUP_SIZE, so one K tile lies in one group
     SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """out[m-tile, n-tile] (+)= x[m-tile, k-split] @ ((q - z) * s)[k-split, n-tile]."""
@@ -162,8 +192,8 @@ def _int4_matmul_kernel(
         # The tile lies in one group, so its scale factors out of the dot: multiply the small
         # [BLOCK_M, BLOCK_N] result instead of every weight. q - z in [-16, 15] is exact in
         # every float dtype.
-        w = (q - z[None, :]).to(x.dtype)  # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s.to(tl.float32)[None, :]
+        w = q - z[None, :]  # [BLOCK_K, BLOCK_N]
+        acc += _tile_product(x, w, USE_DOT, DOT_PRECISION) * s.to(tl.float32)[None, :]
     _store_tile(acc, out_ptr + pid_k * stride_os, offs_m, offs_n, m_mask, n_mask,
                 stride_om, stride_on)  # fmt: skip
 
@@ -189,19 +219,44 @@ def choose_split_k(programs: int, k_tiles: int, device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class _Launch:
-    """Grid, split and output buffer of one quantized matmul call."""
+    """Grid, tiles, split and output buffer of one quantized matmul call."""
 
     grid: tuple[int, int, int]
     block_m: int
+    block_k: int
+    use_dot: bool
     split_k: int
     k_per_split: int
     target: torch.Tensor  # out, or the [split_k, M, N] fp32 partial sums
     split_stride: int
 
+    def meta(self, cfg: KernelConfig, dtype: torch.dtype) -> dict:
+        """The launch's compile-time arguments and launch options."""
+        return dict(
+            BLOCK_M=self.block_m, BLOCK_N=cfg.block_n, BLOCK_K=self.block_k,
+            SPLIT_K=self.split_k, USE_DOT=self.use_dot, DOT_PRECISION=_dot_precision(dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+
+def launch_config(kernel: str, x: torch.Tensor, overrides: dict[str, int | None]) -> KernelConfig:
+    """The tuned row of ``kernel`` (``int8`` or ``int4``) for ``x``'s rows and device: its
+    ``_gemv`` row up to the ``_matmul`` row's ``gemv_rows``, the ``_matmul`` (tl.dot) row
+    beyond; ``overrides`` apply to whichever is chosen (gemv_rows first)."""
+    dot = kernel_config(f"{kernel}_matmul", x.device).with_overrides(**overrides)
+    if x.shape[0] > dot.gemv_rows:
+        return dot
+    return kernel_config(f"{kernel}_gemv", x.device).with_overrides(
+        **{**overrides, "gemv_rows": dot.gemv_rows}
+    )
+
 
 def _plan_launch(x: torch.Tensor, n: int, k: int, cfg: KernelConfig, k_tile: int) -> _Launch:
     rows = x.shape[0]
-    block_m = _block_m(rows)
+    gemv = rows <= cfg.gemv_rows
+    block_m = _block_m(rows, gemv)
+    if gemv:
+        k_tile = _gemv_block_k(k_tile, block_m, cfg.block_n, cfg.num_warps)
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(rows, block_m)
     k_tiles = triton.cdiv(k, k_tile)
     split_k = cfg.split_k or choose_split_k(tiles, k_tiles, x.device)
@@ -213,7 +268,8 @@ def _plan_launch(x: torch.Tensor, n: int, k: int, cfg: KernelConfig, k_tile: int
     else:
         target = torch.empty(split_k, rows, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(rows, block_m), split_k)
-    return _Launch(grid, block_m, split_k, k_per_split, target, target.stride(0))
+    return _Launch(grid, block_m, k_tile, not gemv, split_k, k_per_split, target,
+                   target.stride(0))  # fmt: skip
 
 
 def _finish(launch: _Launch, dtype: torch.dtype) -> torch.Tensor:
@@ -221,6 +277,28 @@ def _finish(launch: _Launch, dtype: torch.dtype) -> torch.Tensor:
     if launch.split_k == 1:
         return launch.target
     return launch.target.sum(0).to(dtype)
+
+
+def _w8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, kernel: str,
+               overrides: dict[str, int | None]) -> torch.Tensor:  # fmt: skip
+    """Launch the per-channel-scaled 8-bit weight kernel (int8 or e4m3 weights)."""
+    _check_rows(x)
+    n, k = weight.shape
+    if x.shape[1] != k or scale.shape != (n,):
+        raise ValueError(
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and scale {tuple(scale.shape)} "
+            "disagree"
+        )
+    if x.shape[0] == 0:
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
+    cfg = launch_config(kernel, x, overrides)
+    launch = _plan_launch(x, n, k, cfg, cfg.block_k)
+    _w8_matmul_kernel[launch.grid](
+        x, weight, scale, launch.target, x.shape[0], n, k, launch.k_per_split,
+        *x.stride(), *weight.stride(), launch.split_stride, *launch.target.stride()[-2:],
+        **launch.meta(cfg, x.dtype),
+    )  # fmt: skip
+    return _finish(launch, x.dtype)
 
 
 def int8_matmul_triton(
@@ -232,33 +310,31 @@ def int8_matmul_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     split_k: int | None = None,
+    gemv_rows: int | None = None,
 ) -> torch.Tensor:  # [M, N]
     """``x @ (weight * scale[:, None]).T`` without materialising the dequantized weight.
 
     Launch parameters default to the architecture's row of ``ops/tuning.py``; ``split_k`` 0 or
     None picks the K split from the GPU size."""
-    _check_rows(x)
-    n, k = weight.shape
-    if x.shape[1] != k or weight.dtype != torch.int8 or scale.shape != (n,):
-        raise ValueError(
-            f"x {tuple(x.shape)}, int8 weight {tuple(weight.shape)} {weight.dtype} and scale "
-            f"{tuple(scale.shape)} disagree"
-        )
-    if x.shape[0] == 0:
-        return torch.empty(0, n, dtype=x.dtype, device=x.device)
-    cfg = kernel_config("int8_matmul", x.device).with_overrides(
-        block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-        split_k=split_k,
-    )  # fmt: skip
-    launch = _plan_launch(x, n, k, cfg, cfg.block_k)
-    _int8_matmul_kernel[launch.grid](
-        x, weight, scale, launch.target, x.shape[0], n, k, launch.k_per_split,
-        *x.stride(), *weight.stride(), launch.split_stride, *launch.target.stride()[-2:],
-        BLOCK_M=launch.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=launch.split_k, DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return _finish(launch, x.dtype)
+    if weight.dtype != torch.int8:
+        raise ValueError(f"int8_matmul_triton needs an int8 weight, got {weight.dtype}")
+    overrides = dict(block_n=block_n, block_k=block_k, num_warps=num_warps,
+                     num_stages=num_stages, split_k=split_k, gemv_rows=gemv_rows)  # fmt: skip
+    return _w8_matmul(x, weight, scale, "int8", overrides)
+
+
+def fp8_matmul_triton(
+    x: torch.Tensor,  # [M <= MAX_ROWS, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [N]
+    **overrides: int | None,
+) -> torch.Tensor:  # [M, N]
+    """Weight-only FP8: ``x @ (weight * scale[:, None]).T`` with x kept in its own dtype.
+
+    Same kernel and tuned row as int8 (both read one byte per weight)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_matmul_triton needs a float8_e4m3fn weight, got {weight.dtype}")
+    return _w8_matmul(x, weight, scale, "int8", overrides)
 
 
 def int4_matmul_triton(
@@ -273,6 +349,7 @@ def int4_matmul_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     split_k: int | None = None,
+    gemv_rows: int | None = None,
 ) -> torch.Tensor:  # [M, N]
     """``x @ dequant(W).T`` for a GPTQ-layout int4 weight with ``g_idx[k] = k // group_size``.
 
@@ -285,10 +362,10 @@ def int4_matmul_triton(
             f"x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)} "
             f"and group_size {group_size} disagree"
         )
-    cfg = kernel_config("int4_matmul", x.device).with_overrides(
+    cfg = launch_config("int4", x, dict(
         block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-        split_k=split_k,
-    )  # fmt: skip
+        split_k=split_k, gemv_rows=gemv_rows,
+    ))  # fmt: skip
     tile_k = min(group_size, cfg.block_k)
     if group_size % tile_k or tile_k % 16:
         raise ValueError(
@@ -301,9 +378,7 @@ def int4_matmul_triton(
     _int4_matmul_kernel[launch.grid](
         x, qweight, qzeros, scales, launch.target, x.shape[0], n, k, launch.k_per_split,
         zero_offset, *x.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(),
-        launch.split_stride, *launch.target.stride()[-2:],
-        GROUP_SIZE=group_size, BLOCK_M=launch.block_m, BLOCK_N=cfg.block_n, BLOCK_K=tile_k,
-        SPLIT_K=launch.split_k, DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch.split_stride, *launch.target.stride()[-2:], GROUP_SIZE=group_size,
+        **launch.meta(cfg, x.dtype),
     )  # fmt: skip
     return _finish(launch, x.dtype)
