@@ -147,13 +147,6 @@ def test_prefix_caching_finds_exactly_the_shared_prefix():
         run(workload(*reqs), "orca_oracle", ServingSettings(enable_prefix_caching=True))
 
 
-def test_real_executor_refuses_sharing_workloads():
-    from paged_llm.sim.real_executor import RealExecutor
-
-    with pytest.raises(NotImplementedError, match="simulated executor only"):
-        RealExecutor().run(workload(TimedRequest("a", 8, 4, 0.0, n=2)), "paged", PAGED)
-
-
 # ---- the figure scripts -------------------------------------------------------------------------
 def load(out, name):
     d = json.loads((out / f"{name}.json").read_text())

@@ -3,11 +3,19 @@ CUDA when present) against wall-clock arrivals, recorded like a simulated run.""
 
 from __future__ import annotations
 
+import itertools
+import random
 import time
+import zlib
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
+from paged_llm.beam_search import BeamSearchParams, _advance, _Beam, _ready
 from paged_llm.metrics.serving import IterationRecord, RequestRecord, RunTrace
+from paged_llm.outputs import RequestMetrics
+from paged_llm.sampling_params import SamplingParams
+from paged_llm.sim.groups import SharingStats
 from paged_llm.sim.settings import ServingSettings
 from paged_llm.workloads.arrivals import TimedRequest, Workload, prompt_token_ids
 
@@ -96,91 +104,252 @@ class RealExecutor:
     def _run(
         self, workload: Workload, policy: Any, settings: ServingSettings, stop_time: float | None
     ) -> RunTrace:
-        from paged_llm.sampling_params import SamplingParams
-
-        if any(r.n > 1 or r.beam_width > 1 or r.prefix_len for r in workload.requests):
-            raise NotImplementedError(
-                "parallel-sampling, beam-search and shared-prefix workloads run in the simulated "
-                "executor only (executor=paper_sim or executor=simulated)"
-            )
         engine = self.engine(policy, settings)
         vocab = engine.vocab_size
-        self._warm_up(engine, workload, vocab)
+        kv = engine.scheduler.kv
+        # With a shared prefix or a prefix cache, prompts share exactly the prefix (as simulated)
+        distinct = settings.enable_prefix_caching or any(r.prefix_len for r in workload.requests)
+        driver = _driver(engine, workload.requests)  # before warm-up: refuse a workload early
+        self._warm_up(engine, workload, vocab, distinct)
+        shaped = any(r.n > 1 or r.beam_width > 1 or r.prefix_len for r in workload.requests)
+        stats = SharingStats() if kv.supports_sharing and (shaped or distinct) else None
+        prefix0 = _prefix_counts(kv)
         clock = time.monotonic
         records = {
             r.request_id: RequestRecord(r.request_id, r.input_len, r.output_len, r.arrival_time)
             for r in workload.requests
         }
+        lens: dict[str, list[int]] = {}  # output tokens of every sequence of finished requests
         pending = deque(sorted(workload.requests, key=lambda r: r.arrival_time))
         iterations: list[IterationRecord] = []
         wall0 = time.perf_counter()
         cpu0 = time.process_time()  # this process's CPU seconds: blind to other tenants' load
         t0 = clock()
         now = 0.0
-        while pending or engine.has_unfinished_requests():
+        while pending or driver.has_unfinished():
             now = clock() - t0
             if stop_time is not None and now >= stop_time:
                 break
             while pending and pending[0].arrival_time <= now:
                 tr = pending.popleft()
-                params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
-                engine.add_request(
-                    tr.request_id, {"prompt_token_ids": prompt_token_ids(tr, vocab)}, params,
-                    arrival_time=t0 + tr.arrival_time,
-                )  # fmt: skip
-            if not engine.has_unfinished_requests():
+                driver.add(tr, _prompt(tr, vocab, distinct), t0 + tr.arrival_time)
+            if not driver.has_unfinished():
                 time.sleep(max(0.0, pending[0].arrival_time - (clock() - t0)))
                 continue
             start = clock()
-            outputs = engine.step()
+            st, finished = driver.step()
             end = clock()
-            for o in outputs:
-                if o.finished:
-                    _record(records[o.request_id], o.metrics, t0)
-            st = engine.iteration_stats[-1]
-            iterations.append(
-                IterationRecord(
-                    start - t0,
-                    end - start,
-                    st.num_running,
-                    st.num_batched_tokens,
-                    st.num_waiting,
-                    st.num_swapped,
-                    st.kv_usage,
-                    st.num_preemptions,
-                    st.memory,
-                )  # fmt: skip
-            )
+            for rid, metrics, seq_lens in finished:
+                _record(records[rid], metrics, t0)
+                lens[rid] = seq_lens
+            if stats is not None:
+                stats.add(_block_tables(engine), end - start)
+            iterations.append(_iteration(st, start - t0, end - start))
+        extra: dict[str, Any] = {
+            "model": self.model,
+            "kv_cache_tokens": engine.kv_cache_tokens,
+            "cpu_time_s": time.process_time() - cpu0,
+            "output_tokens_per_sequence": lens,
+        }
+        if stats is not None:
+            extra["sharing"] = stats.to_dict()
+        if distinct and hasattr(kv, "prefix_cache_hit_rate"):
+            queries, hits = (a - b for a, b in zip(_prefix_counts(kv), prefix0))
+            extra["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
         return RunTrace(
             requests=list(records.values()),
             iterations=iterations,
             end_time=clock() - t0,
             mode=self.mode,
             hardware=self.describe(),
-            policy=engine.scheduler.kv.name,
+            policy=kv.name,
             num_kv_blocks=engine.num_kv_blocks,
             block_size=settings.block_size,
             wall_time_s=time.perf_counter() - wall0,
-            extra={
-                "model": self.model,
-                "kv_cache_tokens": engine.kv_cache_tokens,
-                "cpu_time_s": time.process_time() - cpu0,
-            },
+            extra=extra,
         )
 
-    def _warm_up(self, engine: Any, workload: Workload, vocab: int) -> None:
-        """Run a few short requests first, so one-time costs do not land on the first request."""
-        from paged_llm.sampling_params import SamplingParams
-
+    def _warm_up(self, engine: Any, workload: Workload, vocab: int, distinct: bool) -> None:
+        """Run a few short requests first, so one-time costs do not land on the first request.
+        Their prompts share no prefix with the workload's (the prefix cache starts cold)."""
         for i, tr in enumerate(workload.requests[: self.warmup_requests]):
             warm = TimedRequest(f"warmup-{i}", tr.input_len, min(4, tr.output_len), 0.0)
-            params = SamplingParams(temperature=0.0, max_tokens=warm.output_len, ignore_eos=True)
             engine.add_request(
-                warm.request_id, {"prompt_token_ids": prompt_token_ids(warm, vocab)}, params
-            )
+                warm.request_id, {"prompt_token_ids": _prompt(warm, vocab, distinct)},
+                _sampling_params(warm),
+            )  # fmt: skip
         while engine.has_unfinished_requests():
             engine.step()
         engine.iteration_stats.clear()
+
+
+# ---- how requests enter the engine and leave it ----------------------------------------------
+_FIRST_ID = 3  # prompt ids start here, as prompt_token_ids's pattern does (0-2 may be special)
+# A finished request: its id, its metrics (engine-clock times) and each sequence's output length.
+Finished = tuple[str, Any, list[int]]
+
+
+class _Sampled:
+    """Requests of one sequence or of n parallel samples, through ``LLMEngine.add_request`` and
+    ``step``: the engine forks the samples off the first one's prefill (sharing policies) or
+    queues them as independent sequences of one group (reservation policies), and reports a
+    request finished when its last sample is."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def add(self, tr: TimedRequest, prompt: list[int], arrival: float) -> None:
+        """Queue one request of the workload."""
+        self.engine.add_request(
+            tr.request_id, {"prompt_token_ids": prompt}, _sampling_params(tr), arrival_time=arrival
+        )
+
+    def has_unfinished(self) -> bool:
+        """True while any request is queued or running."""
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> tuple[Any, list[Finished]]:
+        """One engine step: its scheduler statistics and the requests it finished."""
+        done = [o for o in self.engine.step() if o.finished]
+        lens = [[len(c.token_ids) for c in o.outputs] for o in done]
+        return self.engine.iteration_stats[-1], [
+            (o.request_id, o.metrics, n) for o, n in zip(done, lens)
+        ]
+
+
+@dataclass
+class _BeamGroup:
+    """One beam-search request: its live beams and what the finished ones produced."""
+
+    params: BeamSearchParams
+    beams: list[_Beam]
+    num_prompt_tokens: int
+    arrival_time: float
+    done: list[Any] = field(default_factory=list)  # BeamSearchSequence, one per final beam
+    token_times: list[float] = field(default_factory=list)  # one per beam-search step
+    first_scheduled_time: float | None = None
+    preemptions: int = 0  # summed over beam generations (each preempted as a group)
+
+    def metrics(self, now: float) -> RequestMetrics:
+        """As a simulated beam group records it: a token per step, done at the last step."""
+        return RequestMetrics(
+            self.arrival_time, self.first_scheduled_time, self.token_times[0], now,
+            list(self.token_times), self.preemptions,
+        )  # fmt: skip
+
+
+class _BeamSearches:
+    """Beam-search requests arriving over time, each stepped as ``paged_llm.beam_search`` steps
+    a batch (its ``_ready`` / ``_advance``): once all of a request's live beams have their
+    next-token log-probabilities, the best ``beam_width`` extensions fork their parents' block
+    tables (copy-on-write) and the parents are aborted. The request finishes at its last step."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.groups: dict[str, _BeamGroup] = {}
+        self.rows: dict[str, Any] = {}  # sequence id -> its next-token log-probabilities
+        self.ids = itertools.count()
+
+    def add(self, tr: TimedRequest, prompt: list[int], arrival: float) -> None:
+        """Queue the request's first sequence (it prefills; the beams fork off it)."""
+        params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
+        group = self.engine.make_request(
+            tr.request_id, {"prompt_token_ids": prompt}, params, arrival
+        )
+        req = group.members[0].request
+        req.group_id = tr.request_id  # a request's beams are admitted and preempted together
+        self.engine.scheduler.add_request(req)
+        beam = BeamSearchParams(tr.beam_width, tr.output_len, ignore_eos=True)
+        self.groups[tr.request_id] = _BeamGroup(beam, [_Beam(req, [], 0.0)], len(prompt), arrival)
+
+    def has_unfinished(self) -> bool:
+        """True while any beam search is unfinished."""
+        return bool(self.groups)
+
+    def step(self) -> tuple[Any, list[Finished]]:
+        """One step of the model for every scheduled beam, then a beam-search step for every
+        request whose beams are all ready."""
+        sched = self.engine.scheduler
+        out = sched.schedule(self.engine.clock())
+        self.rows.update(self.engine.runner.execute_logprobs(out))
+        now = self.engine.clock()
+        sched.update_from_output(out, {}, now)
+        finished = [rid for rid, g in self.groups.items() if self._advance(rid, g, now)]
+        return out.stats, [self._finish(rid, now) for rid in finished]
+
+    def _advance(self, rid: str, g: _BeamGroup, now: float) -> bool:
+        """A beam-search step for one request if its beams are ready; True when it is done."""
+        if not all(_ready(b, self.rows) for b in g.beams):
+            return False
+        if g.first_scheduled_time is None:
+            g.first_scheduled_time = g.beams[0].request.first_scheduled_time
+        g.token_times.append(now)
+        g.preemptions += max(b.request.num_preemptions for b in g.beams)
+        width = g.params.beam_width
+        g.beams = _advance(self.engine, g.beams, self.rows, g.done, g.params, width, self.ids, rid)
+        return not g.beams
+
+    def _finish(self, rid: str, now: float) -> Finished:
+        g = self.groups.pop(rid)
+        return rid, g.metrics(now), [len(s.tokens) - g.num_prompt_tokens for s in g.done]
+
+
+def _driver(engine: Any, requests: list[TimedRequest]) -> _Sampled | _BeamSearches:
+    """Beam searches run as beam search with a sharing policy; every other request (and, as in
+    simulated runs, a beam search under a policy that cannot share: ``beam_width`` independent
+    sequences) runs through the engine's own request loop. One run holds one kind."""
+    sharing = engine.scheduler.kv.supports_sharing
+    beams = {r.beam_width > 1 and sharing for r in requests}
+    if len(beams) > 1:
+        raise NotImplementedError(
+            "the real executor runs beam-search requests and sampled requests in separate "
+            "runs, not mixed in one workload"
+        )
+    return _BeamSearches(engine) if True in beams else _Sampled(engine)
+
+
+def _sampling_params(tr: TimedRequest) -> SamplingParams:
+    """Greedy for one sequence; n > 1 (or a beam search that cannot share) samples at
+    temperature 1 with a seed fixed per request, so reruns draw the same tokens."""
+    width = max(tr.n, tr.beam_width)
+    if width == 1:
+        return SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
+    seed = zlib.crc32(tr.request_id.encode())
+    return SamplingParams(
+        n=width, temperature=1.0, seed=seed, max_tokens=tr.output_len, ignore_eos=True
+    )
+
+
+def _prompt(tr: TimedRequest, vocab: int, distinct: bool) -> list[int]:
+    """Prompt ids: the fixed pattern of ``prompt_token_ids`` (the same for every request), or,
+    when ``distinct``, that pattern for the shared prefix only and ids drawn per request (seeded
+    by its id) after it, so a prefix cache finds exactly the shared prefix, as in simulated
+    runs (``paged_llm.sim.groups.prompt_ids``)."""
+    ids = prompt_token_ids(tr, vocab)
+    if not distinct:
+        return ids
+    rng = random.Random(tr.request_id)
+    own = [rng.randrange(_FIRST_ID, vocab) for _ in range(tr.input_len - tr.prefix_len)]
+    return ids[: tr.prefix_len] + own
+
+
+def _block_tables(engine: Any) -> list[list[int]]:
+    """The running sequences' block tables (a shared block appears in each that holds it)."""
+    tables = engine.scheduler.kv.block_tables
+    return [tables.get(r.request_id, []) for r in engine.scheduler.running]
+
+
+def _prefix_counts(kv: Any) -> tuple[int, int]:
+    """Prefix-cache blocks looked up and found so far (0, 0 without a prefix cache)."""
+    return getattr(kv, "prefix_queries", 0), getattr(kv, "prefix_hits", 0)
+
+
+def _iteration(st: Any, start: float, duration: float) -> IterationRecord:
+    """An engine step's scheduler statistics as a trace record."""
+    return IterationRecord(
+        start, duration, st.num_running, st.num_batched_tokens, st.num_waiting, st.num_swapped,
+        st.kv_usage, st.num_preemptions, st.memory,
+    )  # fmt: skip
 
 
 def _record(rec: RequestRecord, m: Any, t0: float) -> None:
