@@ -1,6 +1,8 @@
 """Memory sharing in real runs (paged_llm/sim/real_executor.py): parallel sampling, beam search
 and shared prefixes through the real LLMEngine on the built-in tiny model (CPU), recorded like
-simulated runs."""
+simulated runs, and Fig. 14's real configuration at smoke size."""
+
+import json
 
 import pytest
 
@@ -9,6 +11,8 @@ from paged_llm.sim.executor import SimulatedExecutor
 from paged_llm.sim.real_executor import RealExecutor
 from paged_llm.sim.settings import ServingSettings
 from paged_llm.workloads.arrivals import TimedRequest, Workload
+from paper_repro import fig14
+from paper_repro.common import compose
 
 SETTINGS = ServingSettings(num_gpu_blocks=64, max_model_len=128, max_num_batched_tokens=256)
 
@@ -88,3 +92,20 @@ def test_mixed_beam_and_sampled_workload_is_refused():
     wl = workload(TimedRequest("a", 8, 4, 0.0, n=2), TimedRequest("b", 8, 4, 0.0, beam_width=2))
     with pytest.raises(NotImplementedError, match="separate runs"):
         run(wl)
+
+
+def test_fig14_real_smoke(tmp_path):
+    """fig14_real at smoke size: paged vs Orca (Oracle), n = 2 and width 2, 3 requests."""
+    drop = ["basic", "parallel_4", "parallel_6", "beam_4", "beam_6"]
+    over = [f"~settings.{s}" for s in drop] + ["~policies.orca_pow2", "~policies.orca_max"]
+    over += ["workload.num_requests=3", "workload.max_total_len=48"]
+    fig14.run(compose("fig14_real", over), tmp_path)
+    d = json.loads((tmp_path / "fig14.json").read_text())
+    assert {p.name for p in tmp_path.iterdir()} >= {"fig14.json", "fig14.csv", "fig14.png"}
+    assert d["run_info"]["mode"] == "real" and d["run_info"]["hardware"].startswith("real tiny")
+    assert d["sustained_rate_from"] == "capacity_cpu_time"
+    for s in ("parallel_2", "beam_2"):
+        paged, orca = d[s]["paged"]["points"][0], d[s]["orca_oracle"]["points"][0]
+        assert paged["completed"] == orca["completed"] == 3
+        assert paged["sharing_saving"] > 0 and orca["sharing_saving"] is None
+        assert d[s]["paged"]["max_sustained_rate"] > 0
