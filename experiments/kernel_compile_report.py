@@ -210,7 +210,7 @@ CASES: dict[str, Callable[[torch.dtype], None]] = {
     "store_kv_int8": _store_kv("int8"),
     "store_kv_fp8": _store_kv("fp8_e4m3"),
     "copy_blocks": _copy_blocks,
-    "int8_matmul_m1": _w8_matmul(1),  # GEMV path (rows <= gemv_rows)
+    "int8_matmul_m1": _w8_matmul(1),  # the tuned path at 1 row (GEMV where gemv_rows >= 1)
     "int8_matmul_m4": _w8_matmul(4),
     "int8_matmul_m8_gemv": _w8_matmul(8, gemv_rows=8),
     "int8_matmul_m1_dot": _w8_matmul(1, gemv_rows=0),

@@ -179,3 +179,17 @@ def test_failed_capture_leaves_the_engine_eager(tiny_llama, monkeypatch):
     assert runner.cuda_graphs is None and "not permitted" in runner.cuda_graph_error
     out = llm.generate({"prompt_token_ids": [5, 9, 17]}, SamplingParams(max_tokens=2))
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_static_generate_smoke_writes_json_and_profile(tmp_path):
+    """experiments/gpu_static_generate (whole static batches + a profile) on the CPU."""
+    from experiments import gpu_static_generate
+
+    doc = gpu_static_generate.main(["--smoke", "--out", str(tmp_path), "--seconds", "30"])
+    assert doc["measured"] is False and doc["device"]["type"] == "cpu"
+    run = doc["hf_generate"]
+    assert run["requests"] > 0 and run["output_tokens_per_s"] > 0
+    assert json.loads((tmp_path / "static_generate.json").read_text())["hf_generate"] == json.loads(
+        json.dumps(run, default=str)
+    )
+    assert "aten::" in (tmp_path / "generate_profile.txt").read_text()

@@ -43,35 +43,35 @@ TUNED: dict[str, dict[str, KernelConfig]] = {
         # configs at batch 32/128 x context 2048/8192, 1.00-1.06x the copy bandwidth.
         "sm90": KernelConfig(block_n=64, num_warps=4, num_stages=3),
     },
-    # sm90 rows: H200 run 2 (paper_repro/gpu_results/2026-11-30-h200-run2.json). The sweep's
-    # best of 7 (timed eagerly, so partly launch overhead) was block_n 16, block_k 128, 4 warps,
-    # 3 stages with split_k 1; the run applied it with split_k 0 (the sweep then dropped split_k
-    # from its best config, since fixed), and that is what the engine measured: batch-1 decode
-    # at 0.89x (int8) and 0.65x (int4) of bf16, up from 0.64x / 0.48x with the run-1 defaults
-    # (64, 64, no split-K). Still slower than bf16: docs/gpu.md.
-    # gemv_rows 4 everywhere is a prior (GEMV kernels are the usual batch-1 choice), not yet
-    # measured; the CPU (default row) runs both paths in the interpreter tests. Up to gemv_rows
-    # rows the kernels launch with the *_gemv row below instead.
+    # sm90 rows: H200 run 3 (paper_repro/gpu_results/2026-11-30-h200-run3.json, kernel_sweep,
+    # timed inside CUDA graphs): the best tl.dot config of 5 and GEMV config of 7 on LLaMA-7B's
+    # three linear shapes, and the GEMV switch point (gemv_rows: the largest of 1 / 4 rows at
+    # which GEMV won on every shape). int8: tl.dot won at 1 row too (9.4 vs 12.4 us at 4096^2);
+    # int4: GEMV won at 1 row (15.8 vs 20.1 us), lost at 4. With these rows batch-1 decode ran
+    # at 1.17x (int8), 0.72x (int4) and 1.01x (fp8) of bf16. Run 2 (eagerly timed, no GEMV)
+    # had block_n 16, split-K auto: 0.89x / 0.65x / 0.61x. sm80 rows copy sm90's switch points
+    # (no A100 run); the default row (other GPUs, the CPU interpreter) switches at 4 rows so
+    # the interpreter tests run both paths.
     "int8_matmul": {
         "default": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2, gemv_rows=4),
-        "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3, gemv_rows=4),
-        "sm90": KernelConfig(block_n=16, block_k=128, num_warps=4, num_stages=3, gemv_rows=4),
+        "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # untuned
+        "sm90": KernelConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
     },
     "int4_matmul": {
         "default": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2, gemv_rows=4),
-        "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3, gemv_rows=4),
-        "sm90": KernelConfig(block_n=16, block_k=128, num_warps=4, num_stages=3, gemv_rows=4),
+        "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3, gemv_rows=1),
+        "sm90": KernelConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, gemv_rows=1),
     },
-    # The multiply-and-sum (GEMV) path of the two kernels; untuned until an H200 sweep.
+    # The multiply-and-sum (GEMV) path of the two kernels; sm90 from the same sweep.
     "int8_gemv": {
         "default": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=2),
-        "sm80": KernelConfig(block_n=16, block_k=256, num_warps=4, num_stages=3),
+        "sm80": KernelConfig(block_n=16, block_k=256, num_warps=4, num_stages=3),  # untuned
         "sm90": KernelConfig(block_n=16, block_k=256, num_warps=4, num_stages=3),
     },
     "int4_gemv": {
         "default": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=2),
-        "sm80": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=3),
-        "sm90": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=3),
+        "sm80": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=3),  # untuned
+        "sm90": KernelConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
     },
 }
 
