@@ -121,7 +121,7 @@ FULL = Plan(
     mode="full",
     # Sections stop at their deadlines, but model builds and shutdowns can run ~1 min past
     # them; with ~20 s of imports this stays under 8 minutes. --extras adds the two sweep
-    # sections and their caps (about 2.5 minutes more).
+    # sections and their caps (about 3 minutes more).
     budget_s=400,
     section_s=dict(
         bandwidth=10,

@@ -58,7 +58,9 @@ class BeamSearchOutput:
 
 
 @dataclass
-class _Beam:
+class Beam:
+    """A live beam: its engine request (the KV it owns) and its tokens' logprobs so far."""
+
     request: Request
     logprobs: list[float]
     cum_logprob: float
@@ -86,7 +88,7 @@ def beam_search(
     width = params.beam_width
     ids = itertools.count()
     base = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True)
-    live: list[list[_Beam]] = []
+    live: list[list[Beam]] = []
     done: list[list[BeamSearchSequence]] = []
     num_prompt: list[int] = []
     for i, prompt in enumerate(prompts):
@@ -94,7 +96,7 @@ def beam_search(
         req = group.members[0].request
         req.group_id = f"beam-{i}"  # a prompt's beams are preempted together
         sched.add_request(req)
-        live.append([_Beam(req, [], 0.0)])
+        live.append([Beam(req, [], 0.0)])
         done.append([])
         num_prompt.append(req.num_prompt_tokens)
     rows: dict[str, Any] = {}
@@ -105,8 +107,10 @@ def beam_search(
         if on_step is not None:
             on_step(engine)
         for p, beams in enumerate(live):
-            if beams and all(_ready(b, rows) for b in beams):
-                live[p] = _advance(engine, beams, rows, done[p], params, width, ids, p, on_fork)
+            if beams and all(beam_ready(b, rows) for b in beams):
+                live[p] = advance_beams(
+                    engine, beams, rows, done[p], params, width, ids, p, on_fork
+                )
     results = []
     for p, seqs in enumerate(done):
         seqs.sort(key=lambda s: _score(s, num_prompt[p], params.length_penalty), reverse=True)
@@ -117,7 +121,7 @@ def beam_search(
     return results
 
 
-def _ready(beam: _Beam, rows: dict[str, Any]) -> bool:
+def beam_ready(beam: Beam, rows: dict[str, Any]) -> bool:
     """A beam can be extended once its next-token logprobs exist and its KV is all computed."""
     r = beam.request
     return (
@@ -127,9 +131,9 @@ def _ready(beam: _Beam, rows: dict[str, Any]) -> bool:
     )
 
 
-def _advance(
+def advance_beams(
     engine: LLMEngine,
-    beams: list[_Beam],
+    beams: list[Beam],
     rows: dict[str, Any],
     done: list[BeamSearchSequence],
     params: BeamSearchParams,
@@ -137,7 +141,7 @@ def _advance(
     ids: Any,
     p: int,
     on_fork: Callable[[int, int, int], None] | None = None,
-) -> list[_Beam]:
+) -> list[Beam]:
     """Keep the best ``width`` extensions of a prompt's beams; fork them, drop the parents."""
     sched = engine.scheduler
     eos = engine.eos_token_id
@@ -149,7 +153,7 @@ def _advance(
             candidates.append((b.cum_logprob + lp, lp, tok, b))
     best = heapq.nlargest(2 * width, candidates, key=lambda c: c[0])
     final = len(beams[0].logprobs) + 1 >= params.max_tokens  # all of a prompt's beams align
-    new_beams: list[_Beam] = []
+    new_beams: list[Beam] = []
     kept = 0
     for rank, (cum, lp, tok, parent) in enumerate(best):
         if kept == width:
@@ -178,7 +182,7 @@ def _advance(
         sched.fork_request(parent.request, child)
         if on_fork is not None:  # live beams are kept best first, so an index is a rank
             on_fork(len(beams), len(new_beams), beams.index(parent))
-        new_beams.append(_Beam(child, parent.logprobs + [lp], cum))
+        new_beams.append(Beam(child, parent.logprobs + [lp], cum))
     for b in beams:
         sched.abort_request(b.request.request_id)
     return new_beams

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_llm.beam_search import BeamSearchParams, _advance, _Beam, _ready
+from paged_llm.beam_search import Beam, BeamSearchParams, advance_beams, beam_ready
 from paged_llm.metrics.serving import IterationRecord, RequestRecord, RunTrace
 from paged_llm.outputs import RequestMetrics
 from paged_llm.sampling_params import SamplingParams
@@ -222,7 +222,7 @@ class _BeamGroup:
     """One beam-search request: its live beams and what the finished ones produced."""
 
     params: BeamSearchParams
-    beams: list[_Beam]
+    beams: list[Beam]
     num_prompt_tokens: int
     arrival_time: float
     done: list[Any] = field(default_factory=list)  # BeamSearchSequence, one per final beam
@@ -240,7 +240,7 @@ class _BeamGroup:
 
 class _BeamSearches:
     """Beam-search requests arriving over time, each stepped as ``paged_llm.beam_search`` steps
-    a batch (its ``_ready`` / ``_advance``): once all of a request's live beams have their
+    a batch (its ``beam_ready`` / ``advance_beams``): once all of a request's live beams have their
     next-token log-probabilities, the best ``beam_width`` extensions fork their parents' block
     tables (copy-on-write) and the parents are aborted. The request finishes at its last step."""
 
@@ -260,7 +260,7 @@ class _BeamSearches:
         req.group_id = tr.request_id  # a request's beams are admitted and preempted together
         self.engine.scheduler.add_request(req)
         beam = BeamSearchParams(tr.beam_width, tr.output_len, ignore_eos=True)
-        self.groups[tr.request_id] = _BeamGroup(beam, [_Beam(req, [], 0.0)], len(prompt), arrival)
+        self.groups[tr.request_id] = _BeamGroup(beam, [Beam(req, [], 0.0)], len(prompt), arrival)
 
     def has_unfinished(self) -> bool:
         """True while any beam search is unfinished."""
@@ -274,19 +274,21 @@ class _BeamSearches:
         self.rows.update(self.engine.runner.execute_logprobs(out))
         now = self.engine.clock()
         sched.update_from_output(out, {}, now)
-        finished = [rid for rid, g in self.groups.items() if self._advance(rid, g, now)]
+        finished = [rid for rid, g in self.groups.items() if self._step_group(rid, g, now)]
         return out.stats, [self._finish(rid, now) for rid in finished]
 
-    def _advance(self, rid: str, g: _BeamGroup, now: float) -> bool:
+    def _step_group(self, rid: str, g: _BeamGroup, now: float) -> bool:
         """A beam-search step for one request if its beams are ready; True when it is done."""
-        if not all(_ready(b, self.rows) for b in g.beams):
+        if not all(beam_ready(b, self.rows) for b in g.beams):
             return False
         if g.first_scheduled_time is None:
             g.first_scheduled_time = g.beams[0].request.first_scheduled_time
         g.token_times.append(now)
         g.preemptions += max(b.request.num_preemptions for b in g.beams)
         width = g.params.beam_width
-        g.beams = _advance(self.engine, g.beams, self.rows, g.done, g.params, width, self.ids, rid)
+        g.beams = advance_beams(
+            self.engine, g.beams, self.rows, g.done, g.params, width, self.ids, rid
+        )
         return not g.beams
 
     def _finish(self, rid: str, now: float) -> Finished:
