@@ -4,7 +4,8 @@ both the real and the simulated executors replay (plain Python, no torch).
 Every request generates exactly its trace output length (``ignore_eos``), as in the paper's
 artifact; prompt token ids are arbitrary, only their number matters. A request may ask for
 several sequences that share memory (parallel samples, beam search) or start with a prompt
-prefix common to the whole workload; the simulated executor runs those (paged_llm/sim/groups.py).
+prefix common to the whole workload; both executors run those (the simulated one through
+paged_llm/sim/groups.py, the real one on the engine's own forks and prefix cache).
 """
 
 from __future__ import annotations
