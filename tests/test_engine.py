@@ -269,3 +269,16 @@ def test_torch_backend_equals_reference(gqa):
     out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.25)
     ref = paged_attention_reference(q, k_cache, v_cache, meta.block_tables, q_lens, s_lens, 0.25)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_iteration_stats_stay_bounded(tiny_llama, monkeypatch):
+    """A long-lived engine keeps at most MAX_ITERATION_STATS steps' statistics (newest kept)."""
+    from paged_llm.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "MAX_ITERATION_STATS", 8)
+    llm = LLM(str(tiny_llama[0]), seed=0, cpu_kv_cache_gib=0.01)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    stats = llm.llm_engine.iteration_stats
+    assert 0 < len(stats) <= 8
+    assert stats[-1].num_running == 1  # the last step's statistics are the newest kept

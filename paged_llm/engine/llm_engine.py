@@ -33,6 +33,7 @@ from paged_llm.spec.registry import build_drafter
 from paged_llm.utils.registry import build
 
 logger = logging.getLogger(__name__)
+MAX_ITERATION_STATS = 100_000  # ~a few hours of steps; experiments read far fewer
 
 
 @dataclass
@@ -156,7 +157,9 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}  # user request id -> its samples
         self._seqs: dict[str, tuple[_Group, _Tracked]] = {}  # sequence id -> (group, state)
         self._counter = itertools.count()
-        self.iteration_stats: list[Any] = []  # one IterationStats per step, for experiments
+        # One IterationStats per step, for experiments; the oldest half is dropped past
+        # MAX_ITERATION_STATS so a long-lived engine does not grow without bound.
+        self.iteration_stats: list[Any] = []
         self._last_log = float("-inf")
         if self.parallel is not None:
             self.parallel.finish_startup(self.runner)  # ranks > 0 serve rank 0's steps here
@@ -311,6 +314,8 @@ class LLMEngine:
             self.spec_stats.record(r.num_drafts, r.num_accepted)
         self.scheduler.update_from_output(out, sampled, now)
         if out.stats is not None:
+            if len(self.iteration_stats) >= MAX_ITERATION_STATS:
+                del self.iteration_stats[: MAX_ITERATION_STATS // 2]
             self.iteration_stats.append(out.stats)
             self._maybe_log_stats(out.stats, now)
         touched: dict[str, _Group] = {}
