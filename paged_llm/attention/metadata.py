@@ -26,10 +26,9 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have query length 1
     query_lens_cpu: list[int]  # [B] host copies, so reference paths avoid device syncs
     seq_lens_cpu: list[int]  # [B]
-    # Every sequence's context blocks, concatenated: [sum_b ceil(seq_lens[b] / block_size)]
-    # int64, and where each sequence's run starts ([B + 1], host), so a backend gathers a
-    # step's whole context with one index_select per layer. None where the builder had no
-    # host block tables (CUDA-graph buffers): see ``context_blocks``.
+    # Filled on first use by ``context_blocks`` (backends that gather per sequence) and then
+    # shared by every layer of the step: each sequence's context blocks, concatenated
+    # ([sum_b ceil(seq_lens[b] / block_size)] int64), and where its run starts ([B + 1]).
     context_block_ids: torch.Tensor | None = field(default=None, repr=False)
     context_block_starts: list[int] | None = field(default=None, repr=False)
 
@@ -72,11 +71,6 @@ def build_attention_metadata(
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
-    context_ids: list[int] = []
-    context_starts = [0]
-    for s_len, table in zip(seq_lens, block_tables):
-        context_ids.extend(table[: -(-s_len // block_size)])
-        context_starts.append(len(context_ids))
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -89,19 +83,20 @@ def build_attention_metadata(
         num_decodes=num_decodes,
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),
-        context_block_ids=torch.tensor(context_ids, dtype=torch.int64, device=device),
-        context_block_starts=context_starts,
     )
 
 
 def context_blocks(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, list[int]]:
-    """(concatenated context block ids [N] int64, per-sequence starts [B + 1]) of a step: the
-    builder's, or computed from the block tables (one device-to-host copy)."""
-    if meta.context_block_ids is not None and meta.context_block_starts is not None:
-        return meta.context_block_ids, meta.context_block_starts
-    tables = meta.block_tables.tolist()
-    ids, starts = [], [0]
-    for s_len, table in zip(meta.seq_lens_cpu, tables):
-        ids.extend(table[: -(-s_len // block_size)])
-        starts.append(len(ids))
-    return torch.tensor(ids, dtype=torch.int64, device=meta.block_tables.device), starts
+    """(concatenated context block ids [N] int64, per-sequence starts [B + 1]) of a step,
+    computed from the block tables on the first call (a device-to-host copy on GPUs) and kept
+    on ``meta`` for the step's other layers."""
+    if meta.context_block_ids is None or meta.context_block_starts is None:
+        ids, starts = [], [0]
+        for s_len, table in zip(meta.seq_lens_cpu, meta.block_tables.tolist()):
+            ids.extend(table[: -(-s_len // block_size)])
+            starts.append(len(ids))
+        meta.context_block_ids = torch.tensor(
+            ids, dtype=torch.int64, device=meta.block_tables.device
+        )
+        meta.context_block_starts = starts
+    return meta.context_block_ids, meta.context_block_starts

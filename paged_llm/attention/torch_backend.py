@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata, context_blocks
 from paged_llm.ops.kv_store.reference import store_kv_reference
-from paged_llm.quant.kv_cache import KVCacheSpec
+from paged_llm.ops.paged_attention.reference import gather_blocks
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -32,35 +32,22 @@ class TorchAttentionBackend(AttentionBackend):
         """Store K/V, then per sequence: gather its blocks, one fused SDPA call."""
         scales = (k_scale, v_scale)  # both None unless the cache is quantized
         store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping, *scales)
-        # The step's block ids come precomputed (one int64 tensor for all sequences), so each
-        # sequence's gather is one index_select on a slice of it. Gathering all sequences at
-        # once was measured slower on a CPU: the gathered context falls out of cache before
-        # SDPA reads it (docs/benchmarks.md).
+        # The step's block ids are built once (one int64 tensor for all sequences, shared by
+        # every layer), so each sequence's gather is one index_select on a slice of it.
+        # Gathering all sequences at once was measured slower on a CPU: the gathered context
+        # falls out of cache before SDPA reads it (docs/benchmarks.md).
         ids, block_starts = context_blocks(meta, k_cache.shape[1])
         out = torch.empty_like(query)
         start = 0
         for b, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             seq_ids = ids[block_starts[b] : block_starts[b + 1]]
-            k = _gather_blocks(k_cache, seq_ids, k_scale, query.dtype).flatten(0, 1)[:s_len]
-            v = _gather_blocks(v_cache, seq_ids, v_scale, query.dtype).flatten(0, 1)[:s_len]
+            k = gather_blocks(k_cache, seq_ids, s_len, k_scale, query.dtype)
+            v = gather_blocks(v_cache, seq_ids, s_len, v_scale, query.dtype)
             out[start : start + q_len] = sdpa_one_sequence(
                 query[start : start + q_len], k, v, scale
             )
             start += q_len
         return out
-
-
-def _gather_blocks(
-    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    ids: torch.Tensor,  # [N] int64
-    scale: torch.Tensor | None,  # [num_blocks, block_size, Hkv] for a quantized cache
-    dtype: torch.dtype,
-) -> torch.Tensor:  # [N, block_size, Hkv, D] in dtype
-    """The listed blocks, dequantized into ``dtype`` when the cache is quantized."""
-    blocks = cache.index_select(0, ids)
-    if scale is None:
-        return blocks if blocks.dtype == dtype else blocks.to(dtype)
-    return KVCacheSpec.dequantize(blocks, scale.index_select(0, ids), dtype)
 
 
 def sdpa_one_sequence(

@@ -18,13 +18,23 @@ def gather_kv(
 ) -> torch.Tensor:
     """Return the first ``seq_len`` cached vectors of one sequence: [seq_len, Hkv, D]
     (dequantized when the cache comes with scales)."""
-    block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
-    ids = block_table[:num_blocks].long()
-    vectors = cache.index_select(0, ids).reshape(-1, *cache.shape[2:])[:seq_len]
+    num_blocks = (seq_len + cache.shape[1] - 1) // cache.shape[1]
+    return gather_blocks(cache, block_table[:num_blocks].long(), seq_len, scale, dtype)
+
+
+def gather_blocks(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    ids: torch.Tensor,  # [ceil(seq_len / block_size)] int64: exactly the sequence's blocks
+    seq_len: int,
+    scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
+    dtype: torch.dtype | None = None,  # dequantize (or cast) into this dtype
+) -> torch.Tensor:
+    """``gather_kv`` from the sequence's block ids as an int64 tensor (no table slicing or
+    conversion: the torch backend's per-layer hot path): [seq_len, Hkv, D]."""
+    vectors = cache.index_select(0, ids).flatten(0, 1)[:seq_len]
     if scale is None:
-        return vectors
-    scales = scale.index_select(0, ids).reshape(-1, scale.shape[-1])[:seq_len]
+        return vectors if dtype is None else vectors.to(dtype)
+    scales = scale.index_select(0, ids).flatten(0, 1)[:seq_len]
     return KVCacheSpec.dequantize(vectors, scales, dtype or torch.float32)
 
 
