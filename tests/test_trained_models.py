@@ -114,7 +114,46 @@ def test_concurrent_first_use_builds_once(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".entry-")]  # no temp left
 
 
+def test_cli_defaults_to_the_pair_and_rejects_unknown_names():
+    assert trained.cli_names([]) == ["target", "draft"]
+    assert trained.cli_names(["test-draft"]) == ["test-draft"]
+    with pytest.raises(SystemExit):
+        trained.cli_names(["huge"])
+
+
 def test_cli_prints_the_models(capsys, draft_dir):
     trained.main(["test-draft"])
     out = capsys.readouterr().out
     assert str(draft_dir) in out and "held-out perplexity" in out
+
+
+def test_muon_covers_every_parameter_once_and_trains():
+    from transformers import LlamaForCausalLM
+
+    from paged_llm.recipes.training import (
+        ModelShape,
+        TrainSpec,
+        llama_config,
+        make_optimizers,
+        train_llama,
+    )
+
+    shape = ModelShape(64, 128, 2, 2, 1, tie_word_embeddings=True)
+    config = llama_config(shape, vocab_size=1024)
+    spec = TrainSpec(steps=40, batch_size=4, seq_len=32, lr=3e-3, optimizer="muon")
+    model = LlamaForCausalLM(config)
+    muon, adamw = make_optimizers(model, spec)
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_muon = [names[id(p)] for g in muon.param_groups for p in g["params"]]
+    in_adamw = [names[id(p)] for g in adamw.param_groups for p in g["params"]]
+    assert sorted(in_muon + in_adamw) == sorted(names.values())  # each parameter exactly once
+    assert in_muon and all(n.endswith("proj.weight") for n in in_muon)  # decoder matrices only
+    assert any("embed_tokens" in n for n in in_adamw)
+    with pytest.raises(ValueError, match="optimizer must be adamw or muon"):
+        make_optimizers(model, TrainSpec(steps=1, batch_size=1, seq_len=8, optimizer="sgd"))
+
+    tokens = trained.corpus_tokens("test-target", "train")
+    heldout = trained.corpus_tokens("test-target", "heldout")
+    _, log = train_llama(config, tokens, heldout, spec, threads=1)
+    assert log["optimizer"] == "muon"
+    assert log["loss_curve"][-1] < log["loss_curve"][0] - 1.0

@@ -1,5 +1,5 @@
-"""Train a small Llama with transformers on a token stream: AdamW, warmup + cosine schedule,
-random windows drawn from a seeded generator, held-out perplexity at the end."""
+"""Train a small Llama with transformers on a token stream: AdamW or Muon, warmup + cosine
+schedule, random windows drawn from a seeded generator, held-out perplexity at the end."""
 
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ class TrainSpec:
     # "bf16": bfloat16 autocast (weights and optimizer stay float32), 1.6-2x faster on CPUs
     # with native bf16 (AVX512-BF16 / AMX); "auto" uses it only there; "fp32" never.
     precision: str = "fp32"
+    # "adamw" for every parameter, or "muon": Muon (orthogonalised momentum) for the decoder's
+    # weight matrices and AdamW for embeddings, LM head and norms. Muon reaches a given loss on
+    # about a third of AdamW's tokens here, which is what lets the target train in minutes.
+    optimizer: str = "adamw"
 
 
 def resolve_precision(precision: str) -> str:
@@ -141,6 +145,31 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     ]
 
 
+def make_optimizers(model: torch.nn.Module, spec: TrainSpec) -> list[torch.optim.Optimizer]:
+    """The optimizers of ``spec.optimizer`` over the model's parameters (each parameter once)."""
+    adamw = dict(lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
+    if spec.optimizer == "adamw":
+        return [torch.optim.AdamW(param_groups(model, spec.weight_decay), **adamw)]
+    if spec.optimizer != "muon":
+        raise ValueError(f"optimizer must be adamw or muon, got '{spec.optimizer}'")
+    # Muon is defined for hidden weight matrices; embeddings and the LM head are lookups and a
+    # classifier, whose rows should move independently, so they stay with AdamW (as in Muon's
+    # reference recipe). Tied embeddings appear once in named_parameters, as embed_tokens.
+    hidden, other = [], []
+    for name, p in model.named_parameters():
+        is_matrix = p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name
+        (hidden if is_matrix else other).append(p)
+    other_groups = [
+        {"params": [p for p in other if p.dim() >= 2], "weight_decay": spec.weight_decay},
+        {"params": [p for p in other if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    # match_rms_adamw scales Muon's update to AdamW's RMS, so one lr (and schedule) serves both.
+    muon = torch.optim.Muon(
+        hidden, lr=spec.lr, weight_decay=spec.weight_decay, adjust_lr_fn="match_rms_adamw"
+    )
+    return [muon, torch.optim.AdamW(other_groups, **adamw)]
+
+
 def train_threads(default: int) -> int:
     """Threads for training: $PAGED_LLM_TRAIN_THREADS, else ``default``.
 
@@ -168,22 +197,23 @@ def train_llama(
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config).train()
         gen = torch.Generator().manual_seed(spec.seed + 1)
-        opt = torch.optim.AdamW(
-            param_groups(model, spec.weight_decay), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8
-        )
+        optimizers = make_optimizers(model, spec)
         losses: list[float] = []
         start = time.perf_counter()
         bar = tqdm(range(spec.steps), desc=desc, mininterval=2.0)
         for step in bar:
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, spec)
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step, spec)
             batch = random_windows(train_tokens, spec.batch_size, spec.seq_len, gen)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels itself
-            opt.zero_grad(set_to_none=True)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-            opt.step()
+            for opt in optimizers:
+                opt.step()
             losses.append(loss.item())
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
         bar.close()
@@ -195,6 +225,7 @@ def train_llama(
         "train_seconds": round(train_s, 1),
         "train_threads": threads,
         "precision": "bf16" if bf16 else "fp32",
+        "optimizer": spec.optimizer,
         "tokens_seen": spec.steps * spec.batch_size * spec.seq_len,
         "final_train_loss": float(np.mean(losses[-10:])),
         "loss_curve": [round(x, 4) for x in losses[:: max(1, len(losses) // 50)]],
