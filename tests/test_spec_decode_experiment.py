@@ -31,3 +31,13 @@ def test_sweep_writes_speedups_and_formula_gaps(tmp_path):
     }
     assert summary["max_formula_gap"] >= 0.0
     assert results["mode"] == "real"
+
+
+def test_every_batch_size_generates_from_the_same_prompts():
+    from experiments.spec_decode import prompt_batches
+
+    pool = [[i] for i in range(4)]
+    assert prompt_batches(pool, 1) == [[[0]], [[1]], [[2]], [[3]]]
+    assert prompt_batches(pool, 2) == [[[0], [1]], [[2], [3]]]
+    assert prompt_batches(pool, 4) == [pool]
+    assert prompt_batches(pool, 6) == [pool + pool[:2]]  # larger than the pool: repeat it
