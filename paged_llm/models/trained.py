@@ -60,33 +60,19 @@ class Recipe:
 # linear layer of the target. Targets and drafts of a pair share one corpus, hence one tokenizer.
 _FULL = CorpusSpec(vocab_size=4096)
 _TEST = CorpusSpec(vocab_size=1024, max_files=60)
+# The pair trains alike (same tokens, schedule and optimizer); only the shapes differ.
+_PAIR_TRAINING = TrainSpec(
+    steps=600,
+    batch_size=4,
+    seq_len=256,
+    lr=3e-3,
+    warmup_steps=50,
+    precision="auto",
+    optimizer="muon",
+)
 RECIPES: dict[str, Recipe] = {
-    "target": Recipe(
-        _FULL,
-        ModelShape(384, 1024, 10, 6, 2),
-        TrainSpec(
-            steps=600,
-            batch_size=4,
-            seq_len=256,
-            lr=3e-3,
-            warmup_steps=50,
-            precision="auto",
-            optimizer="muon",
-        ),
-    ),
-    "draft": Recipe(
-        _FULL,
-        ModelShape(256, 512, 2, 4, 2, tie_word_embeddings=True),
-        TrainSpec(
-            steps=600,
-            batch_size=4,
-            seq_len=256,
-            lr=3e-3,
-            warmup_steps=50,
-            precision="auto",
-            optimizer="muon",
-        ),
-    ),
+    "target": Recipe(_FULL, ModelShape(384, 1024, 10, 6, 2), _PAIR_TRAINING),
+    "draft": Recipe(_FULL, ModelShape(256, 512, 2, 4, 2, tie_word_embeddings=True), _PAIR_TRAINING),
     # Tiny matmuls gain nothing from a second thread, and one thread is robust on busy machines.
     "test-target": Recipe(
         _TEST,
