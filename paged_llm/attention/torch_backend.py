@@ -17,6 +17,11 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_quantized_kv = True
 
+    def __init__(self) -> None:
+        # Reused gather buffers, one per (K or V, cache layout): a fresh tensor per sequence
+        # and layer costs an allocation (mmap and page faults past glibc's threshold) each time.
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
     def forward(
         self,
         query: torch.Tensor,
@@ -29,7 +34,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store K/V, then per sequence: gather its blocks, one fused SDPA call."""
+        """Store K/V, then per sequence: gather its blocks, attend (decodes: two bmm calls,
+        others: one fused SDPA call)."""
         scales = (k_scale, v_scale)  # both None unless the cache is quantized
         store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping, *scales)
         # The step's block ids are built once (one int64 tensor for all sequences, shared by
@@ -38,8 +44,14 @@ class TorchAttentionBackend(AttentionBackend):
         # falls out of cache before SDPA reads it (docs/benchmarks.md).
         ids, block_starts = context_blocks(meta, k_cache.shape[1])
         out = torch.empty_like(query)
-        start = 0
-        for b, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        first = 0
+        if k_scale is None and k_cache.dtype == query.dtype:
+            first = meta.num_decodes  # decodes are the first sequences, one token each
+            self._decodes(query[:first], k_cache, v_cache, ids, block_starts, meta, scale,
+                          out[:first])  # fmt: skip
+        start = first
+        for b in range(first, meta.num_seqs):
+            q_len, s_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
             seq_ids = ids[block_starts[b] : block_starts[b + 1]]
             k = gather_blocks(k_cache, seq_ids, s_len, k_scale, query.dtype)
             v = gather_blocks(v_cache, seq_ids, s_len, v_scale, query.dtype)
@@ -49,6 +61,44 @@ class TorchAttentionBackend(AttentionBackend):
             start += q_len
         return out
 
+    def _decodes(
+        self,
+        query: torch.Tensor,  # [Bd, Hq, D]: one query token per decoding sequence
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], unquantized
+        v_cache: torch.Tensor,
+        ids: torch.Tensor,  # the step's concatenated context block ids
+        block_starts: list[int],
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,  # [Bd, Hq, D], written in place
+    ) -> None:
+        """One-token attention of each decoding sequence, gathered into reused buffers and
+        written straight into ``out``: per sequence two gathers and two bmm calls, which on a
+        CPU step of small sequences costs less than the per-call overhead it replaces."""
+        if query.shape[0] == 0:
+            return
+        hq, d = query.shape[1:]
+        hkv = k_cache.shape[2]
+        most = max(block_starts[b + 1] - block_starts[b] for b in range(query.shape[0]))
+        k_buf, v_buf = self._buffer(k_cache, 0, most), self._buffer(v_cache, 1, most)
+        queries = query.view(-1, hkv, hq // hkv, d)  # a KV head's query-head group as rows
+        outs = out.view(-1, hkv, hq // hkv, d)
+        for b in range(query.shape[0]):
+            seq_ids = ids[block_starts[b] : block_starts[b + 1]]
+            n, s_len = seq_ids.shape[0], meta.seq_lens_cpu[b]
+            k = torch.index_select(k_cache, 0, seq_ids, out=k_buf[:n]).view(-1, hkv, d)[:s_len]
+            v = torch.index_select(v_cache, 0, seq_ids, out=v_buf[:n]).view(-1, hkv, d)[:s_len]
+            decode_one_sequence_into(outs[b], queries[b], k, v, scale)
+
+    def _buffer(self, cache: torch.Tensor, which: int, num_blocks: int) -> torch.Tensor:
+        """A reused [>= num_blocks, block_size, Hkv, D] buffer shaped like ``cache``'s blocks."""
+        key = (which, tuple(cache.shape[1:]), cache.dtype, cache.device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < num_blocks:
+            grown = max(num_blocks, 2 * (0 if buf is None else buf.shape[0]))
+            buf = self._buffers[key] = cache.new_empty((grown, *cache.shape[1:]))
+        return buf
+
 
 def sdpa_one_sequence(
     q: torch.Tensor,  # [Lq, Hq, D]: the last Lq of the Lk positions
@@ -57,14 +107,18 @@ def sdpa_one_sequence(
     scale: float,
 ) -> torch.Tensor:  # [Lq, Hq, D]
     """``attention_one_sequence`` through torch's fused scaled_dot_product_attention (decode
-    queries through two batched matmuls, see ``decode_one_sequence``).
+    queries through two batched matmuls, see ``decode_one_sequence_into``).
 
     A per-sequence gather of exactly its blocks plus one fused call is several times faster on
     a CPU than a padded batched gather with einsums (docs/benchmarks.md has the profile).
     """
     lq, lk = q.shape[0], k.shape[0]
     if lq == 1:
-        return decode_one_sequence(q, k, v, scale)
+        hq, d = q.shape[1:]
+        out = torch.empty_like(q)
+        decode_one_sequence_into(out.view(k.shape[1], -1, d), q.view(k.shape[1], -1, d), k, v,
+                                 scale)  # fmt: skip
+        return out
     q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]  # causal, aligned to the end
     mask = torch.arange(lk, device=q.device)[None, :] <= q_pos
     o = F.scaled_dot_product_attention(
@@ -74,17 +128,19 @@ def sdpa_one_sequence(
     return o.transpose(0, 1)
 
 
-def decode_one_sequence(
-    q: torch.Tensor,  # [1, Hq, D]
+def decode_one_sequence_into(
+    out: torch.Tensor,  # [Hkv, G, D]: written in place
+    q: torch.Tensor,  # [Hkv, G, D]: one query token, its heads grouped by KV head
     k: torch.Tensor,  # [Lk, Hkv, D]
     v: torch.Tensor,  # [Lk, Hkv, D]
     scale: float,
-) -> torch.Tensor:  # [1, Hq, D]
+) -> None:
     """One query token's attention as scores = q K^T per KV head (its query-head group as the
     rows), softmax in float32, then p V. On a CPU this is ~1.4x faster than
     scaled_dot_product_attention for one query (measured in docs/benchmarks.md)."""
-    hq, d = q.shape[1:]
-    hkv = k.shape[1]
-    scores = torch.bmm(q.view(hkv, hq // hkv, d), k.permute(1, 2, 0))  # [Hkv, G, Lk]
-    p = torch.softmax(scores.float() * scale, dim=-1).to(v.dtype)
-    return torch.bmm(p, v.transpose(0, 1)).reshape(1, hq, d)  # [Hkv, G, D] -> [1, Hq, D]
+    scores = torch.bmm(q, k.permute(1, 2, 0))  # [Hkv, G, Lk]
+    if scores.dtype == torch.float32:
+        p = torch.softmax(scores.mul_(scale), dim=-1)
+    else:
+        p = torch.softmax(scores.float() * scale, dim=-1).to(v.dtype)
+    torch.bmm(p, v.transpose(0, 1), out=out)
