@@ -155,6 +155,7 @@ def make_engine(model_dir: Path, cfg: DictConfig) -> Any:
         max_num_batched_tokens=e.max_num_batched_tokens,
         cpu_kv_cache_gib=e.cpu_kv_cache_gib,
         attention_backend=e.attention_backend,
+        cpu_onednn_min_rows=e.cpu_onednn_min_rows,
         device=cfg.device,
         seed=cfg.seed,
     )

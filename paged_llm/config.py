@@ -27,6 +27,9 @@ class ModelConfig:
     tensor_parallel_size: int = 1
     # True: never use CUDA graphs for decode steps (they are only used on CUDA anyway)
     enforce_eager: bool = False
+    # CPU: linear layers send inputs of at least this many rows to oneDNN's matmul, faster than
+    # torch's default (MKL) there; None keeps torch's default. See paged_llm/layers/cpu_linear.py
+    cpu_onednn_min_rows: int | None = 1
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from paged_llm.config import ModelConfig
+from paged_llm.layers.cpu_linear import use_onednn_linears
 from paged_llm.models import presets
 from paged_llm.models.loader import resolve_dtype
 from paged_llm.quant.checkpoint import load_checkpoint
@@ -45,6 +46,14 @@ def load_tokenizer(path: str | Path) -> Any | None:
 def load_model_and_tokenizer(
     mc: ModelConfig, device: torch.device
 ) -> tuple[nn.Module, Any, Any | None]:
+    """Load a checkpoint directory, the tiny default, or a random-weight shape preset (its CPU
+    linear layers switched to oneDNN for large inputs, see ``cpu_onednn_min_rows``)."""
+    model, hf_config, tokenizer = _load(mc, device)
+    use_onednn_linears(model, mc.cpu_onednn_min_rows)
+    return model, hf_config, tokenizer
+
+
+def _load(mc: ModelConfig, device: torch.device) -> tuple[nn.Module, Any, Any | None]:
     """Load a checkpoint directory, the tiny default, or a random-weight shape preset."""
     name = str(mc.model)
     path = Path(name).expanduser()

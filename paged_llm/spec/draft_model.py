@@ -33,6 +33,8 @@ class DraftModelDrafter:
         """Load the draft model on the target's device and check the vocabularies agree."""
         from paged_llm.models.loader import kv_cache_shape_info, load_model
 
+        # Its linear layers stay on torch's default (MKL): a draft's weights fit in cache, where
+        # MKL's lower per-call cost beats oneDNN up to 64 rows (experiments/cpu_matmul.py).
         self.model, cfg = load_model(self.model_path, engine.dtype, engine.device)
         if cfg.vocab_size != engine.vocab_size:
             raise ValueError(
