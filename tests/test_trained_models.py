@@ -157,3 +157,45 @@ def test_muon_covers_every_parameter_once_and_trains():
     _, log = train_llama(config, tokens, heldout, spec, threads=1)
     assert log["optimizer"] == "muon"
     assert log["loss_curve"][-1] < log["loss_curve"][0] - 1.0
+
+
+def test_distill_loss_is_the_kl_from_teacher_to_student():
+    from paged_llm.recipes.training import distill_loss
+
+    torch.manual_seed(0)
+    teacher, student = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    assert distill_loss(teacher, teacher).abs() < 1e-6
+    p = teacher.softmax(-1)
+    expected = (p * (p.log() - student.log_softmax(-1))).sum(-1).mean()
+    torch.testing.assert_close(distill_loss(student, teacher), expected)
+
+
+def test_distilled_student_agrees_with_its_teacher_more(target_dir):
+    """Same student, seed and steps: imitating the teacher (distill=1) raises how often the
+    student's greedy token is the teacher's, which is what a draft's acceptance rate measures."""
+    from transformers import LlamaForCausalLM
+
+    from paged_llm.recipes.training import ModelShape, TrainSpec, llama_config, train_llama
+
+    teacher = LlamaForCausalLM.from_pretrained(str(target_dir)).eval()
+    config = llama_config(ModelShape(64, 128, 1, 2, 1, tie_word_embeddings=True), 1024)
+    tokens = trained.corpus_tokens("test-target", "train")
+    heldout = trained.corpus_tokens("test-target", "heldout")
+    agreement = {}
+    for w in (0.0, 1.0):
+        spec = TrainSpec(steps=80, batch_size=8, seq_len=64, lr=3e-3, eval_windows=16, distill=w)
+        _, log = train_llama(config, tokens, heldout, spec, threads=1, teacher=teacher)
+        agreement[w] = log["heldout_teacher_top1_agreement"]
+    assert agreement[1.0] > agreement[0.0] + 0.02
+
+
+def test_a_students_key_follows_its_teachers_recipe(monkeypatch):
+    from dataclasses import replace
+
+    draft_key = trained.recipe("draft").key()
+    assert trained.recipe("draft").teacher == "target" and trained.recipe("draft").train.distill
+    changed = replace(
+        trained.RECIPES["target"], train=replace(trained.RECIPES["target"].train, steps=1)
+    )
+    monkeypatch.setitem(trained.RECIPES, "target", changed)
+    assert trained.recipe("draft").key() != draft_key  # a retrained target retrains its draft

@@ -1,7 +1,7 @@
 """Built-in trained models: a small Llama target and a much smaller draft, trained on the
 Python standard library's own source with one shared BPE tokenizer (nothing is downloaded).
 
-    python -m paged_llm.models.trained              # target + draft: ~12 minutes on 2 cores
+    python -m paged_llm.models.trained              # target + draft: ~15 minutes on 2 cores
     python -m paged_llm.models.trained test-target  # the fast variants the tests use
 
 :func:`trained_model_dir` returns an ordinary Hugging Face checkpoint directory (config.json,
@@ -18,7 +18,7 @@ import argparse
 import hashlib
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,12 +46,21 @@ class Recipe:
     shape: ModelShape
     train: TrainSpec
     threads: int = 2  # CPU threads to train with (not part of the key: results are the same)
+    # A built-in model (same corpus) whose predictions this one learns to imitate, with weight
+    # ``train.distill``: drafts imitate their target.
+    teacher: str | None = None
 
     def key(self) -> str:
-        """Hash of the recipe, the code version and the corpus it reads."""
+        """Hash of the recipe, the code version, the corpus it reads and its teacher's key."""
         fields = {k: v for k, v in asdict(self).items() if k != "threads"}
         # "auto" precision trains differently on different CPUs, so key the resolved one.
         fields["train"]["precision"] = resolve_precision(self.train.precision)
+        # Distillation came later: recipes without it keep the keys (and caches) they had.
+        if not fields["train"]["distill"]:
+            del fields["train"]["distill"]
+        del fields["teacher"]
+        if self.teacher is not None:
+            fields["teacher"] = [self.teacher, recipe(self.teacher).key()]
         blob = json.dumps([RECIPE_VERSION, fields, self.corpus.key()], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -72,7 +81,12 @@ _PAIR_TRAINING = TrainSpec(
 )
 RECIPES: dict[str, Recipe] = {
     "target": Recipe(_FULL, ModelShape(384, 1024, 10, 6, 2), _PAIR_TRAINING),
-    "draft": Recipe(_FULL, ModelShape(256, 512, 2, 4, 2, tie_word_embeddings=True), _PAIR_TRAINING),
+    "draft": Recipe(
+        _FULL,
+        ModelShape(256, 512, 2, 4, 2, tie_word_embeddings=True),
+        replace(_PAIR_TRAINING, distill=1.0),
+        teacher="target",
+    ),
     # Tiny matmuls gain nothing from a second thread, and one thread is robust on busy machines.
     "test-target": Recipe(
         _TEST,
@@ -119,7 +133,14 @@ def _build_model(name: str, r: Recipe, out_dir: Path) -> None:
     data = corpus_dir(r.corpus)
     train, heldout = np.load(data / "train.npy"), np.load(data / "heldout.npy")
     config = llama_config(r.shape, r.corpus.vocab_size)
-    model, log = train_llama(config, train, heldout, r.train, f"training {name}", r.threads)
+    teacher = None
+    if r.teacher is not None:
+        from transformers import LlamaForCausalLM
+
+        teacher = LlamaForCausalLM.from_pretrained(str(trained_model_dir(r.teacher))).eval()
+    model, log = train_llama(
+        config, train, heldout, r.train, f"training {name}", r.threads, teacher
+    )
     model.save_pretrained(str(out_dir))
     for f in TOKENIZER_FILES:
         if (data / f).is_file():
