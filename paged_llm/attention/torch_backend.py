@@ -86,8 +86,8 @@ class TorchAttentionBackend(AttentionBackend):
         for b in range(query.shape[0]):
             seq_ids = ids[block_starts[b] : block_starts[b + 1]]
             n, s_len = seq_ids.shape[0], meta.seq_lens_cpu[b]
-            k = torch.index_select(k_cache, 0, seq_ids, out=k_buf[:n]).view(-1, hkv, d)[:s_len]
-            v = torch.index_select(v_cache, 0, seq_ids, out=v_buf[:n]).view(-1, hkv, d)[:s_len]
+            k = gather_blocks(k_cache, seq_ids, s_len, out=k_buf[:n])
+            v = gather_blocks(v_cache, seq_ids, s_len, out=v_buf[:n])
             decode_one_sequence_into(outs[b], queries[b], k, v, scale)
 
     def _buffer(self, cache: torch.Tensor, which: int, num_blocks: int) -> torch.Tensor:
@@ -114,10 +114,9 @@ def sdpa_one_sequence(
     """
     lq, lk = q.shape[0], k.shape[0]
     if lq == 1:
-        hq, d = q.shape[1:]
         out = torch.empty_like(q)
-        decode_one_sequence_into(out.view(k.shape[1], -1, d), q.view(k.shape[1], -1, d), k, v,
-                                 scale)  # fmt: skip
+        grouped = (k.shape[1], -1, q.shape[2])  # [Hkv, G, D]
+        decode_one_sequence_into(out.view(grouped), q.view(grouped), k, v, scale)
         return out
     q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]  # causal, aligned to the end
     mask = torch.arange(lk, device=q.device)[None, :] <= q_pos

@@ -47,12 +47,9 @@ def use_onednn_linears(model: nn.Module, min_rows: int | None) -> int:
         return 0
     switched = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (
-            type(module) is nn.Linear
-            and weight.device.type == "cpu"
-            and weight.dtype in ONEDNN_DTYPES
-        ):
+        if type(module) is not nn.Linear:  # subclasses (tensor parallel, quantized) keep theirs
+            continue
+        if module.weight.device.type == "cpu" and module.weight.dtype in ONEDNN_DTYPES:
             # Changing the class in place keeps parameters, tied weights and names intact.
             module.__class__ = OneDnnLinear
             module.min_rows = min_rows

@@ -28,10 +28,11 @@ def gather_blocks(
     seq_len: int,
     scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
     dtype: torch.dtype | None = None,  # dequantize (or cast) into this dtype
+    out: torch.Tensor | None = None,  # [len(ids), block_size, Hkv, D]: a reused gather buffer
 ) -> torch.Tensor:
     """``gather_kv`` from the sequence's block ids as an int64 tensor (no table slicing or
     conversion: the torch backend's per-layer hot path): [seq_len, Hkv, D]."""
-    vectors = cache.index_select(0, ids).flatten(0, 1)[:seq_len]
+    vectors = torch.index_select(cache, 0, ids, out=out).flatten(0, 1)[:seq_len]
     if scale is None:
         return vectors if dtype is None else vectors.to(dtype)
     scales = scale.index_select(0, ids).flatten(0, 1)[:seq_len]
