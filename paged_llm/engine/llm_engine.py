@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from paged_llm.attention.registry import ATTENTION_BACKENDS
+from paged_llm.attention.registry import ATTENTION_BACKENDS, auto_backend_name
 from paged_llm.config import EngineConfig
 from paged_llm.core.kv import POLICIES
 from paged_llm.core.request import Request, RequestStatus
@@ -84,7 +84,7 @@ class LLMEngine:
 
         backend_name = config.attention_backend
         if backend_name == "auto":
-            backend_name = "triton" if self.device.type == "cuda" else "torch"
+            backend_name = auto_backend_name(str(self.device))
         self.backend = build("attention backend", backend_name, ATTENTION_BACKENDS)
         self.backend.check_device(self.device)
 

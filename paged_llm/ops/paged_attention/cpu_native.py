@@ -1,0 +1,95 @@
+"""The native CPU paged decode kernel (``cpu_decode.cpp``): built on first use with the
+machine's C++ compiler through ``torch.utils.cpp_extension`` and cached per CPU.
+
+The build needs g++ (or $CXX) and ninja; it takes about a minute once, then loads in
+milliseconds. ``-march=native`` lets the compiler use the CPU's vector units, so the build
+directory is keyed by the CPU's feature flags as well as the source and torch version.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+from paged_llm.recipes.cache import cache_root
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for), or the machine name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _build_name() -> str:
+    """Extension name: one build per (source, flags, torch version, CPU features)."""
+    key = "|".join([_SOURCE.read_text(), " ".join(_CFLAGS), torch.__version__, _cpu_flags()])
+    return "paged_llm_cpu_decode_" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def load() -> None:
+    """Compile (once per machine) and load the kernel, registering
+    ``torch.ops.paged_llm.paged_decode_cpu``; raises RuntimeError if it cannot be built."""
+    from torch.utils import cpp_extension
+
+    name = _build_name()
+    build_dir = cache_root() / "extensions" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        logger.info("building the native CPU attention kernel into %s (once)", build_dir)
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # compiler or ninja missing, or a build error
+        raise RuntimeError(
+            f"could not build the native CPU attention kernel ({_SOURCE.name}): {e}. "
+            "It needs a C++ compiler (g++) and ninja; or use attention_backend='torch'."
+        ) from e
+
+
+@functools.cache
+def is_available() -> bool:
+    """Whether the kernel builds and loads on this machine (tries once per process)."""
+    try:
+        load()
+    except RuntimeError as e:
+        logger.warning("%s", e)
+        return False
+    return True
+
+
+def paged_decode_cpu(
+    out: torch.Tensor,  # [B, Hq, D]: written in place
+    query: torch.Tensor,  # [B, Hq, D]: one query token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [>= B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [>= B] int32: context length including the query token
+    scale: float,
+) -> None:
+    """One-token attention of each sequence over its paged context, written into ``out``."""
+    load()
+    torch.ops.paged_llm.paged_decode_cpu(out, query, k_cache, v_cache, block_tables, seq_lens,
+                                         scale)  # fmt: skip

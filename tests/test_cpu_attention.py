@@ -1,0 +1,128 @@
+"""The native CPU decode kernel (ops/paged_attention/cpu_decode.cpp) and the ``cpu`` backend,
+against the torch reference. The kernel is built on first use (about 15 s, then cached)."""
+
+import pytest
+import torch
+from paged_cache_helpers import paged_setup
+
+from paged_llm.attention.cpu_backend import CpuAttentionBackend
+from paged_llm.attention.metadata import build_attention_metadata
+from paged_llm.attention.registry import auto_backend_name
+from paged_llm.attention.torch_backend import TorchAttentionBackend
+from paged_llm.ops.paged_attention import cpu_native
+from paged_llm.ops.paged_attention.reference import paged_attention_reference
+
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+def run_kernel(seq_lens, block_size, hq, hkv, head_dim, dtype, seed=0):
+    """(kernel output, reference output) for one decode query per sequence; slots that belong
+    to no sequence are NaN, so reading past a sequence's end would show."""
+    k_cache, v_cache, block_tables, _ = paged_setup(
+        seq_lens, block_size, hkv, head_dim, dtype, seed=seed
+    )
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # the engine's pool layout
+    query = torch.randn(len(seq_lens), hq, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    expected = paged_attention_reference(
+        query, k_cache, v_cache, block_tables, [1] * len(seq_lens), seq_lens, scale
+    )
+    out = torch.empty_like(query)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    cpu_native.paged_decode_cpu(out, query, k_cache, v_cache, block_tables, lens, scale)
+    return out, expected
+
+
+@pytest.mark.parametrize(
+    ("block_size", "hq", "hkv", "head_dim", "dtype"),
+    [
+        (16, 4, 4, 64, torch.float32),  # MHA
+        (16, 8, 2, 80, torch.float32),  # GQA 4, head_dim 80
+        (1, 8, 1, 128, torch.float32),  # one token per block, GQA 8
+        (256, 4, 1, 64, torch.float32),  # one block covers every context
+        (8, 8, 8, 128, torch.float16),
+        (16, 8, 2, 64, torch.bfloat16),
+    ],
+)
+def test_kernel_matches_reference(block_size, hq, hkv, head_dim, dtype):
+    # Ragged lengths: one token, a multiple of the block size, odd lengths over many blocks.
+    out, expected = run_kernel([1, 37, 100, 16, 255], block_size, hq, hkv, head_dim, dtype)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+def test_kernel_random_shapes():
+    """Random batches, lengths, block sizes and GQA ratios."""
+    gen = torch.Generator().manual_seed(1)
+    for case in range(12):
+        pick = lambda options: options[torch.randint(len(options), (1,), generator=gen).item()]
+        block_size = pick([1, 2, 4, 16, 32, 128])
+        hkv, group = pick([1, 2, 4]), pick([1, 4, 8])
+        head_dim = pick([64, 80, 128])
+        batch = int(torch.randint(1, 9, (1,), generator=gen))
+        seq_lens = torch.randint(1, 300, (batch,), generator=gen).tolist()
+        out, expected = run_kernel(
+            seq_lens, block_size, hkv * group, hkv, head_dim, torch.float32, seed=case
+        )
+        torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+def test_kernel_same_result_on_any_thread_count():
+    """Each sequence is computed by one thread in a fixed order: results are bitwise equal."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = run_kernel([5, 300, 64, 17, 1, 90], 16, 8, 2, 64, torch.float32)
+        torch.set_num_threads(2)
+        two, _ = run_kernel([5, 300, 64, 17, 1, 90], 16, 8, 2, 64, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_kernel_rejects_bad_arguments():
+    k_cache, v_cache, tables, _ = paged_setup([20], 16, 2, 64, torch.float32, poison=False)
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    query, lens = torch.randn(1, 4, 64), torch.tensor([20], dtype=torch.int32)
+    out = torch.empty_like(query)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_native.paged_decode_cpu(out, query, k_cache, v_cache, tables.long(), lens, 0.1)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_native.paged_decode_cpu(out, query.double(), k_cache, v_cache, tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        strided = torch.randn(*k_cache.shape[:3], 128)[..., ::2]  # same shape, not contiguous
+        cpu_native.paged_decode_cpu(out, query, strided, v_cache, tables, lens, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_equals_torch_backend(dtype):
+    """Decodes (native kernel), a chunk after a cached prefix and a fresh prompt (torch path)."""
+    torch.manual_seed(0)
+    hq, hkv, d, bs = 8, 2, 64, 16
+    query_lens, seq_lens = [1, 1, 1, 5, 23], [17, 1, 140, 40, 23]
+    k_cache, v_cache, _, tables = paged_setup(seq_lens, bs, hkv, d, dtype, poison=False)
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    meta = build_attention_metadata(query_lens, seq_lens, tables, bs)
+    t = sum(query_lens)
+    q = torch.randn(t, hq, d).to(dtype)
+    k, v = torch.randn(t, hkv, d).to(dtype), torch.randn(t, hkv, d).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    expected = TorchAttentionBackend().forward(q, k, v, k_ref, v_ref, meta, 0.125)
+    out = CpuAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # same stores
+
+
+def test_cpu_backend_is_the_cpu_default():
+    assert auto_backend_name("cpu") == "cpu"  # this machine has a compiler
+    assert auto_backend_name("cuda:0") == "triton"
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        CpuAttentionBackend().check_device(torch.device("cuda"))
+
+
+def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(cpu_native, "is_available", lambda: False)
+    assert auto_backend_name("cpu") == "torch"
