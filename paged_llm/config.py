@@ -63,7 +63,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: Any = "auto"  # auto | torch | triton | contiguous | {_target_: ...}
+    attention_backend: Any = "auto"  # auto | torch | cpu | triton | contiguous | {_target_: ...}
     # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k,
     # "model": draft checkpoint dir, "prompt_lookup_max": n, ...}; None disables speculation
     speculative_config: dict[str, Any] | None = None

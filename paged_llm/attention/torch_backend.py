@@ -12,7 +12,8 @@ from paged_llm.ops.paged_attention.reference import gather_blocks
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Plain torch: gather each sequence's blocks, then fused attention (the CPU default)."""
+    """Plain torch: gather each sequence's blocks, then fused attention (the readable
+    reference, and the CPU fallback where the native kernel of the cpu backend cannot build)."""
 
     name = "torch"
     supports_quantized_kv = True

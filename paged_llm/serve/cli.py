@@ -87,7 +87,7 @@ def make_parser() -> argparse.ArgumentParser:
     eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
     eng.add_argument("--preemption-mode", choices=["recompute", "swap"])
     eng.add_argument("--policy", help="KV allocation policy (paged, orca_max, ..., static)")
-    eng.add_argument("--attention-backend", help="auto, torch, triton or contiguous")
+    eng.add_argument("--attention-backend", help="auto, torch, cpu, triton or contiguous")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     eng.add_argument(
         "--speculative-config",

@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import shutil
 from pathlib import Path
 
 import torch
@@ -41,12 +43,25 @@ def _build_name() -> str:
     return "paged_llm_cpu_decode_" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; a venv that is not activated has the pip-installed
+    one only in its own bin directory (the ``ninja`` package knows where)."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def load() -> None:
     """Compile (once per machine) and load the kernel, registering
     ``torch.ops.paged_llm.paged_decode_cpu``; raises RuntimeError if it cannot be built."""
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     name = _build_name()
     build_dir = cache_root() / "extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
