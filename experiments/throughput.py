@@ -156,6 +156,7 @@ def make_engine(model_dir: Path, cfg: DictConfig) -> Any:
         cpu_kv_cache_gib=e.cpu_kv_cache_gib,
         attention_backend=e.attention_backend,
         cpu_onednn_min_rows=e.cpu_onednn_min_rows,
+        kv_cache_dtype=e.kv_cache_dtype,
         device=cfg.device,
         seed=cfg.seed,
     )

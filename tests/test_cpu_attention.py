@@ -9,8 +9,10 @@ from paged_llm.attention.cpu_backend import CpuAttentionBackend
 from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.attention.registry import auto_backend_name
 from paged_llm.attention.torch_backend import TorchAttentionBackend
+from paged_llm.ops.kv_store.reference import store_kv_reference
 from paged_llm.ops.paged_attention import cpu_native
 from paged_llm.ops.paged_attention.reference import paged_attention_reference
+from paged_llm.quant.kv_cache import kv_cache_spec
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-4),
@@ -90,11 +92,53 @@ def test_kernel_rejects_bad_arguments():
     out = torch.empty_like(query)
     with pytest.raises(RuntimeError, match="int32"):
         cpu_native.paged_decode_cpu(out, query, k_cache, v_cache, tables.long(), lens, 0.1)
-    with pytest.raises(RuntimeError, match="one dtype"):
-        cpu_native.paged_decode_cpu(out, query.double(), k_cache, v_cache, tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="query's dtype"):
+        cpu_native.paged_decode_cpu(out.half(), query.half(), k_cache, v_cache, tables, lens, 0.1)
+    codes = k_cache.to(torch.int8)
+    with pytest.raises(RuntimeError, match="needs k_scale"):
+        cpu_native.paged_decode_cpu(out, query, codes, codes, tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="float32"):
+        half_scales = torch.ones(codes.shape[:3], dtype=torch.float16)
+        cpu_native.paged_decode_cpu(
+            out, query, codes, codes, tables, lens, 0.1, half_scales, half_scales
+        )
     with pytest.raises(RuntimeError, match="contiguous"):
         strided = torch.randn(*k_cache.shape[:3], 128)[..., ::2]  # same shape, not contiguous
         cpu_native.paged_decode_cpu(out, query, strided, v_cache, tables, lens, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "dtype", "block_size"),
+    [("int8", torch.float32, 16), ("fp8", torch.float32, 1), ("int8", torch.bfloat16, 8)],
+)
+def test_kernel_reads_quantized_cache(kv_cache_dtype, dtype, block_size):
+    """int8 / fp8 codes with a scale per (token, head): the same attention as the reference
+    over the dequantized cache."""
+    seq_lens, hq, hkv, d = [1, 33, 200, 16], 8, 2, 64
+    spec = kv_cache_spec(kv_cache_dtype, dtype)
+    torch.manual_seed(0)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
+    tables = torch.randperm(num_blocks)[: num_blocks - 2].split(
+        [-(-s // block_size) for s in seq_lens]
+    )
+    meta = build_attention_metadata([1] * 4, seq_lens, [t.tolist() for t in tables], block_size)
+    shape = (num_blocks, block_size, hkv, d)
+    k_cache, v_cache = torch.zeros(shape, dtype=spec.dtype), torch.zeros(shape, dtype=spec.dtype)
+    k_scale, v_scale = torch.zeros(shape[:3]), torch.zeros(shape[:3])
+    # Fill every sequence's context through the store op, as the engine does.
+    ctx = build_attention_metadata(seq_lens, seq_lens, [t.tolist() for t in tables], block_size)
+    n = sum(seq_lens)
+    keys, values = torch.randn(n, hkv, d).to(dtype), torch.randn(n, hkv, d).to(dtype)
+    store_kv_reference(keys, values, k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale)
+    query = torch.randn(4, hq, d).to(dtype)
+    expected = paged_attention_reference(
+        query, k_cache, v_cache, meta.block_tables, [1] * 4, seq_lens, 0.125, k_scale, v_scale
+    )
+    out = torch.empty_like(query)
+    cpu_native.paged_decode_cpu(
+        out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.125, k_scale, v_scale
+    )
+    torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -104,6 +104,9 @@ def test_engine_with_quantized_cache(tiny_llama, name):
     ratio = llm.llm_engine.num_kv_blocks / LLM(path, cpu_kv_cache_gib=0.01).llm_engine.num_kv_blocks
     assert ratio == pytest.approx(4 * head_dim / (head_dim + 4), rel=0.01)
     out = _ids(llm)
+    assert llm.llm_engine.backend.name == "cpu"  # decodes read the codes in the native kernel
+    torch_path = LLM(path, cpu_kv_cache_gib=0.01, kv_cache_dtype=name, attention_backend="torch")
+    assert _ids(torch_path) == out  # ... as the torch backend's dequantize-then-attend
     # Random weights: once a near-tie flips, the rest of that sequence differs (the logits
     # themselves are checked teacher-forced below), so only the first tokens must all agree.
     assert [o[0] for o in out] == [r[0] for r in ref]

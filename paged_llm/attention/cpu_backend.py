@@ -12,8 +12,9 @@ from paged_llm.ops.paged_attention import cpu_native
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """Decodes (one query token per sequence, the bulk of a serving step) run in one native call
-    per layer, parallel over sequences, with no gathered copy of the context; prefills, chunks
-    and quantized caches take the torch backend's gather + SDPA path."""
+    per layer, parallel over sequences, with no gathered copy of the context, from a float or
+    a quantized (int8 / fp8 + scales) cache; prefills and chunks take the torch backend's
+    gather + SDPA path."""
 
     name = "cpu"
 
@@ -25,25 +26,22 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _decodes(
         self,
-        query: torch.Tensor,  # [Bd, Hq, D]: one query token per decoding sequence
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], unquantized
+        query: torch.Tensor,  # [T, Hq, D]: the step's queries, decodes first
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], any cache dtype
         v_cache: torch.Tensor,
-        ids: torch.Tensor,  # unused: the kernel reads the block tables itself
-        block_starts: list[int],
         meta: AttentionMetadata,
         scale: float,
-        out: torch.Tensor,  # [Bd, Hq, D], written in place
-    ) -> None:
-        """All decoding sequences' attention in one kernel call (decodes come first in meta)."""
-        if query.shape[0] == 0:
-            return
-        target = (
-            out
-            if out.is_contiguous()
-            else torch.empty_like(query, memory_format=torch.contiguous_format)
-        )
+        out: torch.Tensor,  # [T, Hq, D]: the decodes' rows are written in place
+        k_scale: torch.Tensor | None,  # [num_blocks, block_size, Hkv]: quantized cache
+        v_scale: torch.Tensor | None,
+    ) -> int:
+        """All decoding sequences' attention in one kernel call; returns how many it did."""
+        num = meta.num_decodes
+        if num == 0:
+            return 0
+        decodes = out[:num]  # contiguous rows of a fresh contiguous tensor
         cpu_native.paged_decode_cpu(
-            target, query.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
-        )
-        if target is not out:
-            out.copy_(target)
+            decodes, query[:num].contiguous(), k_cache, v_cache, meta.block_tables,
+            meta.seq_lens, scale, k_scale, v_scale,
+        )  # fmt: skip
+        return num

@@ -39,17 +39,16 @@ class TorchAttentionBackend(AttentionBackend):
         others: one fused SDPA call)."""
         scales = (k_scale, v_scale)  # both None unless the cache is quantized
         store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping, *scales)
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        # Decodes are the first sequences, one token each; a subclass may take them all at once.
+        first = self._decodes(query, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
         # The step's block ids are built once (one int64 tensor for all sequences, shared by
         # every layer), so each sequence's gather is one index_select on a slice of it.
         # Gathering all sequences at once was measured slower on a CPU: the gathered context
         # falls out of cache before SDPA reads it (docs/benchmarks.md).
+        if first == meta.num_seqs:
+            return out
         ids, block_starts = context_blocks(meta, k_cache.shape[1])
-        out = torch.empty_like(query)
-        first = 0
-        if k_scale is None and k_cache.dtype == query.dtype:
-            first = meta.num_decodes  # decodes are the first sequences, one token each
-            self._decodes(query[:first], k_cache, v_cache, ids, block_starts, meta, scale,
-                          out[:first])  # fmt: skip
         start = first
         for b in range(first, meta.num_seqs):
             q_len, s_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
@@ -64,32 +63,37 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decodes(
         self,
-        query: torch.Tensor,  # [Bd, Hq, D]: one query token per decoding sequence
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], unquantized
+        query: torch.Tensor,  # [T, Hq, D]: the step's queries, decodes first
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
-        ids: torch.Tensor,  # the step's concatenated context block ids
-        block_starts: list[int],
         meta: AttentionMetadata,
         scale: float,
-        out: torch.Tensor,  # [Bd, Hq, D], written in place
-    ) -> None:
-        """One-token attention of each decoding sequence, gathered into reused buffers and
-        written straight into ``out``: per sequence two gathers and two bmm calls, which on a
-        CPU step of small sequences costs less than the per-call overhead it replaces."""
-        if query.shape[0] == 0:
-            return
+        out: torch.Tensor,  # [T, Hq, D]: rows of the decodes handled are written in place
+        k_scale: torch.Tensor | None,  # [num_blocks, block_size, Hkv]: quantized cache
+        v_scale: torch.Tensor | None,
+    ) -> int:
+        """Attend the first ``meta.num_decodes`` sequences' one query token each, gathered into
+        reused buffers and written straight into ``out``; return how many sequences were done
+        (0 for a quantized cache, which takes the general path). Per sequence two gathers and
+        two bmm calls, which on a CPU step of small sequences costs less than the per-call
+        overhead it replaces."""
+        num = meta.num_decodes
+        if num == 0 or k_scale is not None or k_cache.dtype != query.dtype:
+            return 0
+        ids, block_starts = context_blocks(meta, k_cache.shape[1])
         hq, d = query.shape[1:]
         hkv = k_cache.shape[2]
-        most = max(block_starts[b + 1] - block_starts[b] for b in range(query.shape[0]))
+        most = max(block_starts[b + 1] - block_starts[b] for b in range(num))
         k_buf, v_buf = self._buffer(k_cache, 0, most), self._buffer(v_cache, 1, most)
-        queries = query.view(-1, hkv, hq // hkv, d)  # a KV head's query-head group as rows
-        outs = out.view(-1, hkv, hq // hkv, d)
-        for b in range(query.shape[0]):
+        queries = query[:num].view(-1, hkv, hq // hkv, d)  # a KV head's query-head group as rows
+        outs = out[:num].view(-1, hkv, hq // hkv, d)
+        for b in range(num):
             seq_ids = ids[block_starts[b] : block_starts[b + 1]]
             n, s_len = seq_ids.shape[0], meta.seq_lens_cpu[b]
             k = gather_blocks(k_cache, seq_ids, s_len, out=k_buf[:n])
             v = gather_blocks(v_cache, seq_ids, s_len, out=v_buf[:n])
             decode_one_sequence_into(outs[b], queries[b], k, v, scale)
+        return num
 
     def _buffer(self, cache: torch.Tensor, which: int, num_blocks: int) -> torch.Tensor:
         """A reused [>= num_blocks, block_size, Hkv, D] buffer shaped like ``cache``'s blocks."""

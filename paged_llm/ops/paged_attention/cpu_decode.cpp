@@ -1,18 +1,22 @@
 // Paged decode attention for the CPU: one query token per sequence, read straight out of the
-// paged KV cache through the block table (no gathered copy), for float32 / bfloat16 / float16.
+// paged KV cache through the block table (no gathered copy). Queries and outputs are float32,
+// bfloat16 or float16; the cache is in the query's dtype, or quantized (int8 / fp8 e4m3 codes
+// with one float32 scale per token and KV head, as paged_llm/quant/kv_cache.py stores them).
 //
 // Registered as torch.ops.paged_llm.paged_decode_cpu; built on first use by
 // paged_llm/ops/paged_attention/cpu_native.py (torch.utils.cpp_extension, -O3 -march=native).
 // The readable reference it is tested against is paged_llm/ops/paged_attention/reference.py.
 //
 // Shapes: out, query [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
-// block_tables [B, max_blocks] int32; seq_lens [B] int32 (host tensor or not, read once).
+// block_tables [B, max_blocks] int32; seq_lens [B] int32; k_scale, v_scale (quantized cache
+// only) [num_blocks, block_size, Hkv] float32.
 //
 // Work split: one sequence per task, handed out dynamically (sequences differ in length), so a
 // task walks its blocks in address order, every KV head at once: each block of
 // block_size * Hkv * D contiguous values is read once for K and once for V, which keeps the
 // hardware prefetcher streaming. Scores live in a per-thread [Hq, seq_len] float buffer
-// (two-pass softmax: max, then exp and sum); the output accumulates in float32.
+// (two-pass softmax: max, then exp and sum); the output accumulates in float32. A vector's
+// scale factors out of its dot product (K) and its softmax weight (V), so codes are read as is.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +25,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -54,20 +59,41 @@ struct Scratch {
   std::vector<float> inv_sum;  // [Hq]
 };
 
-template <typename T>
-void decode_one_sequence(T* out,                 // [Hq, D]
-                         const T* query,         // [Hq, D]
-                         const T* k_cache,       // [num_blocks, block_size, Hkv, D]
-                         const T* v_cache,       //
+// What every sequence of one call shares.
+template <typename TC>
+struct Cache {
+  const TC* k;            // [num_blocks, block_size, Hkv, D]
+  const TC* v;            //
+  const float* k_scale;   // [num_blocks, block_size, Hkv], or nullptr: not quantized
+  const float* v_scale;   //
+  int64_t block_size, hkv, d;
+};
+
+// fn(t, token t's [Hkv, D] row of ``pool``, its [Hkv] scales or nullptr) for every token of a
+// sequence, in order: block by block, each block's rows in address order.
+template <typename TC, typename Fn>
+inline void for_each_token(const TC* pool, const float* scales, const Cache<TC>& cache,
+                           const int32_t* blocks, int64_t seq_len, Fn fn) {
+  const int64_t row = cache.hkv * cache.d;  // one token's values
+  for (int64_t t0 = 0; t0 < seq_len; t0 += cache.block_size) {
+    const int64_t id = blocks[t0 / cache.block_size];
+    const TC* rows = pool + id * cache.block_size * row;
+    const float* s = scales ? scales + id * cache.block_size * cache.hkv : nullptr;
+    const int64_t n = std::min(cache.block_size, seq_len - t0);
+    for (int64_t j = 0; j < n; ++j) fn(t0 + j, rows + j * row, s ? s + j * cache.hkv : nullptr);
+  }
+}
+
+template <typename TQ, typename TC>
+void decode_one_sequence(TQ* out,                // [Hq, D]
+                         const TQ* query,        // [Hq, D]
+                         const Cache<TC>& cache,
                          const int32_t* blocks,  // this sequence's block table
-                         int64_t seq_len, int64_t block_size, int64_t hq, int64_t hkv,
-                         int64_t d, float scale,
-                         Scratch& scratch) {
-  const int64_t group = hq / hkv;
-  const int64_t row = hkv * d;            // one token's values of one cache
-  const int64_t block = block_size * row;  // one block of one cache
+                         int64_t seq_len, int64_t hq, float scale, Scratch& scratch) {
+  const int64_t d = cache.d;
+  const int64_t group = hq / cache.hkv;
   if (seq_len <= 0) {  // nothing to attend to (never a real decode): zeros, not NaN
-    std::fill(out, out + hq * d, static_cast<T>(0.f));
+    std::fill(out, out + hq * d, static_cast<TQ>(0.f));
     return;
   }
   std::vector<float>& scores = scratch.scores;
@@ -81,15 +107,15 @@ void decode_one_sequence(T* out,                 // [Hq, D]
   // The query, scaled once, in float32: [Hq, D].
   for (int64_t i = 0; i < hq * d; ++i) q[i] = to_float(query[i]) * scale;
 
-  // Pass 1: scores[h, t] = q[h] . k[t, h / group], block by block.
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const T* kb = k_cache + static_cast<int64_t>(blocks[t0 / block_size]) * block;
-    const int64_t n = std::min(block_size, seq_len - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t h = 0; h < hq; ++h)
-        scores[h * seq_len + t0 + j] = dot(&q[h * d], kb + j * row + (h / group) * d, d);
-    }
-  }
+  // Pass 1: scores[h, t] = q[h] . k[t, h / group] (times the vector's scale).
+  for_each_token(cache.k, cache.k_scale, cache, blocks, seq_len,
+                 [&](int64_t t, const TC* k, const float* k_scale) {
+                   for (int64_t h = 0; h < hq; ++h) {
+                     const int64_t kh = h / group;
+                     const float s = dot(&q[h * d], k + kh * d, d);
+                     scores[h * seq_len + t] = k_scale ? s * k_scale[kh] : s;
+                   }
+                 });
   // Softmax over t for each query head, in place; keep 1 / sum for the end.
   for (int64_t h = 0; h < hq; ++h) {
     float* s = &scores[h * seq_len];
@@ -102,61 +128,99 @@ void decode_one_sequence(T* out,                 // [Hq, D]
     }
     inv_sum[h] = 1.f / sum;
   }
-  // Pass 2: acc[h] += p[h, t] * v[t, h / group], block by block.
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const T* vb = v_cache + static_cast<int64_t>(blocks[t0 / block_size]) * block;
-    const int64_t n = std::min(block_size, seq_len - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t h = 0; h < hq; ++h)
-        axpy(&acc[h * d], scores[h * seq_len + t0 + j], vb + j * row + (h / group) * d, d);
-    }
-  }
+  // Pass 2: acc[h] += p[h, t] * v[t, h / group] (times the vector's scale).
+  for_each_token(cache.v, cache.v_scale, cache, blocks, seq_len,
+                 [&](int64_t t, const TC* v, const float* v_scale) {
+                   for (int64_t h = 0; h < hq; ++h) {
+                     const int64_t kh = h / group;
+                     const float p = scores[h * seq_len + t];
+                     axpy(&acc[h * d], v_scale ? p * v_scale[kh] : p, v + kh * d, d);
+                   }
+                 });
   for (int64_t h = 0; h < hq; ++h)
-    for (int64_t i = 0; i < d; ++i) out[h * d + i] = static_cast<T>(acc[h * d + i] * inv_sum[h]);
+    for (int64_t i = 0; i < d; ++i)
+      out[h * d + i] = static_cast<TQ>(acc[h * d + i] * inv_sum[h]);
+}
+
+template <typename TQ, typename TC>
+void decode_batch(at::Tensor& out, const at::Tensor& query, const Cache<TC>& cache,
+                  const int32_t* tables, int64_t table_stride, const int32_t* lens, float scale) {
+  const int64_t batch = query.size(0), hq = query.size(1), d = query.size(2);
+  const TQ* q = query.data_ptr<TQ>();
+  TQ* o = out.data_ptr<TQ>();
+  std::atomic<int64_t> next{0};
+  // One task per thread; each pulls sequences from a shared counter until none are left.
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t b = next++; b < batch; b = next++)
+      decode_one_sequence<TQ, TC>(o + b * hq * d, q + b * hq * d, cache,
+                                  tables + b * table_stride, lens[b], hq, scale, scratch);
+  });
+}
+
+void check_scale(const std::optional<at::Tensor>& s, const at::Tensor& cache, const char* name) {
+  TORCH_CHECK(s.has_value(), "a quantized cache needs ", name);
+  TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 3 &&
+                  s->size(0) == cache.size(0) && s->size(1) == cache.size(1) &&
+                  s->size(2) == cache.size(2),
+              name, " must be a contiguous float32 [num_blocks, block_size, Hkv] tensor");
 }
 
 void paged_decode_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
-                      const at::Tensor& seq_lens, double scale) {
+                      const at::Tensor& seq_lens, double scale,
+                      const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [B, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "caches must be [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "query, out and caches must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type() &&
-                  v_cache.scalar_type() == query.scalar_type(),
-              "query, out and caches must share one dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "out must share query's dtype, and v_cache k_cache's");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   const int64_t batch = query.size(0), hq = query.size(1), d = query.size(2);
-  const int64_t block_size = k_cache.size(1), hkv = k_cache.size(2);
+  const int64_t hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "head_dim or head counts do not match");
   TORCH_CHECK(block_tables.size(0) >= batch && seq_lens.size(0) >= batch,
               "block_tables / seq_lens have fewer rows than the batch");
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  const bool quantized = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn;
+  TORCH_CHECK(quantized || cache_type == query.scalar_type(),
+              "the cache must be in the query's dtype, int8 or float8_e4m3fn");
+  if (quantized) {
+    check_scale(k_scale, k_cache, "k_scale");
+    check_scale(v_scale, v_cache, "v_scale");
+  }
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
-  const int64_t table_stride = tables.size(1);
+  const int64_t stride = tables.size(1);
+  const float qk_scale = static_cast<float>(scale);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode",
                                   [&] {
-    const scalar_t* q = query.data_ptr<scalar_t>();
-    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    std::atomic<int64_t> next{0};
-    // One task per thread; each pulls sequences from a shared counter until none are left.
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      Scratch scratch;
-      for (int64_t b = next++; b < batch; b = next++) {
-        decode_one_sequence<scalar_t>(o + b * hq * d, q + b * hq * d, kc, vc,
-                                      table_ptr + b * table_stride, len_ptr[b], block_size, hq,
-                                      hkv, d, static_cast<float>(scale), scratch);
-      }
-    });
+    auto run = [&](auto code) {  // code: a value of the cache's element type
+      using TC = decltype(code);
+      const Cache<TC> cache{k_cache.data_ptr<TC>(),
+                            v_cache.data_ptr<TC>(),
+                            quantized ? k_scale->data_ptr<float>() : nullptr,
+                            quantized ? v_scale->data_ptr<float>() : nullptr,
+                            k_cache.size(1),
+                            hkv,
+                            d};
+      decode_batch<scalar_t, TC>(out, query, cache, table_ptr, stride, len_ptr, qk_scale);
+    };
+    if (cache_type == at::kChar)
+      run(int8_t{});
+    else if (cache_type == at::kFloat8_e4m3fn)
+      run(c10::Float8_e4m3fn{});
+    else
+      run(scalar_t{});
   });
 }
 
@@ -165,7 +229,8 @@ void paged_decode_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor
 TORCH_LIBRARY(paged_llm, m) {
   m.def(
       "paged_decode_cpu(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+      "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(paged_llm, CPU, m) { m.impl("paged_decode_cpu", &paged_decode_cpu); }

@@ -98,13 +98,17 @@ def is_available() -> bool:
 def paged_decode_cpu(
     out: torch.Tensor,  # [B, Hq, D]: written in place
     query: torch.Tensor,  # [B, Hq, D]: one query token per sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]: query's dtype, int8 or fp8
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_tables: torch.Tensor,  # [>= B, max_blocks] int32
     seq_lens: torch.Tensor,  # [>= B] int32: context length including the query token
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] float32: quantized
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """One-token attention of each sequence over its paged context, written into ``out``."""
+    """One-token attention of each sequence over its paged context, written into ``out``
+    (a quantized cache is dequantized on the fly: code * scale of its token and head)."""
     load()
-    torch.ops.paged_llm.paged_decode_cpu(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                         scale)  # fmt: skip
+    torch.ops.paged_llm.paged_decode_cpu(
+        out, query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
+    )
