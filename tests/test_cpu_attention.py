@@ -170,3 +170,16 @@ def test_cpu_backend_is_the_cpu_default():
 def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch):
     monkeypatch.setattr(cpu_native, "is_available", lambda: False)
     assert auto_backend_name("cpu") == "torch"
+
+
+def test_cpu_attention_benchmark_writes_json(tmp_path):
+    from experiments import cpu_attention
+
+    result = cpu_attention.main(
+        ["--batch", "3", "--context", "40", "--threads", "1", "--repeats", "1",
+         "--out", str(tmp_path)]
+    )  # fmt: skip
+    (row,) = result["results"]
+    assert row["native_ms"] > 0 and row["torch_ms"] > 0 and row["read_ms"] > 0
+    assert row["max_abs_diff"] < 1e-5  # the two paths agree
+    assert result["mode"] == "real" and (tmp_path / "cpu_attention.json").exists()

@@ -149,9 +149,9 @@ class LLMEngine:
         tokens = num_blocks * cc.block_size
         logger.info(
             "KV cache: %d blocks x %d = %d tokens (%.2f GiB, %s); maximum concurrency for "
-            "%d-token requests: %.2fx",
+            "%d-token requests: %.2fx; attention backend: %s",
             num_blocks, cc.block_size, tokens, num_blocks * block_bytes / 2**30, kv_spec.dtype,
-            self.max_model_len, tokens / self.max_model_len,
+            self.max_model_len, tokens / self.max_model_len, self.backend.name,
         )  # fmt: skip
         self.kv_cache_tokens = tokens
         self._groups: dict[str, _Group] = {}  # user request id -> its samples
