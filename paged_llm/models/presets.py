@@ -28,6 +28,7 @@ from paged_llm.layers.norms import RMSNorm
 from paged_llm.models.base import head_dim_of, num_kv_heads_of
 from paged_llm.models.loader import instantiate_model
 from paged_llm.models.tokenizer_builder import DEFAULT_VOCAB_SIZE, build_tokenizer
+from paged_llm.recipes.cache import cache_root
 
 DEFAULT_PRESET = "tiny"
 MAX_MATERIALIZE_PARAMS = 1_500_000_000
@@ -207,11 +208,6 @@ def init_random_weights(model: nn.Module, std: float, seed: int) -> None:
         bias = getattr(module, "bias", None)
         if isinstance(bias, nn.Parameter):
             bias.zero_()
-
-
-def cache_root() -> Path:
-    """Where materialised presets are cached: $PAGED_LLM_CACHE, default ~/.cache/paged_llm."""
-    return Path(os.environ.get("PAGED_LLM_CACHE") or "~/.cache/paged_llm").expanduser()
 
 
 def default_model_dir() -> Path:
