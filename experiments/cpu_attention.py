@@ -15,16 +15,14 @@ passes counts. This is the measurement behind the ``cpu`` attention backend
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.attention.torch_backend import TorchAttentionBackend
-from paged_llm.metrics.run_info import run_info
+from paged_llm.metrics.run_info import run_info, write_json
 from paged_llm.ops.paged_attention import cpu_native
 
 # (layers, q heads, kv heads, head dim): experiments/throughput's random 25M Llama and the
@@ -141,10 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     result = run(args.shape, args.batch, args.context, args.threads, args.block_size,
                  args.repeats)  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_attention.json").write_text(json.dumps(result, indent=2))
-    print(f"wrote {out / 'cpu_attention.json'}")
+    print(f"wrote {write_json(args.out, 'cpu_attention.json', result)}")
     return result
 
 

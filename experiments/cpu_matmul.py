@@ -11,16 +11,14 @@ the same process; the fastest of ``--repeats`` passes counts. This is the measur
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from paged_llm.layers.cpu_linear import onednn_available
-from paged_llm.metrics.run_info import run_info
+from paged_llm.metrics.run_info import run_info, write_json
 
 # (hidden, intermediate, layers, q heads, kv heads, head dim, vocab): experiments/throughput's
 # random 25M Llama and the built-in trained target / draft (paged_llm.models.trained)
@@ -99,10 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not onednn_available():
         raise SystemExit("this PyTorch build has no oneDNN; nothing to compare")
     result = run(args.shape, args.rows, args.threads, args.repeats)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_matmul.json").write_text(json.dumps(result, indent=2))
-    print(f"wrote {out / 'cpu_matmul.json'}")
+    print(f"wrote {write_json(args.out, 'cpu_matmul.json', result)}")
     return result
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from paged_llm.metrics.run_info import write_json
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -296,10 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "all_ok": all(r["ok"] for r in rows),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kernel_compile.json").write_text(json.dumps(report, indent=2))
-    print(f"all_ok={report['all_ok']}  wrote {out / 'kernel_compile.json'}")
+    print(f"all_ok={report['all_ok']}  wrote {write_json(args.out, 'kernel_compile.json', report)}")
     return report
 
 

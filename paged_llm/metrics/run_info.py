@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -44,3 +46,12 @@ def run_info(mode: str, device: str = "cpu", hardware: str | None = None) -> dic
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
     }
+
+
+def write_json(out_dir: str | Path, filename: str, doc: dict[str, Any]) -> Path:
+    """Write ``doc`` as ``out_dir/filename`` (creating the directory); return the path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / filename
+    path.write_text(json.dumps(doc, indent=2))
+    return path
