@@ -72,17 +72,25 @@ def test_kernel_random_shapes():
         torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
-def test_kernel_same_result_on_any_thread_count():
-    """Each sequence is computed by one thread in a fixed order: results are bitwise equal."""
+@pytest.mark.parametrize(
+    ("seq_lens", "hkv"),
+    [([5, 300, 64, 17, 1, 90], 2), ([300], 4), ([300], 1), ([77, 200], 4), ([40, 9, 120], 8)],
+)
+def test_kernel_same_result_on_any_thread_count(seq_lens, hkv):
+    """Each head of each sequence is computed by one thread in a fixed order, whether tasks are
+    whole sequences or (fewer sequences than threads) slices of their KV heads: results are
+    bitwise equal for any thread count, and match the reference."""
     threads = torch.get_num_threads()
+    outs = []
     try:
-        torch.set_num_threads(1)
-        one, _ = run_kernel([5, 300, 64, 17, 1, 90], 16, 8, 2, 64, torch.float32)
-        torch.set_num_threads(2)
-        two, _ = run_kernel([5, 300, 64, 17, 1, 90], 16, 8, 2, 64, torch.float32)
+        for n in (1, 2, 3, 8):  # 3 and 8 threads on 2 cores: more tasks than KV heads too
+            torch.set_num_threads(n)
+            out, expected = run_kernel(seq_lens, 16, 2 * hkv, hkv, 64, torch.float32)
+            torch.testing.assert_close(out, expected, **TOL[torch.float32])
+            outs.append(out)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_kernel_rejects_bad_arguments():

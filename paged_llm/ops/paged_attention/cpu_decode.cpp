@@ -11,12 +11,14 @@
 // block_tables [B, max_blocks] int32; seq_lens [B] int32; k_scale, v_scale (quantized cache
 // only) [num_blocks, block_size, Hkv] float32.
 //
-// Work split: one sequence per task, handed out dynamically (sequences differ in length), so a
-// task walks its blocks in address order, every KV head at once: each block of
-// block_size * Hkv * D contiguous values is read once for K and once for V, and the rows a
-// few tokens ahead are requested early (kPrefetchTokens), across block jumps. Scores live in a per-thread [Hq, seq_len] float buffer
-// (two-pass softmax: max, then exp and sum); the output accumulates in float32. A vector's
-// scale factors out of its dot product (K) and its softmax weight (V), so codes are read as is.
+// Work split: one sequence per task (a slice of its KV heads when there are fewer sequences
+// than threads), handed out dynamically since sequences differ in length. A task walks its
+// blocks in address order, all its KV heads at once: each block of block_size * Hkv * D
+// contiguous values is read once for K and once for V, and the rows a few tokens ahead are
+// requested early (kPrefetchTokens), across block jumps. Scores live in a per-thread
+// [heads, seq_len] float buffer (two-pass softmax: max, then exp and sum); the output
+// accumulates in float32. A vector's scale factors out of its dot product (K) and its softmax
+// weight (V), so codes are read as is.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -85,55 +87,64 @@ inline void prefetch_to_l2(const TC* row, int64_t count) {
 }
 
 // fn(t, token t's [Hkv, D] row of ``pool``, its [Hkv] scales or nullptr) for every token of a
-// sequence, in order: block by block, each block's rows in address order.
+// sequence, in order: block by block, each block's rows in address order. Only KV heads
+// [kh0, kh1) are prefetched: those are the ones the caller reads.
 template <typename TC, typename Fn>
 inline void for_each_token(const TC* pool, const float* scales, const Cache<TC>& cache,
-                           const int32_t* blocks, int64_t seq_len, Fn fn) {
+                           const int32_t* blocks, int64_t seq_len, int64_t kh0, int64_t kh1,
+                           Fn fn) {
   const int64_t row = cache.hkv * cache.d;  // one token's values
   const int64_t bs = cache.block_size;
   auto row_of = [&](int64_t t) { return pool + (blocks[t / bs] * bs + t % bs) * row; };
   for (int64_t t = 0; t < seq_len; ++t) {
-    if (t + kPrefetchTokens < seq_len) prefetch_to_l2(row_of(t + kPrefetchTokens), row);
+    if (t + kPrefetchTokens < seq_len)
+      prefetch_to_l2(row_of(t + kPrefetchTokens) + kh0 * cache.d, (kh1 - kh0) * cache.d);
     const float* s = scales ? scales + (blocks[t / bs] * bs + t % bs) * cache.hkv : nullptr;
     fn(t, row_of(t), s);
   }
 }
 
+// Attention of one sequence's query heads that read KV heads [kh0, kh1).
 template <typename TQ, typename TC>
-void decode_one_sequence(TQ* out,                // [Hq, D]
+void decode_one_sequence(TQ* out,                // [Hq, D]: this sequence's output
                          const TQ* query,        // [Hq, D]
                          const Cache<TC>& cache,
                          const int32_t* blocks,  // this sequence's block table
-                         int64_t seq_len, int64_t hq, float scale, Scratch& scratch) {
+                         int64_t seq_len, int64_t hq, int64_t kh0, int64_t kh1, float scale,
+                         Scratch& scratch) {
   const int64_t d = cache.d;
   const int64_t group = hq / cache.hkv;
+  const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;  // query heads [h0, h0 + nh)
+  out += h0 * d;
+  query += h0 * d;
   if (seq_len <= 0) {  // nothing to attend to (never a real decode): zeros, not NaN
-    std::fill(out, out + hq * d, static_cast<TQ>(0.f));
+    std::fill(out, out + nh * d, static_cast<TQ>(0.f));
     return;
   }
+  // Buffers index the query heads from h0: row i is query head h0 + i.
   std::vector<float>& scores = scratch.scores;
   std::vector<float>& acc = scratch.acc;
   std::vector<float>& q = scratch.q;
   std::vector<float>& inv_sum = scratch.inv_sum;
-  if (scores.size() < static_cast<size_t>(hq * seq_len)) scores.resize(hq * seq_len);
-  acc.assign(hq * d, 0.f);
-  q.resize(hq * d);
-  inv_sum.resize(hq);
-  // The query, scaled once, in float32: [Hq, D].
-  for (int64_t i = 0; i < hq * d; ++i) q[i] = to_float(query[i]) * scale;
+  if (scores.size() < static_cast<size_t>(nh * seq_len)) scores.resize(nh * seq_len);
+  acc.assign(nh * d, 0.f);
+  q.resize(nh * d);
+  inv_sum.resize(nh);
+  // The query, scaled once, in float32: [nh, D].
+  for (int64_t i = 0; i < nh * d; ++i) q[i] = to_float(query[i]) * scale;
 
-  // Pass 1: scores[h, t] = q[h] . k[t, h / group] (times the vector's scale).
-  for_each_token(cache.k, cache.k_scale, cache, blocks, seq_len,
+  // Pass 1: scores[i, t] = q[i] . k[t, (h0 + i) / group] (times the vector's scale).
+  for_each_token(cache.k, cache.k_scale, cache, blocks, seq_len, kh0, kh1,
                  [&](int64_t t, const TC* k, const float* k_scale) {
-                   for (int64_t h = 0; h < hq; ++h) {
-                     const int64_t kh = h / group;
-                     const float s = dot(&q[h * d], k + kh * d, d);
-                     scores[h * seq_len + t] = k_scale ? s * k_scale[kh] : s;
+                   for (int64_t i = 0; i < nh; ++i) {
+                     const int64_t kh = (h0 + i) / group;
+                     const float s = dot(&q[i * d], k + kh * d, d);
+                     scores[i * seq_len + t] = k_scale ? s * k_scale[kh] : s;
                    }
                  });
   // Softmax over t for each query head, in place; keep 1 / sum for the end.
-  for (int64_t h = 0; h < hq; ++h) {
-    float* s = &scores[h * seq_len];
+  for (int64_t i = 0; i < nh; ++i) {
+    float* s = &scores[i * seq_len];
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < seq_len; ++t) m = std::max(m, s[t]);
     float sum = 0.f;
@@ -141,35 +152,47 @@ void decode_one_sequence(TQ* out,                // [Hq, D]
       s[t] = std::exp(s[t] - m);
       sum += s[t];
     }
-    inv_sum[h] = 1.f / sum;
+    inv_sum[i] = 1.f / sum;
   }
-  // Pass 2: acc[h] += p[h, t] * v[t, h / group] (times the vector's scale).
-  for_each_token(cache.v, cache.v_scale, cache, blocks, seq_len,
+  // Pass 2: acc[i] += p[i, t] * v[t, (h0 + i) / group] (times the vector's scale).
+  for_each_token(cache.v, cache.v_scale, cache, blocks, seq_len, kh0, kh1,
                  [&](int64_t t, const TC* v, const float* v_scale) {
-                   for (int64_t h = 0; h < hq; ++h) {
-                     const int64_t kh = h / group;
-                     const float p = scores[h * seq_len + t];
-                     axpy(&acc[h * d], v_scale ? p * v_scale[kh] : p, v + kh * d, d);
+                   for (int64_t i = 0; i < nh; ++i) {
+                     const int64_t kh = (h0 + i) / group;
+                     const float p = scores[i * seq_len + t];
+                     axpy(&acc[i * d], v_scale ? p * v_scale[kh] : p, v + kh * d, d);
                    }
                  });
-  for (int64_t h = 0; h < hq; ++h)
-    for (int64_t i = 0; i < d; ++i)
-      out[h * d + i] = static_cast<TQ>(acc[h * d + i] * inv_sum[h]);
+  for (int64_t i = 0; i < nh; ++i)
+    for (int64_t j = 0; j < d; ++j)
+      out[i * d + j] = static_cast<TQ>(acc[i * d + j] * inv_sum[i]);
 }
 
 template <typename TQ, typename TC>
 void decode_batch(at::Tensor& out, const at::Tensor& query, const Cache<TC>& cache,
                   const int32_t* tables, int64_t table_stride, const int32_t* lens, float scale) {
   const int64_t batch = query.size(0), hq = query.size(1), d = query.size(2);
+  const int64_t threads = at::get_num_threads();
+  // A task is one sequence, or with fewer sequences than threads a slice of its KV heads, so
+  // that a lone long sequence still uses every thread. Each head's result is the same either
+  // way: the split changes who computes it, not how.
+  const int64_t parts = std::min(cache.hkv, std::max<int64_t>(1, (threads + batch - 1) / batch));
+  const int64_t heads_per_part = (cache.hkv + parts - 1) / parts;
+  const int64_t tasks = batch * parts;
   const TQ* q = query.data_ptr<TQ>();
   TQ* o = out.data_ptr<TQ>();
   std::atomic<int64_t> next{0};
-  // One task per thread; each pulls sequences from a shared counter until none are left.
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  // One worker per thread; each pulls tasks from a shared counter until none are left.
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch;
-    for (int64_t b = next++; b < batch; b = next++)
+    for (int64_t task = next++; task < tasks; task = next++) {
+      const int64_t b = task / parts, kh0 = (task % parts) * heads_per_part;
+      const int64_t kh1 = std::min(cache.hkv, kh0 + heads_per_part);
+      if (kh0 >= kh1) continue;
       decode_one_sequence<TQ, TC>(o + b * hq * d, q + b * hq * d, cache,
-                                  tables + b * table_stride, lens[b], hq, scale, scratch);
+                                  tables + b * table_stride, lens[b], hq, kh0, kh1, scale,
+                                  scratch);
+    }
   });
 }
 
