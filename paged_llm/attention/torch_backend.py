@@ -42,12 +42,12 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         # Decodes are the first sequences, one token each; a subclass may take them all at once.
         first = self._decodes(query, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
+        if first == meta.num_seqs:
+            return out
         # The step's block ids are built once (one int64 tensor for all sequences, shared by
         # every layer), so each sequence's gather is one index_select on a slice of it.
         # Gathering all sequences at once was measured slower on a CPU: the gathered context
         # falls out of cache before SDPA reads it (docs/benchmarks.md).
-        if first == meta.num_seqs:
-            return out
         ids, block_starts = context_blocks(meta, k_cache.shape[1])
         start = first
         for b in range(first, meta.num_seqs):

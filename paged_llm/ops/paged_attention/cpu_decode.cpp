@@ -53,12 +53,12 @@ inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t 
   for (int64_t i = 0; i < d; ++i) acc[i] += p * to_float(v[i]);
 }
 
-// Per-thread buffers, reused across the sequences a thread handles.
+// Per-thread buffers, reused across the tasks a thread handles (nh: the task's query heads).
 struct Scratch {
-  std::vector<float> scores;   // [Hq, seq_len]
-  std::vector<float> acc;      // [Hq, D]
-  std::vector<float> q;        // [Hq, D]: the scaled query in float32
-  std::vector<float> inv_sum;  // [Hq]
+  std::vector<float> scores;   // [nh, seq_len]
+  std::vector<float> acc;      // [nh, D]
+  std::vector<float> q;        // [nh, D]: the scaled query in float32
+  std::vector<float> inv_sum;  // [nh]
 };
 
 // What every sequence of one call shares.
@@ -95,12 +95,13 @@ inline void for_each_token(const TC* pool, const float* scales, const Cache<TC>&
                            Fn fn) {
   const int64_t row = cache.hkv * cache.d;  // one token's values
   const int64_t bs = cache.block_size;
-  auto row_of = [&](int64_t t) { return pool + (blocks[t / bs] * bs + t % bs) * row; };
+  auto slot_of = [&](int64_t t) { return blocks[t / bs] * bs + t % bs; };  // in the pool
   for (int64_t t = 0; t < seq_len; ++t) {
     if (t + kPrefetchTokens < seq_len)
-      prefetch_to_l2(row_of(t + kPrefetchTokens) + kh0 * cache.d, (kh1 - kh0) * cache.d);
-    const float* s = scales ? scales + (blocks[t / bs] * bs + t % bs) * cache.hkv : nullptr;
-    fn(t, row_of(t), s);
+      prefetch_to_l2(pool + slot_of(t + kPrefetchTokens) * row + kh0 * cache.d,
+                     (kh1 - kh0) * cache.d);
+    const int64_t slot = slot_of(t);
+    fn(t, pool + slot * row, scales ? scales + slot * cache.hkv : nullptr);
   }
 }
 
@@ -176,8 +177,9 @@ void decode_batch(at::Tensor& out, const at::Tensor& query, const Cache<TC>& cac
   // A task is one sequence, or with fewer sequences than threads a slice of its KV heads, so
   // that a lone long sequence still uses every thread. Each head's result is the same either
   // way: the split changes who computes it, not how.
-  const int64_t parts = std::min(cache.hkv, std::max<int64_t>(1, (threads + batch - 1) / batch));
-  const int64_t heads_per_part = (cache.hkv + parts - 1) / parts;
+  const int64_t wanted = std::min(cache.hkv, std::max<int64_t>(1, (threads + batch - 1) / batch));
+  const int64_t heads_per_part = (cache.hkv + wanted - 1) / wanted;
+  const int64_t parts = (cache.hkv + heads_per_part - 1) / heads_per_part;  // none left empty
   const int64_t tasks = batch * parts;
   const TQ* q = query.data_ptr<TQ>();
   TQ* o = out.data_ptr<TQ>();
@@ -188,7 +190,6 @@ void decode_batch(at::Tensor& out, const at::Tensor& query, const Cache<TC>& cac
     for (int64_t task = next++; task < tasks; task = next++) {
       const int64_t b = task / parts, kh0 = (task % parts) * heads_per_part;
       const int64_t kh1 = std::min(cache.hkv, kh0 + heads_per_part);
-      if (kh0 >= kh1) continue;
       decode_one_sequence<TQ, TC>(o + b * hq * d, q + b * hq * d, cache,
                                   tables + b * table_stride, lens[b], hq, kh0, kh1, scale,
                                   scratch);
