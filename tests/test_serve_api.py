@@ -285,6 +285,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 300}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": [5, 999999]}, 400, None),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, None),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
@@ -313,6 +318,27 @@ def test_errors_reach_the_official_client_and_others_are_unaffected(client):
         client.completions.create(model="no-such-model", prompt="hi")
     r = client.completions.create(model=MODEL, prompt="still here", max_tokens=3, **greedy())
     assert r.usage.completion_tokens == 3
+
+
+def test_penalties_and_logit_bias_reach_the_engine(client, chat_model_dir):
+    """The OpenAI fields (and vLLM's repetition_penalty) give what the engine gives with the
+    same SamplingParams, which differs from the output without them."""
+    from paged_llm import LLM, SamplingParams
+
+    prompt = [5, 6, 7, 8] * 3
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5,
+        logit_bias={"7": 5.0}, temperature=0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+    )  # fmt: skip
+    llm = LLM(str(chat_model_dir), max_model_len=256, cpu_kv_cache_gib=0.05)
+    base = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    shaped = SamplingParams(**base, frequency_penalty=1.5, presence_penalty=0.5,
+                            repetition_penalty=1.3, logit_bias={7: 5.0})  # fmt: skip
+    want, plain = (llm.generate({"prompt_token_ids": prompt}, p, use_tqdm=False)[0].outputs[0]
+                   for p in (shaped, SamplingParams(**base)))  # fmt: skip
+    assert r.choices[0].text == want.text
+    assert want.token_ids != plain.token_ids
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):

@@ -180,6 +180,82 @@ def test_sampled_speculation_keeps_the_target_distribution(tmp_path):
     assert chi2 < 20.5  # 99.9% quantile, 5 degrees of freedom
 
 
+SHAPED = dict(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=-0.3,
+              logit_bias={40: 3.0})  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_speculation_is_exact_with_penalties_and_min_tokens(tiny_llama, draft_dir, method):
+    """Verification scores draft i after drafts 0..i-1, so each row sees its own history:
+    penalties count the drafts before it, and EOS is held back only until min_tokens."""
+    kw = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(draft_dir)
+    plain, specd = (
+        LLM(str(tiny_llama[0]), **kw),
+        LLM(str(tiny_llama[0]), speculative_config=spec, **kw),
+    )
+    eos = plain.llm_engine.eos_token_id
+    cases = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **SHAPED),
+        # EOS is the argmax from the first step on: the output stops right after min_tokens
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=5, logit_bias={eos: 100.0}),
+    ]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for sp in cases:
+        assert ids_of(specd.generate(prompts, sp)) == ids_of(plain.generate(prompts, sp))
+    assert specd.llm_engine.spec_stats.num_draft_tokens > 0
+    assert [len(t) for t in ids_of(plain.generate(prompts, cases[1]))] == [6] * len(PROMPTS)
+
+
+def test_self_draft_with_penalties_accepts_everything(tiny_llama):
+    """The target as its own draft: every draft is accepted only if drafter and verifier both
+    shape row i by the output plus drafts 0..i-1 (penalties, and EOS allowed from min_tokens)."""
+    kw = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01)
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_llama[0])}
+    plain, specd = (
+        LLM(str(tiny_llama[0]), **kw),
+        LLM(str(tiny_llama[0]), speculative_config=spec, **kw),
+    )
+    eos = plain.llm_engine.eos_token_id
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for sp in [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **SHAPED),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=2, logit_bias={eos: 100.0}),
+    ]:
+        assert ids_of(specd.generate(prompts, sp)) == ids_of(plain.generate(prompts, sp))
+    stats = specd.llm_engine.spec_stats
+    assert stats.num_accepted_tokens > 20 and stats.acceptance_rate == 1.0
+
+
+def test_sampled_speculation_with_penalties_keeps_the_target_distribution(tmp_path):
+    """As above, on the third token, whose distribution the penalties make depend on the
+    first two (which verification may have accepted as drafts)."""
+    target = save_llama(tmp_path / "t", vocab=6, hidden=32, layers=1, seed=0)
+    draft = save_llama(tmp_path / "d", vocab=6, hidden=32, layers=1, seed=5)
+    n = 600
+    prompts = [{"prompt_token_ids": [1, 2, 3]}] * n
+    shaped = dict(temperature=1.0, max_tokens=3, ignore_eos=True, repetition_penalty=2.0,
+                  presence_penalty=1.0)  # fmt: skip
+    kw = dict(block_size=4, max_model_len=32, cpu_kv_cache_gib=0.01)
+    plain = LLM(str(target), **kw).generate(
+        prompts, [SamplingParams(seed=s, **shaped) for s in range(n)]
+    )
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(draft)}
+    llm = LLM(str(target), speculative_config=spec, **kw)
+    specd = llm.generate(prompts, [SamplingParams(seed=10_000 + s, **shaped) for s in range(n)])
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+    chi2 = 0.0
+    a_counts = Counter(o[2] for o in ids_of(plain))
+    b_counts = Counter(o[2] for o in ids_of(specd))
+    for t in range(6):
+        a, b = a_counts[t], b_counts[t]
+        if a + b:
+            chi2 += (a - b) ** 2 / (a + b)
+    assert chi2 < 20.5  # 99.9% quantile, 5 degrees of freedom
+
+
 def test_bad_speculative_config(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(str(tiny_llama[0]), speculative_config={"method": "ngram"}, cpu_kv_cache_gib=0.01)

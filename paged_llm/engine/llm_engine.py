@@ -221,6 +221,12 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary")
+        bad_bias = [t for t in params.logit_bias or {} if not t < self.vocab_size]
+        if bad_bias:
+            raise ValueError(
+                f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
         arrival = self.clock() if arrival_time is None else arrival_time
         members = []
         for i in range(params.n):
@@ -306,8 +312,7 @@ class LLMEngine:
         out = self.scheduler.schedule(self.clock())
         self._fork_samples(out)
         draft_probs = self._propose_drafts(out)
-        banned = self._banned_tokens(out)
-        results = self.runner.execute(out, banned, draft_probs)
+        results = self.runner.execute(out, draft_probs)
         now = self.clock()
         sampled = {rid: r.token_ids for rid, r in results.items()}
         for r in results.values():
@@ -372,19 +377,6 @@ class LLMEngine:
             stats.num_running, stats.num_swapped, stats.num_waiting, 100 * stats.kv_usage,
             stats.num_batched_tokens, self.scheduler.num_preemptions_total,
         )  # fmt: skip
-
-    def _banned_tokens(self, out: Any) -> dict[str, list[int]]:
-        """Tokens that may not be sampled yet: EOS and stop ids before min_tokens."""
-        banned = {}
-        for s in out.scheduled:
-            req = s.request
-            p = req.sampling_params
-            if req.num_output_tokens < p.min_tokens:
-                stops = list(p.stop_token_ids)
-                if self.eos_token_id is not None and not p.ignore_eos:
-                    stops.append(self.eos_token_id)
-                banned[req.request_id] = stops
-        return banned
 
     @staticmethod
     def _record_logprobs(tracked: _Tracked, result: Any) -> None:

@@ -228,10 +228,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self,
-        out: SchedulerOutput,
-        banned: dict[str, list[int]] | None = None,
-        draft_probs: dict[str, torch.Tensor] | None = None,
+        self, out: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None
     ) -> dict[str, SampleResult]:
         """Run one step: move blocks, forward the batch, sample (or verify drafts) where due.
 
@@ -246,20 +243,18 @@ class ModelRunner:
         row = 0
         for s, n_rows in zip(sampling, batch.rows_per_request):
             req = s.request
-            ban = (banned or {}).get(req.request_id, [])
             if req.spec_token_ids:
                 results[req.request_id] = self.sampler.verify(
-                    logits[row : row + n_rows], req.request_id, req.sampling_params,
-                    req.spec_token_ids, (draft_probs or {}).get(req.request_id), ban,
+                    logits[row : row + n_rows], req, req.spec_token_ids,
+                    (draft_probs or {}).get(req.request_id),
                 )  # fmt: skip
             else:
                 plain_rows.append(row)
-                plain.append((req.request_id, req.sampling_params, ban))
+                plain.append(req)
             row += n_rows
         if plain:
-            ids, params, bans = map(list, zip(*plain))
-            sampled = self.sampler(logits[plain_rows], ids, params, bans)
-            results.update(zip(ids, sampled))
+            sampled = self.sampler(logits[plain_rows], plain)
+            results.update((req.request_id, r) for req, r in zip(plain, sampled))
         return results
 
     @torch.inference_mode()

@@ -1,11 +1,18 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Each request's own logits changes (min-tokens ban, logit bias, penalties) happen first, in
+``logits_processors.py``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from paged_llm.core.request import Request
+from paged_llm.runner.logits_processors import needs_processing, process_logits
 from paged_llm.sampling_params import SamplingParams
 
 
@@ -76,22 +83,24 @@ class Sampler:
     def verify(
         self,
         logits: torch.Tensor,  # [k + 1, V]: after the last token and after each draft
-        request_id: str,
-        params: SamplingParams,
+        request: Request,
         drafts: list[int],
         draft_probs: torch.Tensor | None,  # [k, V], or None for deterministic drafts
-        banned: list[int],
     ) -> SampleResult:
         """Accept a prefix of the drafts exactly (rejection sampling) plus one more token."""
         from paged_llm.spec.rejection import verify_greedy, verify_sampled
 
+        params = request.sampling_params
         logits = logits.float()
-        if banned:
-            logits[:, banned] = float("-inf")
+        if needs_processing(params, request.num_output_tokens):
+            # row i scores the token after drafts[:i], so its history includes them
+            out = request.output_token_ids
+            histories = [out + drafts[:i] for i in range(len(drafts) + 1)]
+            process_request_rows(logits, request, histories)
         if params.greedy:
             tokens = verify_greedy(logits, drafts)
         else:
-            gen = self._generator(request_id, params)
+            gen = self._generator(request.request_id, params)
             tokens = verify_sampled(self.probs(logits, params), draft_probs, drafts, gen)
         lp = None
         if params.logprobs is not None:
@@ -101,22 +110,21 @@ class Sampler:
 
     def __call__(
         self,
-        logits: torch.Tensor,  # [N, V] float32
-        request_ids: list[str],
-        params: list[SamplingParams],
-        banned: list[list[int]],  # per row: tokens masked out (EOS before min_tokens)
+        logits: torch.Tensor,  # [N, V]: row i is the next-token logits of requests[i]
+        requests: Sequence[Request],
     ) -> list[SampleResult]:
         """Choose one token per row."""
         logits = logits.float()
-        for row, ban in enumerate(banned):
-            if ban:
-                logits[row, ban] = float("-inf")
+        for row, req in enumerate(requests):
+            if needs_processing(req.sampling_params, req.num_output_tokens):
+                process_request_rows(logits[row : row + 1], req, [req.output_token_ids])
+        params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = logits.log_softmax(-1) if want_logprobs else None
         greedy = logits.argmax(-1).tolist()
         results = []
         cpu_logits = None
-        for row, (rid, p) in enumerate(zip(request_ids, params)):
+        for row, (req, p) in enumerate(zip(requests, params)):
             if p.greedy:
                 token = greedy[row]
             else:
@@ -126,7 +134,8 @@ class Sampler:
                     cpu_logits[row] / p.temperature, p.top_k, p.top_p, p.min_p
                 )
                 probs = scaled.softmax(-1)
-                token = int(torch.multinomial(probs, 1, generator=self._generator(rid, p)))
+                gen = self._generator(req.request_id, p)
+                token = int(torch.multinomial(probs, 1, generator=gen))
             results.append(SampleResult(token, self._logprobs(logprobs, row, token, p)))
         return results
 
@@ -141,3 +150,15 @@ class Sampler:
             top = torch.topk(logprobs[row], p.logprobs)
             out.update(zip(top.indices.tolist(), top.values.tolist()))
         return out
+
+
+def process_request_rows(
+    logits: torch.Tensor,  # [R, V] float32 rows of one request, changed in place
+    request: Request,
+    outputs: Sequence[Sequence[int]],  # per row: the output tokens before it
+) -> torch.Tensor:
+    """``logits_processors.process_logits`` for a request's rows, skipped when it is a no-op."""
+    params = request.sampling_params
+    if not needs_processing(params, min(len(o) for o in outputs)):
+        return logits
+    return process_logits(logits, params, request.prompt_token_ids, outputs, request.eos_token_id)

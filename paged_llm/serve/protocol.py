@@ -117,12 +117,7 @@ def parse_request(raw: bytes, model_cls: type[BaseModel]) -> Any:
 
 def _reject_unsupported(req: _GenerationRequest) -> None:
     """Fields we parse but cannot honour yet: refuse rather than silently ignore them."""
-    checks = [
-        ("presence_penalty", req.presence_penalty not in (None, 0.0)),
-        ("frequency_penalty", req.frequency_penalty not in (None, 0.0)),
-        ("repetition_penalty", req.repetition_penalty not in (None, 1.0)),
-        ("logit_bias", bool(req.logit_bias)),
-    ]
+    checks: list[tuple[str, bool]] = []
     if isinstance(req, CompletionRequest):
         checks += [
             ("echo", req.echo),
@@ -182,9 +177,26 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias),
         )
     except ValueError as err:
         raise BadRequest(str(err), param=_param_of(str(err))) from None
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, i.e. strings."""
+    out = {}
+    for token, bias in (raw or {}).items():
+        try:
+            out[int(token)] = bias
+        except ValueError:
+            raise BadRequest(
+                f"logit_bias keys must be token ids, got {token!r}", param="logit_bias"
+            ) from None
+    return out or None
 
 
 def _chat_logprobs(req: ChatCompletionRequest, max_logprobs: int) -> int | None:

@@ -14,7 +14,7 @@ import torch
 from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import allocate_kv_caches, kv_bytes_per_block
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.runner.sampler import process_request_rows
 
 
 class DraftModelDrafter:
@@ -82,8 +82,7 @@ class DraftModelDrafter:
             logits = self._forward([feeds[i] for i in live], [starts[i] for i in live],
                                    [entries[i].block_table for i in live])  # fmt: skip
             for row, i in enumerate(live):
-                tok, q = self._choose(logits[row], reqs[i].sampling_params, sampler,
-                                      reqs[i].request_id)  # fmt: skip
+                tok, q = self._choose(logits[row], reqs[i], drafts[i], sampler)
                 drafts[i].append(tok)
                 probs[i].append(q)
                 starts[i] += len(feeds[i])
@@ -118,12 +117,20 @@ class DraftModelDrafter:
 
     @staticmethod
     def _choose(
-        logits: torch.Tensor, params: SamplingParams, sampler: Any, request_id: str
+        logits: torch.Tensor,  # [V]
+        request: Any,
+        drafted: list[int],  # this step's drafts so far
+        sampler: Any,
     ) -> tuple[int, torch.Tensor | None]:
         """Greedy target: the draft's argmax. Sampling: a draw from the draft's q, kept for the
-        acceptance test min(1, p/q)."""
+        acceptance test min(1, p/q). The request's penalties and bias shape the draft's logits
+        as they will the target's, so drafts follow what the target is asked to produce."""
+        params = request.sampling_params
+        logits = process_request_rows(
+            logits[None].float(), request, [request.output_token_ids + drafted]
+        )[0]
         if params.greedy:
             return int(logits.argmax()), None
         q = sampler.probs(logits[None], params)[0]
-        gen = sampler._generator(request_id, params)
+        gen = sampler._generator(request.request_id, params)
         return int(torch.multinomial(q, 1, generator=gen)), q

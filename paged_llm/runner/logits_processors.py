@@ -1,0 +1,96 @@
+"""Per-request changes to the logits before a token is chosen, with vLLM's semantics.
+
+In the order applied:
+
+1. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are masked while the
+   output is shorter than ``min_tokens``.
+2. ``logit_bias``: ``{token_id: bias}`` added to the logits (OpenAI's field).
+3. ``repetition_penalty`` r (CTRL, Keskar et al. 2019; transformers' and vLLM's form): every
+   token seen in the prompt or the output has a positive logit divided by r, a negative one
+   multiplied by r.
+4. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): ``logit -= f * count + p *
+   (count > 0)``, with ``count`` the token's occurrences in the output only.
+
+Temperature, top-k/p and min-p (``sampler.py``) come after. Every row of one call belongs to one
+request; row i may have seen more output than row 0 (speculative verification scores a draft
+after the drafts before it), so each row gets its own output history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from paged_llm.sampling_params import SamplingParams
+
+
+def min_tokens_ban(params: SamplingParams, eos_token_id: int | None) -> list[int]:
+    """Tokens masked while the output is shorter than ``params.min_tokens``."""
+    ban = list(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        ban.append(eos_token_id)
+    return ban
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    """True when the output history changes the logits (any of the three penalties)."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
+
+
+def needs_processing(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether :func:`process_logits` would change a row (cheap; most requests skip it)."""
+    return num_output_tokens < params.min_tokens or bool(params.logit_bias) or has_penalties(params)
+
+
+def process_logits(
+    logits: torch.Tensor,  # [R, V] float32, changed in place
+    params: SamplingParams,
+    prompt_token_ids: Sequence[int],
+    outputs: Sequence[Sequence[int]],  # per row: the output tokens that precede it
+    eos_token_id: int | None,
+) -> torch.Tensor:  # [R, V], the same tensor
+    """Apply one request's min-tokens ban, logit bias and penalties to its rows."""
+    if len(outputs) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits but {len(outputs)} histories")
+    ban = min_tokens_ban(params, eos_token_id)
+    for row, out in enumerate(outputs):
+        if len(out) < params.min_tokens and ban:
+            logits[row, ban] = float("-inf")
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)
+        logits[:, ids] += bias.to(logits.dtype)
+    if has_penalties(params):
+        _apply_penalties(logits, params, prompt_token_ids, outputs)
+    return logits
+
+
+def _apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_token_ids: Sequence[int],
+    outputs: Sequence[Sequence[int]],
+) -> None:
+    vocab = logits.shape[-1]
+    dev = logits.device
+    counts = torch.stack(
+        [
+            torch.bincount(torch.tensor(list(out), dtype=torch.long), minlength=vocab)
+            for out in outputs
+        ]
+    ).to(dev, logits.dtype)  # [R, V] occurrences in each row's output
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[:, torch.tensor(list(prompt_token_ids), dtype=torch.long, device=dev)] = True
+        r = params.repetition_penalty
+        penalized = torch.where(logits > 0, logits / r, logits * r)
+        logits.copy_(torch.where(seen, penalized, logits))
+    if params.frequency_penalty != 0.0:
+        logits -= params.frequency_penalty * counts
+    if params.presence_penalty != 0.0:
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)

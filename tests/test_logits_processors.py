@@ -1,0 +1,190 @@
+"""Per-request logits changes (min_tokens, logit_bias, repetition / frequency / presence
+penalties): against a plain-Python reference, and end to end against transformers."""
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_llm import LLM, SamplingParams
+from paged_llm.runner.logits_processors import process_logits
+
+VOCAB = 16
+EOS = 2
+
+
+def reference_row(logits, params, prompt, output, eos):
+    """One row, written out token by token from the definitions in vLLM's docs."""
+    out = list(logits)
+    if len(output) < params.min_tokens:
+        for t in params.stop_token_ids + ([eos] if not params.ignore_eos else []):
+            out[t] = -math.inf
+    for t, b in (params.logit_bias or {}).items():
+        out[t] += b
+    counts = Counter(output)
+    for t in range(len(out)):
+        r = params.repetition_penalty
+        if t in counts or t in prompt:
+            out[t] = out[t] / r if out[t] > 0 else out[t] * r
+        out[t] -= params.frequency_penalty * counts[t] + params.presence_penalty * (counts[t] > 0)
+    return out
+
+
+tokens = st.lists(st.integers(0, VOCAB - 1), max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompt=tokens.filter(bool),
+    outputs=st.lists(tokens, min_size=1, max_size=4),
+    presence=st.floats(-2, 2),
+    frequency=st.floats(-2, 2),
+    repetition=st.sampled_from([1.0, 0.5, 1.3, 2.0]),
+    bias=st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3),
+    min_tokens=st.integers(0, 6),
+    ignore_eos=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_the_plain_python_reference(
+    prompt, outputs, presence, frequency, repetition, bias, min_tokens, ignore_eos, seed
+):
+    params = SamplingParams(
+        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+        logit_bias=bias, min_tokens=min_tokens, ignore_eos=ignore_eos, stop_token_ids=[7],
+        max_tokens=None,
+    )  # fmt: skip
+    logits = torch.randn(len(outputs), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+    logits[0, 5] = -math.inf  # an already-masked token stays masked
+    want = [reference_row(row.tolist(), params, prompt, out, EOS) for row, out in
+            zip(logits, outputs)]  # fmt: skip
+    got = process_logits(logits.clone(), params, prompt, outputs, EOS)
+    assert torch.allclose(got, torch.tensor(want), atol=1e-4, rtol=1e-5)
+
+
+def test_rejects_mismatched_histories():
+    with pytest.raises(ValueError, match="histories"):
+        process_logits(torch.zeros(2, VOCAB), SamplingParams(), [1], [[]], EOS)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {3: 150}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": {"3": 1}}, "logit_bias"),
+    ],
+)
+def test_bad_values_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(4)]
+
+
+def hf_greedy(model, prompt, n, params):
+    """Greedy decoding with transformers' forward and the reference row processing."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].tolist()
+            row = reference_row(logits, params, prompt, ids[len(prompt) :], eos=None)
+            ids.append(max(range(len(row)), key=row.__getitem__))
+    return ids[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01)
+
+
+def generate(llm, prompts, **kw):
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_repetition_penalty_matches_transformers_generate(llm, tiny_llama):
+    model = tiny_llama[1]
+    want = []
+    for p in PROMPTS:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                 do_sample=False, repetition_penalty=1.8, pad_token_id=0,
+                                 eos_token_id=None)  # fmt: skip
+        want.append(out[0, len(p) :].tolist())
+    assert generate(llm, PROMPTS, repetition_penalty=1.8) == want
+    assert want != generate(llm, PROMPTS)  # the penalty changed something
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"frequency_penalty": 1.5},
+        {"presence_penalty": 2.0, "frequency_penalty": -0.5},
+        {"repetition_penalty": 0.7, "presence_penalty": 0.8},
+        {"logit_bias": {40: 4.0, 41: -100.0}, "frequency_penalty": 0.4},
+    ],
+)
+def test_greedy_with_penalties_matches_a_transformers_loop(llm, tiny_llama, kw):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **kw)
+    want = [hf_greedy(tiny_llama[1], p, 12, params) for p in PROMPTS]
+    assert generate(llm, PROMPTS, **kw) == want
+
+
+def test_batch_mixes_penalized_and_plain_requests(llm):
+    """Each request's own parameters shape only its own row."""
+    plain = generate(llm, PROMPTS)
+    penalized = generate(llm, PROMPTS, frequency_penalty=2.0)
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=2.0 * (i % 2)
+        )
+        for i in range(len(PROMPTS))
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [penalized[i] if i % 2 else plain[i] for i in range(len(PROMPTS))]
+
+
+def test_logit_bias_forces_a_token_when_sampling(llm):
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=6, logit_bias={77: 100.0})
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [77] * 6
+
+
+def test_min_tokens_holds_back_eos_even_when_biased_towards_it(llm):
+    eos = llm.llm_engine.eos_token_id
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=4, logit_bias={eos: 100.0})
+    out = llm.generate({"prompt_token_ids": PROMPTS[1]}, sp, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert eos not in out.token_ids[:4] and len(out.token_ids) == 5
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_before_work(llm):
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(
+            [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}],
+            [SamplingParams(), SamplingParams(logit_bias={10_000: 1.0})],
+        )
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_sampled_with_penalties_is_seed_reproducible(llm):
+    rnd = random.Random(0)
+    prompts = [[rnd.randrange(256) for _ in range(6)] for _ in range(3)]
+    sp = SamplingParams(temperature=1.0, seed=11, max_tokens=10, repetition_penalty=1.4,
+                        presence_penalty=0.5)  # fmt: skip
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
