@@ -45,3 +45,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: per prompt token, token id -> logprob (it + top-k); the
+    # first token has none (None), as in vLLM
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (plus the sampled)
+    prompt_logprobs: int | None = None  # the same for each prompt token (raw model logprobs)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -70,8 +71,11 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):  # fmt: skip
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

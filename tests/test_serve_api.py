@@ -284,7 +284,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "word " * 400}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 300}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": [5, 999999]}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "echo": False}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
@@ -339,6 +340,48 @@ def test_penalties_and_logit_bias_reach_the_engine(client, chat_model_dir):
                    for p in (shaped, SamplingParams(**base)))  # fmt: skip
     assert r.choices[0].text == want.text
     assert want.token_ids != plain.token_ids
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_the_engine(client, chat_model_dir, tokenizer):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs=1, max_tokens 1 (or 0)."""
+    from paged_llm import LLM, SamplingParams
+
+    prompt = [5, 6, 7, 8, 9, 10]
+    llm = LLM(str(chat_model_dir), max_model_len=256, cpu_kv_cache_gib=0.05)
+    ref = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, logprobs=1),
+    )[0]
+    one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True,
+                                    logprobs=1, temperature=0)  # fmt: skip
+    zero = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                     logprobs=1, temperature=0)  # fmt: skip
+    text = tokenizer.decode(prompt)
+    assert one.choices[0].text == text + ref.outputs[0].text and zero.choices[0].text == text
+    assert (one.usage.completion_tokens, zero.usage.completion_tokens) == (1, 0)
+    for r, n in ((one, len(prompt) + 1), (zero, len(prompt))):
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i in range(1, len(prompt)):
+            assert lp.token_logprobs[i] == pytest.approx(ref.prompt_logprobs[i][prompt[i]],
+                                                         abs=1e-4)  # fmt: skip
+            assert 1 <= len(lp.top_logprobs[i]) <= 2
+        assert "".join(lp.tokens[: len(prompt)]) == text
+    generated = ref.outputs[0].token_ids[0]
+    assert one.choices[0].logprobs.token_logprobs[-1] == pytest.approx(
+        ref.outputs[0].logprobs[0][generated], abs=1e-4
+    )
+
+
+def test_echo_text_prompt_streamed_and_whole(client):
+    whole = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=5, echo=True,
+                                      **greedy())  # fmt: skip
+    assert whole.choices[0].text.startswith("def f(x):")
+    assert whole.usage.completion_tokens == 5
+    stream = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=5, echo=True,
+                                       stream=True, **greedy())  # fmt: skip
+    assert "".join(c.choices[0].text for c in stream if c.choices) == whole.choices[0].text
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):

@@ -63,6 +63,11 @@ class Request:
             )
 
     @property
+    def may_use_cached_prefix(self) -> bool:
+        """False when every prompt token must run (its logprobs were asked for), as in vLLM."""
+        return self.sampling_params.prompt_logprobs is None
+
+    @property
     def num_prompt_tokens(self) -> int:
         """Length of the prompt."""
         return len(self.prompt_token_ids)

@@ -54,6 +54,9 @@ class _Group:
     request_id: str
     members: list[_Tracked]
     unforked: list[_Tracked]  # samples waiting to share the first member's prompt blocks
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (and
+    # for tokens whose chunk has not run yet)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLMEngine:
@@ -242,7 +245,8 @@ class LLMEngine:
                 group_id=request_id if params.n > 1 else None,
             )
             members.append(_Tracked(request, text, logprobs=[] if p.logprobs is not None else None))
-        return _Group(request_id, members, unforked=[])
+        prompt_lps = None if params.prompt_logprobs is None else [None] * len(ids)
+        return _Group(request_id, members, unforked=[], prompt_logprobs=prompt_lps)
 
     def add_request(
         self,
@@ -312,7 +316,10 @@ class LLMEngine:
         out = self.scheduler.schedule(self.clock())
         self._fork_samples(out)
         draft_probs = self._propose_drafts(out)
-        results = self.runner.execute(out, draft_probs)
+        results, prompt_lps = self.runner.execute(out, draft_probs)
+        for rid, (first, entries) in prompt_lps.items():
+            group = self._seqs[rid][0]  # recomputed after preemption: the same values again
+            group.prompt_logprobs[first : first + len(entries)] = entries
         now = self.clock()
         sampled = {rid: r.token_ids for rid, r in results.items()}
         for r in results.values():
@@ -438,6 +445,7 @@ class LLMEngine:
             outputs=[self._completion(i, t) for i, t in enumerate(group.members)],
             finished=finished,
             metrics=metrics,
+            prompt_logprobs=group.prompt_logprobs,
         )
 
     def iter_outputs(self) -> Iterator[RequestOutput]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,12 @@ class HostBatch:
     block_tables: list[list[int]]  # [B] physical block ids
     sample_rows: list[int]  # [R] rows of T whose logits are needed
     rows_per_request: list[int]  # per sampling request: 1, or 1 + number of draft tokens
+    # prompt_logprobs: rows of T whose logits score the next prompt token ([P], computed after
+    # the R sample rows), the token each scores ([P]), and per request (request id, index of
+    # its first prompt token scored, count, top-k alternatives wanted)
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -62,6 +68,9 @@ def flatten_batch(
     ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, tables, rows, sampling, per_req = [], [], [], [], [], []
+    prompt_rows: list[int] = []
+    prompt_targets: list[int] = []
+    prompt_spans: list[tuple[str, int, int, int]] = []
     for s in ordered:
         req, start = s.request, s.request.num_computed_tokens
         end = start + s.num_new_tokens
@@ -75,7 +84,18 @@ def flatten_batch(
             rows.extend(range(len(ids) - n_rows, len(ids)))
             sampling.append(s)
             per_req.append(n_rows)
-    return HostBatch(ids, positions, query_lens, seq_lens, tables, rows, per_req), sampling
+        # the row at position p scores prompt token p + 1; the last prompt position's row
+        # scores the first output token (a sample row), so it is not one of these
+        scored_end = min(end, req.num_prompt_tokens - 1)
+        top_k = req.sampling_params.prompt_logprobs
+        if top_k is not None and start < scored_end:
+            first_row = len(ids) - (end - start)
+            prompt_rows.extend(range(first_row, first_row + scored_end - start))
+            prompt_targets.extend(req.prompt_token_ids[start + 1 : scored_end + 1])
+            prompt_spans.append((req.request_id, start + 1, scored_end - start, top_k))
+    batch = HostBatch(ids, positions, query_lens, seq_lens, tables, rows, per_req,
+                      prompt_rows, prompt_targets, prompt_spans)  # fmt: skip
+    return batch, sampling
 
 
 def to_step_inputs(
@@ -104,6 +124,35 @@ def prepare_inputs(
     """Gather token ids, positions, slots and block tables for the scheduled requests."""
     batch, sampling = flatten_batch(scheduled)
     return to_step_inputs(batch, block_size, device, sampling)
+
+
+# (index of the first prompt token scored, then per token: its logprob and the top-k's)
+PromptLogprobs = tuple[int, list[dict[int, float]]]
+
+
+def prompt_logprobs(
+    logits: torch.Tensor,  # [P, V]: the batch's prompt-logprob rows, in batch.prompt_rows order
+    batch: HostBatch,
+) -> dict[str, PromptLogprobs]:
+    """Each scored prompt token's logprob under the model (raw logits: no penalties or
+    temperature, as vLLM), plus the top ``prompt_logprobs`` alternatives."""
+    if not batch.prompt_rows:
+        return {}
+    logprobs = logits.float().log_softmax(-1).cpu()
+    out: dict[str, PromptLogprobs] = {}
+    row = 0
+    for request_id, first, count, top_k in batch.prompt_spans:
+        rows = logprobs[row : row + count]
+        targets = batch.prompt_targets[row : row + count]
+        chosen = rows[torch.arange(count), torch.tensor(targets)].tolist()
+        entries = [{t: lp} for t, lp in zip(targets, chosen)]
+        if top_k > 0:
+            top = torch.topk(rows, top_k)
+            for entry, ids, values in zip(entries, top.indices.tolist(), top.values.tolist()):
+                entry.update(zip(ids, values))
+        out[request_id] = (first, entries)
+        row += count
+    return out
 
 
 class ModelRunner:
@@ -199,9 +248,9 @@ class ModelRunner:
     def run_batch(
         self, block_ops: list[tuple[str, list[tuple[int, int]]]], batch: HostBatch | None
     ) -> torch.Tensor | None:
-        """Move blocks, then run ``batch``; return the logits [R, V] of its sample rows (None
-        without any). Tensor-parallel ranks all call this with the same arguments; only rank
-        0's logits cover the whole vocabulary."""
+        """Move blocks, then run ``batch``; return the logits [R + P, V] of its sample rows,
+        then of its prompt-logprob rows (None without either). Tensor-parallel ranks all call
+        this with the same arguments; only rank 0's logits cover the whole vocabulary."""
         for kind, pairs in block_ops:  # in decision order: a block may be reused in a step
             src, dst = self._block_op_caches[kind]
             move_blocks(src(), dst(), pairs)
@@ -217,10 +266,11 @@ class ModelRunner:
                 inputs.attn_metadata, self.backend, self.kv_caches, self.kv_scales or None
             )
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
-        if not batch.sample_rows:
+        if not batch.sample_rows and not batch.prompt_rows:
             return None
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows])  # [R, V]
+        rows = batch.sample_rows + batch.prompt_rows
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows_t])  # [R + P, V]
 
     def _count_forward(self, kind: str) -> None:
         self.forward_kinds[kind] += 1
@@ -229,15 +279,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None
-    ) -> dict[str, SampleResult]:
+    ) -> tuple[dict[str, SampleResult], dict[str, PromptLogprobs]]:
         """Run one step: move blocks, forward the batch, sample (or verify drafts) where due.
 
         ``draft_probs`` holds the drafter's distributions [k, V] for requests whose drafts came
-        from a model; drafts without one are treated as deterministic proposals.
+        from a model; drafts without one are treated as deterministic proposals. Also returns
+        the prompt logprobs this step computed, by request id.
         """
         batch, sampling, logits = self._forward(out)
         if logits is None:
-            return {}
+            return {}, {}
+        num_sample_rows = len(batch.sample_rows)
+        prompt = prompt_logprobs(logits[num_sample_rows:], batch)
+        logits = logits[:num_sample_rows]
         results: dict[str, SampleResult] = {}
         plain_rows, plain = [], []
         row = 0
@@ -255,7 +309,7 @@ class ModelRunner:
         if plain:
             sampled = self.sampler(logits[plain_rows], plain)
             results.update((req.request_id, r) for req, r in zip(plain, sampled))
-        return results
+        return results, prompt
 
     @torch.inference_mode()
     def execute_logprobs(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:

@@ -164,14 +164,27 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
         model = model_name(req.model)
         params = sampling_params(req, settings.max_logprobs)
         # one engine request per prompt; the engine samples its n choices itself
+        prompts = completion_prompts(req.prompt)
         subs = [
             SubRequest(
                 text_prompt(p, req.add_special_tokens) if isinstance(p, str) else token_prompt(p),
                 params,
             )
-            for p in completion_prompts(req.prompt)
+            for p in prompts
         ]
-        return await _generate(request, req, subs, model, chat=False)
+        choices = Choices(
+            [s.params for s in subs],
+            echo=[_prompt_text(p) for p in prompts] if req.echo else None,
+            prompt_only=req.echo and req.max_tokens == 0,
+        )
+        return await _generate(request, req, subs, choices, model, chat=False)
+
+    def _prompt_text(prompt: str | list[int]) -> str:
+        """A completions prompt as echo shows it (token ids decoded)."""
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = engine.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(prompt)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -186,10 +199,15 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
             req.chat_template_kwargs,
         )
         subs = [SubRequest(render, params)]
-        return await _generate(request, req, subs, model, chat=True)
+        return await _generate(request, req, subs, Choices([params]), model, chat=True)
 
     async def _generate(
-        request: Request, req: Any, subs: list[SubRequest], model: str, chat: bool
+        request: Request,
+        req: Any,
+        subs: list[SubRequest],
+        choices: Choices,
+        model: str,
+        chat: bool,
     ) -> Response:
         prefix = "chatcmpl" if chat else "cmpl"
         group = await engine.submit(subs, request_id=f"{prefix}-{uuid.uuid4().hex}")
@@ -197,7 +215,6 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
             logger.info(
                 "request %s: %d engine request(s), n=%d", group.request_id, len(subs), req.n
             )
-        choices = Choices([s.params for s in subs])
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

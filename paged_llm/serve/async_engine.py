@@ -366,24 +366,28 @@ class AsyncEngine:
 
     def _account(self, entry: _Live, out: RequestOutput) -> dict[int, str]:
         """Count one output's new tokens and finished samples; return new logprob strings."""
+        strings: dict[int, str] = {}
         if not entry.started:  # the samples share one prompt: count it once
             entry.started = True
             self.metrics.record_tokens(len(out.prompt_token_ids), 0)
-        strings: dict[int, str] = {}
+            if entry.wants_logprobs and out.prompt_logprobs:  # echo: complete by the first token
+                ids = set(out.prompt_token_ids)
+                ids.update(t for entry_ in out.prompt_logprobs if entry_ for t in entry_)
+                strings.update(self._token_strings(ids))
         for completion in out.outputs:
             seen = entry.num_tokens.get(completion.index, 0)
             self.metrics.record_tokens(0, len(completion.token_ids) - seen)
             if entry.wants_logprobs and completion.logprobs:
-                strings.update(self._token_strings(completion.logprobs[seen:]))
+                ids = {t for entry_ in completion.logprobs[seen:] for t in entry_}
+                strings.update(self._token_strings(ids))
             entry.num_tokens[completion.index] = len(completion.token_ids)
             if completion.finish_reason is not None and completion.index not in entry.finished:
                 entry.finished.add(completion.index)
                 self.metrics.record_finish_reason(completion.finish_reason)
         return strings
 
-    def _token_strings(self, logprobs: list[dict[int, float]]) -> dict[int, str]:
+    def _token_strings(self, ids: set[int]) -> dict[int, str]:
         tokenizer = self.engine.tokenizer
-        ids = {t for entry in logprobs for t in entry}
         if tokenizer is None:
             return {t: f"token_id:{t}" for t in ids}
         return {t: tokenizer.decode([t]) for t in ids}

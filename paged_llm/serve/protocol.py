@@ -120,7 +120,6 @@ def _reject_unsupported(req: _GenerationRequest) -> None:
     checks: list[tuple[str, bool]] = []
     if isinstance(req, CompletionRequest):
         checks += [
-            ("echo", req.echo),
             ("suffix", req.suffix is not None),
             ("best_of", req.best_of is not None and req.best_of != req.n),
         ]
@@ -154,6 +153,8 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
         logprobs = req.logprobs
         if logprobs is not None and not 0 <= logprobs <= max_logprobs:
             raise BadRequest(f"logprobs must be in [0, {max_logprobs}]", param="logprobs")
+        if req.echo and max_tokens == 0:  # score the prompt only: run one step, show no output
+            max_tokens = 1
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest(
             f"{max_tokens_field} must be at least 1, got {max_tokens}", param=max_tokens_field
@@ -175,6 +176,8 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
             stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            # echo with logprobs shows the prompt's logprobs first (as vLLM and OpenAI did)
+            prompt_logprobs=logprobs if isinstance(req, CompletionRequest) and req.echo else None,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             presence_penalty=req.presence_penalty or 0.0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_llm.outputs import CompletionOutput
+from paged_llm.outputs import CompletionOutput, RequestOutput
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.async_engine import Update
 
@@ -24,7 +24,7 @@ class Delta:
 
     index: int
     text: str
-    logprobs: list[dict[int, float]]  # one entry per new token
+    logprobs: list[dict[int, float] | None]  # one entry per new token (None: a prompt's first)
     token_ids: list[int]
     first: bool  # the choice's first update (chat sends the role then)
     finish_reason: str | None = None
@@ -38,10 +38,15 @@ class _Choice:
     sent_chars: int = 0
     sent_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False
+    # completions' echo: the prompt leads text, token ids and logprobs; prompt_only drops the
+    # generated part (echo with max_tokens=0)
+    echo: str | None = None
+    prompt_only: bool = False
+    num_prompt_tokens: int = 0  # of token_ids, when echoed
 
     @property
     def holdback(self) -> int:
@@ -52,11 +57,18 @@ class _Choice:
 class Choices:
     """Progress of every choice of one request: ``n`` per engine request (prompt)."""
 
-    def __init__(self, params: list[SamplingParams]):
+    def __init__(
+        self,
+        params: list[SamplingParams],
+        echo: list[str] | None = None,  # per prompt: its text, shown before each choice
+        prompt_only: bool = False,
+    ):
         if len({p.n for p in params}) > 1:
             raise ValueError("every prompt of a request has the same n")
         self.n = params[0].n if params else 1  # choice i belongs to prompt i // n
-        self.choices = [_Choice(p) for p in params for _ in range(p.n)]
+        texts = echo or [None] * len(params)
+        self.choices = [_Choice(p, echo=text, prompt_only=prompt_only)
+                        for p, text in zip(params, texts) for _ in range(p.n)]  # fmt: skip
         self.prompt_tokens: dict[int, int] = {}  # engine request index -> prompt length
         self.strings: dict[int, str] = {}  # token id -> text, for logprobs
 
@@ -69,7 +81,7 @@ class Choices:
         if out is not None:
             self.prompt_tokens[update.index] = len(out.prompt_token_ids)
             for completion in out.outputs:
-                if self._fold(self.choices[base + completion.index], completion):
+                if self._fold(self.choices[base + completion.index], completion, out):
                     changed.add(base + completion.index)
         if update.aborted:  # the abort cut short every sample still running
             for i in range(base, base + self.n):
@@ -79,16 +91,24 @@ class Choices:
         return [self._delta(i) for i in sorted(changed)]
 
     @staticmethod
-    def _fold(c: _Choice, completion: CompletionOutput) -> bool:
+    def _fold(c: _Choice, completion: CompletionOutput, out: RequestOutput) -> bool:
         """Copy one sample's cumulative state; True if it has new tokens or just finished.
 
         The engine reports every sample of a request whenever any of them progressed; the
         unchanged ones (waiting to fork, or finished earlier) must not stream empty chunks.
         """
-        progressed = len(completion.token_ids) > len(c.token_ids)
+        text, token_ids = completion.text, list(completion.token_ids)
+        logprobs: list[dict[int, float] | None] = list(completion.logprobs or [])
+        if c.prompt_only:
+            text, token_ids, logprobs = "", [], []
+        if c.echo is not None:
+            c.num_prompt_tokens = len(out.prompt_token_ids)
+            text = c.echo + text
+            token_ids = list(out.prompt_token_ids) + token_ids
+            logprobs = list(out.prompt_logprobs or [None] * c.num_prompt_tokens) + logprobs
+        progressed = len(token_ids) > len(c.token_ids)
         finishing = c.finish_reason is None and completion.finish_reason is not None
-        c.text, c.token_ids = completion.text, list(completion.token_ids)
-        c.logprobs = completion.logprobs or []
+        c.text, c.token_ids, c.logprobs = text, token_ids, logprobs
         c.finish_reason, c.stop_reason = completion.finish_reason, completion.stop_reason
         return progressed or finishing
 
@@ -116,7 +136,7 @@ class Choices:
     def usage(self) -> dict[str, int]:
         """OpenAI usage: each prompt counted once, every choice's generated tokens."""
         prompt = sum(self.prompt_tokens.values())  # the n choices of a prompt share it
-        completion = sum(len(c.token_ids) for c in self.choices)
+        completion = sum(len(c.token_ids) - c.num_prompt_tokens for c in self.choices)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -132,8 +152,12 @@ class Choices:
         for tid, entry in zip(delta.token_ids, delta.logprobs):
             s = self.strings.get(tid, "")
             tokens.append(s)
-            token_lps.append(_lp(entry.get(tid, MIN_LOGPROB)))
-            tops.append({self.strings.get(t, ""): _lp(v) for t, v in entry.items()})
+            if entry is None:  # an echoed prompt's first token has no logprob
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                token_lps.append(_lp(entry.get(tid, MIN_LOGPROB)))
+                tops.append({self.strings.get(t, ""): _lp(v) for t, v in entry.items()})
             offsets.append(text_offset)
             text_offset += len(s)
         return {

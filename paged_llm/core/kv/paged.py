@@ -144,6 +144,8 @@ class PagedKVCacheManager(KVCacheManager):
         """Share cached blocks of the longest cached prefix; one token at least is left to run."""
         if not self.enable_prefix_caching or request.request_id in self.block_tables:
             return
+        if not request.may_use_cached_prefix:
+            return
         # never the whole prompt: the last token must run to produce logits
         hashes = self._block_hashes(request, request.num_tokens - 1)
         tokens = request.all_token_ids
