@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from paged_llm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from paged_llm.config import EngineConfig
+from paged_llm.engine.chat import render_chat
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
@@ -46,6 +47,31 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The checkpoint's tokenizer (None if it has none)."""
         return self.llm_engine.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
+        a list of them, rendered with the tokenizer's chat template (or ``chat_template``)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                text, ids = render_chat(
+                    self.llm_engine.tokenizer, list(conversation), chat_template,
+                    add_generation_prompt, continue_final_message, chat_template_kwargs,
+                )  # fmt: skip
+            except ValueError as err:
+                raise ValueError(f"conversation {i}: {err}") from err
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(
         self,

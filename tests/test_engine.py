@@ -203,6 +203,29 @@ def test_default_model_generates_text_with_stop_strings():
         assert stop not in out[0].outputs[0].text
 
 
+def test_chat_renders_the_template_and_generates_like_generate():
+    llm = LLM("tiny", cpu_kv_cache_gib=0.01)
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    first = [{"role": "user", "content": "def add(a, b):"}]
+    second = [{"role": "system", "content": "code"}, {"role": "user", "content": "import os"}]
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    outs = llm.chat([first, second], sp, chat_template=template, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for conversation, out in zip([first, second], outs):
+        text = tok.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                       add_generation_prompt=True)  # fmt: skip
+        ids = tok.encode(text, add_special_tokens=False)
+        want = llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0]
+        assert out.prompt == text and out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert len(llm.chat(first, sp, chat_template=template, use_tqdm=False)) == 1
+    with pytest.raises(ValueError, match="conversation 0: .*chat template"):
+        llm.chat(first, sp)  # the tiny tokenizer has no template of its own
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_engine_runs(tiny_llama, reference, dtype):
     llm = LLM(str(tiny_llama[0]), dtype=dtype, cpu_kv_cache_gib=0.01, max_model_len=64)

@@ -409,11 +409,12 @@ def test_disconnect_aborts_every_sample_of_n(server):
 def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
     key = f'vllm:request_success_total{{finished_reason="abort",{LABEL[1:]}'
     before = metrics(server)[key]
-    body = {"prompt": "while True:", "max_tokens": 200, "ignore_eos": True}
+    # 4 x 240 tokens take several times the 0.1 s the client waits, even on a fast machine
+    body = {"prompt": "while True:", "max_tokens": 240, "n": 4, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.1)
     after = wait_idle(server)
-    assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0 and after[key] == before + 1
+    assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0 and after[key] == before + 4
 
 
 def test_metrics_count_tokens_and_latencies(server, client, tokenizer):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from paged_llm.engine.chat import MissingChatTemplate, render_chat
 from paged_llm.serve.errors import BadRequest
 
 # (tokenizer or None) -> {"prompt_token_ids": [...], "prompt": text or None}
@@ -49,30 +50,17 @@ def chat_prompt(
     """A conversation rendered with the server's or the tokenizer's chat template."""
 
     def render(tokenizer: Any) -> dict[str, Any]:
-        if tokenizer is None:
-            raise BadRequest("this model has no tokenizer, so chat completions are unavailable")
-        template = chat_template or getattr(tokenizer, "chat_template", None)
-        if not template:
-            raise BadRequest(
-                "this model's tokenizer has no chat template (no 'chat_template' in its "
-                "tokenizer_config.json); start the server with --chat-template FILE or use "
-                "/v1/completions",
-                param="messages",
-            )
         try:
-            text = tokenizer.apply_chat_template(
-                messages,
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                **(template_kwargs or {}),
-            )
-        except Exception as err:  # jinja errors: the template rejected these messages
-            raise BadRequest(f"the chat template failed on these messages: {err}") from None
-        # the template writes any BOS itself, so the tokenizer must not add another
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return {"prompt_token_ids": list(ids), "prompt": text}
+            text, ids = render_chat(tokenizer, messages, chat_template, add_generation_prompt,
+                                    continue_final_message, template_kwargs)  # fmt: skip
+        except MissingChatTemplate as err:  # the server has its own way to supply one
+            raise BadRequest(
+                f"{err}; start the server with --chat-template FILE or use /v1/completions",
+                param="messages",
+            ) from None
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
+        return {"prompt_token_ids": ids, "prompt": text}
 
     return render
 
