@@ -20,6 +20,8 @@ class SamplingParams:
     # > 1 discourages, < 1 encourages every token of the prompt and the output (CTRL's form)
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never complete one of these (needs a tokenizer)
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
@@ -37,6 +39,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words) if self.bad_words else None
         self.validate()
 
     def validate(self) -> None:
@@ -63,6 +68,15 @@ class SamplingParams:
                 raise ValueError(
                     f"logit_bias values must be in [-100, 100], got {bias} for {token}"
                 )
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            bad = [t for t in self.allowed_token_ids if isinstance(t, bool)
+                   or not isinstance(t, int) or t < 0]  # fmt: skip
+            if bad:
+                raise ValueError(f"allowed_token_ids must be token ids (ints >= 0), got {bad[:5]}")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words or []):
+            raise ValueError("bad_words must be non-empty strings")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:

@@ -17,12 +17,19 @@ VOCAB = 16
 EOS = 2
 
 
-def reference_row(logits, params, prompt, output, eos):
+def reference_row(logits, params, prompt, output, eos, bad_words=()):
     """One row, written out token by token from the definitions in vLLM's docs."""
     out = list(logits)
     if len(output) < params.min_tokens:
         for t in params.stop_token_ids + ([eos] if not params.ignore_eos else []):
             out[t] = -math.inf
+    for word in bad_words:
+        if len(output) >= len(word) - 1 and tuple(output[len(output) - len(word) + 1 :]) == tuple(
+            word[:-1]
+        ):
+            out[word[-1]] = -math.inf
+    if params.allowed_token_ids is not None:
+        out = [v if t in params.allowed_token_ids else -math.inf for t, v in enumerate(out)]
     for t, b in (params.logit_bias or {}).items():
         out[t] += b
     counts = Counter(output)
@@ -47,21 +54,24 @@ tokens = st.lists(st.integers(0, VOCAB - 1), max_size=12)
     bias=st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3),
     min_tokens=st.integers(0, 6),
     ignore_eos=st.booleans(),
+    allowed=st.none() | st.sets(st.integers(0, VOCAB - 1), min_size=1).map(sorted),
+    bad_words=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3), max_size=3),
     seed=st.integers(0, 2**16),
 )
 def test_matches_the_plain_python_reference(
-    prompt, outputs, presence, frequency, repetition, bias, min_tokens, ignore_eos, seed
-):
+    prompt, outputs, presence, frequency, repetition, bias, min_tokens, ignore_eos, allowed,
+    bad_words, seed,
+):  # fmt: skip
     params = SamplingParams(
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         logit_bias=bias, min_tokens=min_tokens, ignore_eos=ignore_eos, stop_token_ids=[7],
-        max_tokens=None,
+        max_tokens=None, allowed_token_ids=allowed,
     )  # fmt: skip
     logits = torch.randn(len(outputs), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
     logits[0, 5] = -math.inf  # an already-masked token stays masked
-    want = [reference_row(row.tolist(), params, prompt, out, EOS) for row, out in
+    want = [reference_row(row.tolist(), params, prompt, out, EOS, bad_words) for row, out in
             zip(logits, outputs)]  # fmt: skip
-    got = process_logits(logits.clone(), params, prompt, outputs, EOS)
+    got = process_logits(logits.clone(), params, prompt, outputs, EOS, bad_words)
     assert torch.allclose(got, torch.tensor(want), atol=1e-4, rtol=1e-5)
 
 
@@ -80,6 +90,9 @@ def test_rejects_mismatched_histories():
         ({"logit_bias": {3: 150}}, "logit_bias"),
         ({"logit_bias": {-1: 1}}, "logit_bias"),
         ({"logit_bias": {"3": 1}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
     ],
 )
 def test_bad_values_raise(kw, match):
@@ -188,3 +201,37 @@ def test_sampled_with_penalties_is_seed_reproducible(llm):
     first = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+
+
+def test_allowed_token_ids_limit_what_is_sampled(llm):
+    allowed = [11, 50, 99, 200]
+    sp = SamplingParams(temperature=1.5, seed=0, max_tokens=20, allowed_token_ids=allowed,
+                        ignore_eos=True)  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    tokens = {t for o in outs for t in o.outputs[0].token_ids}
+    assert tokens <= set(allowed) and len(tokens) > 1
+
+
+def test_bad_words_never_appear():
+    """With the default model's tokenizer: ban words the unconstrained greedy output uses."""
+    llm = LLM("tiny", cpu_kv_cache_gib=0.01)
+    sp = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    free = llm.generate("def main():", SamplingParams(**sp), use_tqdm=False)[0].outputs[0]
+    words = sorted({w for w in free.text.split() if w.strip()}, key=len)[-2:]
+    assert words
+    out = llm.generate("def main():", SamplingParams(**sp, bad_words=words), use_tqdm=False)
+    ids = out[0].outputs[0].token_ids
+    tok = llm.get_tokenizer()
+    for w in words:
+        for text in (w, " " + w):
+            seq = tok.encode(text, add_special_tokens=False)
+            assert not any(ids[i : i + len(seq)] == seq for i in range(len(ids)))
+    assert ids != free.token_ids
+
+
+def test_bad_words_and_allowed_ids_are_checked_before_work(llm):
+    with pytest.raises(ValueError, match="tokenizer"):  # the tiny test model has none
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=["x"]))
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(allowed_token_ids=[3, 999]))
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -52,6 +52,8 @@ class Request:
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    # SamplingParams.bad_words as token sequences (the engine tokenizes them on arrival)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

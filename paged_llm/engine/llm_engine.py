@@ -26,6 +26,7 @@ from paged_llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_llm.quant.kv_cache import SCALE_DTYPE, kv_cache_spec
 from paged_llm.runner.cuda_graphs import cuda_graph_sizes
 from paged_llm.runner.kv_cache import kv_bytes_per_block
+from paged_llm.runner.logits_processors import bad_words_token_ids
 from paged_llm.runner.model_runner import ModelRunner
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.spec.metrics import SpecDecodeStats
@@ -224,12 +225,15 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary")
-        bad_bias = [t for t in params.logit_bias or {} if not t < self.vocab_size]
-        if bad_bias:
-            raise ValueError(
-                f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
+        for name, ids_ in (("logit_bias", params.logit_bias or {}),
+                           ("allowed_token_ids", params.allowed_token_ids or [])):  # fmt: skip
+            outside = [t for t in ids_ if not t < self.vocab_size]
+            if outside:
+                raise ValueError(
+                    f"{name} token ids {outside[:5]} are outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        bad_words = bad_words_token_ids(params.bad_words or [], self.tokenizer)
         arrival = self.clock() if arrival_time is None else arrival_time
         members = []
         for i in range(params.n):
@@ -243,6 +247,7 @@ class LLMEngine:
                 eos_token_id=self.eos_token_id,
                 max_model_len=self.max_model_len,
                 group_id=request_id if params.n > 1 else None,
+                bad_words_token_ids=bad_words,
             )
             members.append(_Tracked(request, text, logprobs=[] if p.logprobs is not None else None))
         prompt_lps = None if params.prompt_logprobs is None else [None] * len(ids)

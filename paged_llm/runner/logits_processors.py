@@ -4,11 +4,14 @@ In the order applied:
 
 1. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are masked while the
    output is shorter than ``min_tokens``.
-2. ``logit_bias``: ``{token_id: bias}`` added to the logits (OpenAI's field).
-3. ``repetition_penalty`` r (CTRL, Keskar et al. 2019; transformers' and vLLM's form): every
+2. ``bad_words``: a word's last token is masked when the output ends with the rest of it (a
+   one-token word always); each word counts as written and after a space.
+3. ``allowed_token_ids``: every other token is masked.
+4. ``logit_bias``: ``{token_id: bias}`` added to the logits (OpenAI's field).
+5. ``repetition_penalty`` r (CTRL, Keskar et al. 2019; transformers' and vLLM's form): every
    token seen in the prompt or the output has a positive logit divided by r, a negative one
    multiplied by r.
-4. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): ``logit -= f * count + p *
+6. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): ``logit -= f * count + p *
    (count > 0)``, with ``count`` the token's occurrences in the output only.
 
 Temperature, top-k/p and min-p (``sampler.py``) come after. Every row of one call belongs to one
@@ -19,6 +22,7 @@ after the drafts before it), so each row gets its own output history.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -33,6 +37,19 @@ def min_tokens_ban(params: SamplingParams, eos_token_id: int | None) -> list[int
     return ban
 
 
+def bad_words_token_ids(words: Sequence[str], tokenizer: Any) -> list[list[int]]:
+    """Token sequences of each bad word, as written and after a space (as vLLM)."""
+    if words and tokenizer is None:
+        raise ValueError("bad_words needs a tokenizer; this model has none")
+    sequences: list[list[int]] = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
 def has_penalties(params: SamplingParams) -> bool:
     """True when the output history changes the logits (any of the three penalties)."""
     return (
@@ -44,7 +61,13 @@ def has_penalties(params: SamplingParams) -> bool:
 
 def needs_processing(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether :func:`process_logits` would change a row (cheap; most requests skip it)."""
-    return num_output_tokens < params.min_tokens or bool(params.logit_bias) or has_penalties(params)
+    return (
+        num_output_tokens < params.min_tokens
+        or bool(params.logit_bias)
+        or params.allowed_token_ids is not None
+        or bool(params.bad_words)
+        or has_penalties(params)
+    )
 
 
 def process_logits(
@@ -53,14 +76,23 @@ def process_logits(
     prompt_token_ids: Sequence[int],
     outputs: Sequence[Sequence[int]],  # per row: the output tokens that precede it
     eos_token_id: int | None,
+    bad_words: Sequence[Sequence[int]] = (),  # token sequences (bad_words_token_ids)
 ) -> torch.Tensor:  # [R, V], the same tensor
-    """Apply one request's min-tokens ban, logit bias and penalties to its rows."""
+    """Apply one request's bans, logit bias and penalties to its rows."""
     if len(outputs) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(outputs)} histories")
     ban = min_tokens_ban(params, eos_token_id)
     for row, out in enumerate(outputs):
         if len(out) < params.min_tokens and ban:
             logits[row, ban] = float("-inf")
+        for word in bad_words:
+            head = len(word) - 1
+            if head == 0 or list(out[len(out) - head :]) == list(word[:-1]):
+                logits[row, word[-1]] = float("-inf")
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[torch.tensor(params.allowed_token_ids, device=logits.device)] = True
+        logits.masked_fill_(~keep, float("-inf"))
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), device=logits.device)
         bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)

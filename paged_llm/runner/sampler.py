@@ -161,4 +161,7 @@ def process_request_rows(
     params = request.sampling_params
     if not needs_processing(params, min(len(o) for o in outputs)):
         return logits
-    return process_logits(logits, params, request.prompt_token_ids, outputs, request.eos_token_id)
+    return process_logits(
+        logits, params, request.prompt_token_ids, outputs, request.eos_token_id,
+        request.bad_words_token_ids,
+    )  # fmt: skip

@@ -52,6 +52,8 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -184,6 +186,8 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias),
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
         )
     except ValueError as err:
         raise BadRequest(str(err), param=_param_of(str(err))) from None
