@@ -130,10 +130,15 @@ def test_llama_gqa_with_swapping_and_chunked_prefill(tmp_path):
         k_cache = llm.llm_engine.runner.kv_caches[0][0]
         assert k_cache.shape[2] == 1  # rank 0 keeps its own K/V head only
         # logprobs come from rank 0's gathered full-vocabulary logits
-        lp_single = single.generate(PROMPTS[0], SamplingParams(max_tokens=3, logprobs=3))
-        lp_tp = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, logprobs=3))
+        # (and so do prompt logprobs, whose extra rows every rank computes alike)
+        sp = SamplingParams(max_tokens=3, logprobs=3, prompt_logprobs=2)
+        lp_single = single.generate(PROMPTS[0], sp)
+        lp_tp = llm.generate(PROMPTS[0], sp)
     assert_stopped(processes)
-    for a, b in zip(lp_single[0].outputs[0].logprobs, lp_tp[0].outputs[0].logprobs):
+    pairs = list(zip(lp_single[0].outputs[0].logprobs, lp_tp[0].outputs[0].logprobs))
+    pairs += list(zip(lp_single[0].prompt_logprobs[1:], lp_tp[0].prompt_logprobs[1:]))
+    assert len(pairs) == 3 + len(PROMPTS[0]) - 1
+    for a, b in pairs:
         assert a.keys() == b.keys()
         assert all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
 
