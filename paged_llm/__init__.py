@@ -5,7 +5,7 @@ from paged_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.llm import LLM
 from paged_llm.outputs import CompletionOutput, RequestOutput
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = [
     "LLM",
@@ -13,6 +13,7 @@ __all__ = [
     "BeamSearchOutput",
     "LLMEngine",
     "SamplingParams",
+    "GuidedDecodingParams",
     "RequestOutput",
     "CompletionOutput",
     "EngineConfig",

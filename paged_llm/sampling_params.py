@@ -2,7 +2,53 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
+
+
+@dataclass
+class GuidedDecodingParams:
+    """A constraint on a request's output, with vLLM's fields; set exactly one."""
+
+    json: str | dict | None = None  # a JSON schema (object or its text)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these
+    grammar: str | None = None  # EBNF (GBNF dialect)
+    json_object: bool | None = None  # any JSON object
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]  # fmt: skip
+        if len(given) != 1:
+            raise ValueError(
+                "guided decoding takes exactly one of json, regex, choice, grammar or "
+                f"json_object, got {given or 'none'}"
+            )
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("guided choice must be a non-empty list of non-empty strings")
+        if isinstance(self.json, str):
+            try:
+                _json.loads(self.json)
+            except ValueError as err:
+                raise ValueError(f"guided json schema is not valid JSON: {err}") from None
+
+    def json_text(self) -> str:
+        """The JSON schema as text."""
+        return self.json if isinstance(self.json, str) else _json.dumps(self.json)
+
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): what identifies the compiled grammar."""
+        if self.json is not None:
+            return "json schema", self.json_text()
+        if self.json_object:
+            return "json object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        return "grammar", str(self.grammar)
 
 
 @dataclass
@@ -22,6 +68,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None  # never complete one of these (needs a tokenizer)
+    guided_decoding: GuidedDecodingParams | None = None  # structured output (needs xgrammar)
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
@@ -75,6 +122,10 @@ class SamplingParams:
                    or not isinstance(t, int) or t < 0]  # fmt: skip
             if bad:
                 raise ValueError(f"allowed_token_ids must be token ids (ints >= 0), got {bad[:5]}")
+        if self.guided_decoding is not None and not isinstance(
+            self.guided_decoding, GuidedDecodingParams
+        ):
+            raise ValueError("guided_decoding must be a GuidedDecodingParams")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words or []):
             raise ValueError("bad_words must be non-empty strings")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import time
 from collections import defaultdict
@@ -291,6 +292,13 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "(open"}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     400, "response_format"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
@@ -340,6 +348,23 @@ def test_penalties_and_logit_bias_reach_the_engine(client, chat_model_dir):
                    for p in (shaped, SamplingParams(**base)))  # fmt: skip
     assert r.choices[0].text == want.text
     assert want.token_ids != plain.token_ids
+
+
+def test_structured_outputs_response_format_and_guided_fields(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    messages = [{"role": "user", "content": "answer in JSON"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=30, temperature=0.7, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )  # fmt: skip
+    assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+    r = client.completions.create(model=MODEL, prompt="pick:", max_tokens=10, n=4, seed=2,
+                                  extra_body={"guided_choice": ["left", "right"]})  # fmt: skip
+    assert {c.text for c in r.choices} <= {"left", "right"}
+    stream = client.completions.create(model=MODEL, prompt="n =", max_tokens=10, stream=True,
+                                       extra_body={"guided_regex": "[0-9]{4}"})  # fmt: skip
+    assert re.fullmatch("[0-9]{4}", "".join(c.choices[0].text for c in stream if c.choices))
 
 
 def test_echo_with_logprobs_scores_the_prompt_like_the_engine(client, chat_model_dir, tokenizer):

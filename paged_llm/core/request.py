@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from paged_llm.sampling_params import SamplingParams
 
@@ -54,6 +55,9 @@ class Request:
     num_preemptions: int = 0
     # SamplingParams.bad_words as token sequences (the engine tokenizes them on arrival)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # structured output: the sequence's grammar state (engine/structured_output.GrammarGuide,
+    # opaque here: anything with is_terminated()); it ends the request once complete
+    guide: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -122,6 +126,8 @@ class Request:
         if n_out < params.min_tokens:
             return None
         last = self.output_token_ids[-1]
+        if self.guide is not None and self.guide.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and last == self.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:

@@ -21,6 +21,7 @@ from paged_llm.distributed.launch import start_tensor_parallel
 from paged_llm.distributed.sharding import kv_heads_per_rank
 from paged_llm.engine.inputs import to_token_ids, validate_token_ids
 from paged_llm.engine.loading import load_model_and_tokenizer, resolve_device
+from paged_llm.engine.structured_output import StructuredOutputCompiler
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
 from paged_llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_llm.quant.kv_cache import SCALE_DTYPE, kv_cache_spec
@@ -111,6 +112,7 @@ class LLMEngine:
             SCALE_DTYPE if kv_spec.quantized else None,
         )  # fmt: skip
         self.drafter = build_drafter(config.speculative_config)
+        self._structured: StructuredOutputCompiler | None = None  # built on first guided request
         if self.drafter is not None:
             self.drafter.load(self)
             block_bytes += self.drafter.bytes_per_block(cc.block_size)  # both pools share blocks
@@ -203,6 +205,14 @@ class LLMEngine:
         return int(budget // block_bytes)
 
     # ---- requests ---------------------------------------------------------------------------
+    def _structured_outputs(self) -> StructuredOutputCompiler:
+        """The grammar compiler for this tokenizer, built on first use (xgrammar is optional)."""
+        if self._structured is None:
+            self._structured = StructuredOutputCompiler(
+                self.tokenizer, self.vocab_size, self.eos_token_id
+            )
+        return self._structured
+
     def make_request(
         self,
         request_id: str,
@@ -234,6 +244,12 @@ class LLMEngine:
                     f"[0, {self.vocab_size})"
                 )
         bad_words = bad_words_token_ids(params.bad_words or [], self.tokenizer)
+        guided = params.guided_decoding
+        guides = (
+            [self._structured_outputs().guide(guided) for _ in range(params.n)]
+            if guided
+            else [None] * params.n
+        )
         arrival = self.clock() if arrival_time is None else arrival_time
         members = []
         for i in range(params.n):
@@ -248,6 +264,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 group_id=request_id if params.n > 1 else None,
                 bad_words_token_ids=bad_words,
+                guide=guides[i],
             )
             members.append(_Tracked(request, text, logprobs=[] if p.logprobs is not None else None))
         prompt_lps = None if params.prompt_logprobs is None else [None] * len(ids)
@@ -322,6 +339,11 @@ class LLMEngine:
         self._fork_samples(out)
         draft_probs = self._propose_drafts(out)
         results, prompt_lps = self.runner.execute(out, draft_probs)
+        for rid, r in results.items():
+            entry = self._seqs.get(rid)
+            if entry is not None and entry[1].request.guide is not None:
+                for token in r.token_ids:
+                    entry[1].request.guide.accept(token)
         for rid, (first, entries) in prompt_lps.items():
             group = self._seqs[rid][0]  # recomputed after preemption: the same values again
             group.prompt_logprobs[first : first + len(entries)] = entries
@@ -356,10 +378,12 @@ class LLMEngine:
         """Fill the lookahead slots of this step's decodes with draft tokens to verify."""
         if self.drafter is None:
             return {}
-        # logprobs are reported one token per step, so those requests decode plainly
+        # logprobs are reported one token per step, and grammars do not roll back rejected
+        # drafts, so those requests decode plainly
         entries = [
             s for s in out.scheduled
             if s.num_lookahead and s.samples and s.request.sampling_params.logprobs is None
+            and s.request.guide is None
         ]  # fmt: skip
         if not entries:
             return {}

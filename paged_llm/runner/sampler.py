@@ -116,7 +116,9 @@ class Sampler:
         """Choose one token per row."""
         logits = logits.float()
         for row, req in enumerate(requests):
-            if needs_processing(req.sampling_params, req.num_output_tokens):
+            if req.guide is not None or needs_processing(
+                req.sampling_params, req.num_output_tokens
+            ):
                 process_request_rows(logits[row : row + 1], req, [req.output_token_ids])
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -157,10 +159,27 @@ def process_request_rows(
     request: Request,
     outputs: Sequence[Sequence[int]],  # per row: the output tokens before it
 ) -> torch.Tensor:
-    """``logits_processors.process_logits`` for a request's rows, skipped when it is a no-op."""
+    """``logits_processors.process_logits`` for a request's rows, skipped when it is a no-op;
+    then its grammar's mask (structured output), which wins over any ban it conflicts with."""
     params = request.sampling_params
+    if request.guide is not None:
+        allowed = request.guide.allowed().to(logits.device)  # [V]
+        if needs_processing(params, min(len(o) for o in outputs)):
+            shaped = _process(logits.clone(), request, outputs).masked_fill_(
+                ~allowed, float("-inf")
+            )
+            ok = torch.isfinite(shaped).any(-1, keepdim=True)  # rows a ban left with no token
+            logits.copy_(torch.where(ok, shaped, logits))
+        return logits.masked_fill_(~allowed, float("-inf"))
     if not needs_processing(params, min(len(o) for o in outputs)):
         return logits
+    return _process(logits, request, outputs)
+
+
+def _process(
+    logits: torch.Tensor, request: Request, outputs: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    params = request.sampling_params
     return process_logits(
         logits, params, request.prompt_token_ids, outputs, request.eos_token_id,
         request.bad_words_token_ids,

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.sampling_params import GuidedDecodingParams, SamplingParams
 from paged_llm.serve.errors import BadRequest
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,10 @@ class _GenerationRequest(BaseModel):
     # vLLM extensions
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -126,10 +130,7 @@ def _reject_unsupported(req: _GenerationRequest) -> None:
             ("best_of", req.best_of is not None and req.best_of != req.n),
         ]
     if isinstance(req, ChatCompletionRequest):
-        checks += [
-            ("tools", bool(req.tools)),
-            ("response_format", (req.response_format or {}).get("type", "text") != "text"),
-        ]
+        checks += [("tools", bool(req.tools))]
     for name, bad in checks:
         if bad:
             raise BadRequest(f"'{name}' is not supported by this server yet", param=name)
@@ -188,6 +189,7 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
             logit_bias=_logit_bias(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
+            guided_decoding=_guided_decoding(req),
         )
     except ValueError as err:
         raise BadRequest(str(err), param=_param_of(str(err))) from None
@@ -204,6 +206,38 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
                 f"logit_bias keys must be token ids, got {token!r}", param="logit_bias"
             ) from None
     return out or None
+
+
+def _guided_decoding(req: _GenerationRequest) -> GuidedDecodingParams | None:
+    """vLLM's guided_* fields, or OpenAI's response_format (json_object / json_schema)."""
+    fields = {
+        "json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
+        "grammar": req.guided_grammar,
+    }  # fmt: skip
+    fmt = getattr(req, "response_format", None) or {}
+    kind = fmt.get("type", "text")
+    if kind == "json_object":
+        fields["json_object"] = True
+    elif kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise BadRequest(
+                "response_format json_schema needs json_schema.schema (an object)",
+                param="response_format",
+            )
+        fields["json"] = schema
+    elif kind != "text":
+        raise BadRequest(
+            f"response_format type must be text, json_object or json_schema, got {kind!r}",
+            param="response_format",
+        )
+    given = {k: v for k, v in fields.items() if v is not None}
+    if not given:
+        return None
+    try:
+        return GuidedDecodingParams(**given)
+    except ValueError as err:
+        raise BadRequest(str(err), param="response_format" if fmt else None) from None
 
 
 def _chat_logprobs(req: ChatCompletionRequest, max_logprobs: int) -> int | None:
