@@ -48,3 +48,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token, token id -> logprob (it + top-k); the
     # first token has none (None), as in vLLM
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's field)

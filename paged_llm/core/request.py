@@ -53,6 +53,7 @@ class Request:
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (latest) admission
     # SamplingParams.bad_words as token sequences (the engine tokenizes them on arrival)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # structured output: the sequence's grammar state (engine/structured_output.GrammarGuide,

@@ -475,6 +475,7 @@ class LLMEngine:
             finished=finished,
             metrics=metrics,
             prompt_logprobs=group.prompt_logprobs,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     def iter_outputs(self) -> Iterator[RequestOutput]:

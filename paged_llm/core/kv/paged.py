@@ -161,6 +161,7 @@ class PagedKVCacheManager(KVCacheManager):
         for b in hits:
             self.pool.take_cached(b)
         self._sharing = self._sharing or bool(hits)
+        request.num_cached_tokens = len(hits) * bs
         if hits:
             self.block_tables[request.request_id] = hits
             request.num_computed_tokens = len(hits) * bs
@@ -171,6 +172,7 @@ class PagedKVCacheManager(KVCacheManager):
         if table:
             self.pool.release(table)
             request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
 
     def on_computed(self, request: Request) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
