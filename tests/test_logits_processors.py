@@ -235,3 +235,17 @@ def test_bad_words_and_allowed_ids_are_checked_before_work(llm):
     with pytest.raises(ValueError, match="allowed_token_ids"):
         llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(allowed_token_ids=[3, 999]))
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_bans_that_leave_no_token_give_way_instead_of_failing_the_batch(llm):
+    """allowed_token_ids=[EOS] while min_tokens bans EOS: the whitelist wins, so the request
+    samples EOS (and, as min_tokens still holds off the stop, finishes after four of them)
+    rather than sampling from nothing; the other request is unaffected."""
+    eos = llm.llm_engine.eos_token_id
+    conflicted = SamplingParams(temperature=1.0, seed=0, max_tokens=8, min_tokens=4,
+                                allowed_token_ids=[eos])  # fmt: skip
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], [conflicted, plain],
+                        use_tqdm=False)  # fmt: skip
+    assert outs[0].outputs[0].token_ids == [eos] * 4
+    assert outs[1].outputs[0].token_ids == generate(llm, PROMPTS[1:2])[0][:8]

@@ -50,6 +50,15 @@ def bad_words_token_ids(words: Sequence[str], tokenizer: Any) -> list[list[int]]
     return sequences
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Mask every token outside ``params.allowed_token_ids`` (none when it is None)."""
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[torch.tensor(params.allowed_token_ids, device=logits.device)] = True
+        logits.masked_fill_(~keep, float("-inf"))
+    return logits
+
+
 def has_penalties(params: SamplingParams) -> bool:
     """True when the output history changes the logits (any of the three penalties)."""
     return (
@@ -89,10 +98,7 @@ def process_logits(
             head = len(word) - 1
             if head == 0 or list(out[len(out) - head :]) == list(word[:-1]):
                 logits[row, word[-1]] = float("-inf")
-    if params.allowed_token_ids is not None:
-        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        keep[torch.tensor(params.allowed_token_ids, device=logits.device)] = True
-        logits.masked_fill_(~keep, float("-inf"))
+    apply_allowed_token_ids(logits, params)
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), device=logits.device)
         bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)

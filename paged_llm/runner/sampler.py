@@ -12,7 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from paged_llm.core.request import Request
-from paged_llm.runner.logits_processors import needs_processing, process_logits
+from paged_llm.runner.logits_processors import (
+    apply_allowed_token_ids,
+    needs_processing,
+    process_logits,
+)
 from paged_llm.sampling_params import SamplingParams
 
 
@@ -159,21 +163,25 @@ def process_request_rows(
     request: Request,
     outputs: Sequence[Sequence[int]],  # per row: the output tokens before it
 ) -> torch.Tensor:
-    """``logits_processors.process_logits`` for a request's rows, skipped when it is a no-op;
-    then its grammar's mask (structured output), which wins over any ban it conflicts with."""
+    """``logits_processors.process_logits`` for a request's rows (skipped when it is a no-op),
+    then its grammar's mask (structured output). The whitelists (grammar, allowed_token_ids)
+    win over the bans: a row the bans leave without any token (say ``allowed_token_ids=[eos]``
+    before ``min_tokens``) keeps the whitelists alone, so sampling has a token to draw."""
     params = request.sampling_params
-    if request.guide is not None:
-        allowed = request.guide.allowed().to(logits.device)  # [V]
-        if needs_processing(params, min(len(o) for o in outputs)):
-            shaped = _process(logits.clone(), request, outputs).masked_fill_(
-                ~allowed, float("-inf")
-            )
-            ok = torch.isfinite(shaped).any(-1, keepdim=True)  # rows a ban left with no token
-            logits.copy_(torch.where(ok, shaped, logits))
-        return logits.masked_fill_(~allowed, float("-inf"))
-    if not needs_processing(params, min(len(o) for o in outputs)):
+    processed = needs_processing(params, min(len(o) for o in outputs))
+    if request.guide is None and not processed:
         return logits
-    return _process(logits, request, outputs)
+    before = apply_allowed_token_ids(logits.clone(), params)
+    if processed:
+        _process(logits, request, outputs)
+    if request.guide is not None:
+        disallowed = ~request.guide.allowed().to(logits.device)  # [V]
+        logits.masked_fill_(disallowed, float("-inf"))
+        before.masked_fill_(disallowed, float("-inf"))
+    empty = ~torch.isfinite(logits).any(-1, keepdim=True)  # [R, 1]
+    if bool(empty.any()):
+        logits.copy_(torch.where(empty, before, logits))
+    return logits
 
 
 def _process(
