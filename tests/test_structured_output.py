@@ -66,15 +66,63 @@ def test_parallel_samples_and_ignore_eos_still_end_with_the_grammar(llm):
     assert len(set(outs)) > 1  # the samples are sampled independently
 
 
-def test_guided_requests_decode_plainly_in_a_speculating_engine():
-    llm = LLM("tiny", cpu_kv_cache_gib=0.02,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})  # fmt: skip
-    guided = SamplingParams(temperature=0, max_tokens=40, guided_decoding=GuidedDecodingParams(
-        json=SCHEMA))  # fmt: skip
-    plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    outs = llm.generate(["x = [1, 2, 1, 2, 1, 2", "def f():"], [plain, guided], use_tqdm=False)
-    json.loads(outs[1].outputs[0].text)
-    assert llm.llm_engine.spec_stats.num_draft_tokens > 0  # the plain request speculated
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A smaller random model on the tiny model's tokenizer (a poor but valid draft)."""
+    import shutil
+
+    import torch
+    import transformers as tf
+
+    from paged_llm.models.presets import default_model_dir
+
+    src = default_model_dir()
+    cfg = tf.AutoConfig.from_pretrained(str(src))
+    cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = 1, 64, 128
+    cfg.num_attention_heads, cfg.num_key_value_heads = 2, 1
+    cfg.head_dim = 32
+    out = tmp_path_factory.mktemp("draft")
+    torch.manual_seed(3)
+    tf.LlamaForCausalLM(cfg).save_pretrained(str(out))
+    for f in src.glob("*token*"):
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "self"])
+def test_speculation_keeps_guided_greedy_outputs(llm, draft_dir, method):
+    """Drafts are cut where the grammar rejects them and each verified row is masked by the
+    grammar after the drafts before it: the same output as without drafts."""
+    from paged_llm.models.presets import default_model_dir
+
+    spec = {"method": "draft_model" if method != "ngram" else "ngram",
+            "num_speculative_tokens": 3}  # fmt: skip
+    if method != "ngram":
+        spec["model"] = str(draft_dir if method == "draft_model" else default_model_dir())
+    specd = LLM("tiny", cpu_kv_cache_gib=0.02, speculative_config=spec)
+    prompts = ["x = [1, 2, 1, 2, 1, 2", "def f():", '{"ok": true, "n": 1']
+    for guided in [GuidedDecodingParams(json=SCHEMA), GuidedDecodingParams(regex=r"(ab|ba){6}")]:
+        for ignore_eos in (False, True):
+            sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=ignore_eos,
+                                guided_decoding=guided)  # fmt: skip
+            want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+            got = [o.outputs[0].token_ids for o in specd.generate(prompts, sp, use_tqdm=False)]
+            assert got == want
+    stats = specd.llm_engine.spec_stats
+    assert stats.num_draft_tokens > 0
+    if method == "self":  # the target drafting for itself under the same grammar
+        assert stats.acceptance_rate == 1.0
+
+
+def test_sampled_guided_speculation_stays_inside_the_grammar(draft_dir):
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(draft_dir)}
+    specd = LLM("tiny", cpu_kv_cache_gib=0.02, speculative_config=spec)
+    sp = SamplingParams(temperature=1.0, seed=0, max_tokens=48, n=4,
+                        guided_decoding=GuidedDecodingParams(json=SCHEMA))  # fmt: skip
+    outs = specd.generate(PROMPTS, sp, use_tqdm=False)
+    for c in (c for o in outs for c in o.outputs):
+        assert c.finish_reason == "stop" and json.loads(c.text)["tag"] in ("red", "green")
+    assert specd.llm_engine.spec_stats.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,8 @@ class Request:
     # SamplingParams.bad_words as token sequences (the engine tokenizes them on arrival)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # structured output: the sequence's grammar state (engine/structured_output.GrammarGuide,
-    # opaque here: anything with is_terminated()); it ends the request once complete
+    # opaque here: anything with accept(token) and is_terminated()); it sees every appended
+    # token and ends the request once complete
     guide: Any = None
 
     def __post_init__(self) -> None:
@@ -114,6 +115,8 @@ class Request:
     def append_token(self, token_id: int, now: float) -> None:
         """Record one generated token and its time."""
         self.output_token_ids.append(token_id)
+        if self.guide is not None:  # in step with the output, so check_stop sees this token's
+            self.guide.accept(token_id)
         self.token_times.append(now)
         if self.first_token_time is None:
             self.first_token_time = now

@@ -339,11 +339,6 @@ class LLMEngine:
         self._fork_samples(out)
         draft_probs = self._propose_drafts(out)
         results, prompt_lps = self.runner.execute(out, draft_probs)
-        for rid, r in results.items():
-            entry = self._seqs.get(rid)
-            if entry is not None and entry[1].request.guide is not None:
-                for token in r.token_ids:
-                    entry[1].request.guide.accept(token)
         for rid, (first, entries) in prompt_lps.items():
             group = self._seqs[rid][0]  # recomputed after preemption: the same values again
             group.prompt_logprobs[first : first + len(entries)] = entries
@@ -378,18 +373,18 @@ class LLMEngine:
         """Fill the lookahead slots of this step's decodes with draft tokens to verify."""
         if self.drafter is None:
             return {}
-        # logprobs are reported one token per step, and grammars do not roll back rejected
-        # drafts, so those requests decode plainly
+        # logprobs are reported one token per step, so those requests decode plainly
         entries = [
             s for s in out.scheduled
             if s.num_lookahead and s.samples and s.request.sampling_params.logprobs is None
-            and s.request.guide is None
         ]  # fmt: skip
         if not entries:
             return {}
         drafts, probs = self.drafter.propose(entries, self.runner.sampler)
         for s in entries:
             d = drafts.get(s.request.request_id, [])[: s.num_lookahead]
+            if s.request.guide is not None:  # verify only what the grammar could accept
+                d = d[: s.request.guide.valid_prefix(d)]
             s.request.spec_token_ids = d
             s.num_new_tokens = 1 + len(d)
         return probs

@@ -5,12 +5,15 @@ few choices, or follows an EBNF grammar.
 Grammars compile once per (kind, spec) with xgrammar against the model's tokenizer; each
 sequence then walks its own matcher. The sampler masks what a request's guide disallows (after
 the other logits processors), and the engine feeds the guide each accepted token. A sequence
-stops once its grammar is complete. Guided requests do not speculate: verifying drafts would
-need the matcher to roll back, which this engine does not do.
+stops once its grammar is complete. Under speculative decoding, drafts are cut at the first
+token the grammar rejects, and verification row i is masked by the grammar's state after
+drafts 0..i-1 (the matcher accepts them for a moment and rolls back), so greedy outputs are
+the same with and without drafts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,12 +40,40 @@ class GrammarGuide:
         xgr = _import_xgrammar()
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
 
-    def allowed(self) -> torch.Tensor:  # [V] bool
-        """Tokens that keep the output inside the grammar."""
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        bits = torch.arange(32, dtype=torch.int32)
-        mask = (self._bitmask[0, :, None] >> bits) & 1  # [ceil(V / 32), 32]
-        return mask.reshape(-1)[: self._vocab_size].bool()
+    def allowed(self, pending: Sequence[int] = ()) -> torch.Tensor:  # [V] bool
+        """Tokens that keep the output inside the grammar, after the accepted tokens and then
+        ``pending`` (tokens not accepted yet, e.g. drafts; they must be valid)."""
+        accepted = 0
+        for token in pending:
+            if self._matcher.is_terminated():
+                break  # pending tokens past a stop token: the sequence ends before them
+            if not self._matcher.accept_token(token):
+                self._matcher.rollback(accepted)
+                raise RuntimeError(f"pending token {token} is outside the grammar")
+            accepted += 1
+        if self._matcher.is_terminated():
+            # complete (after a pending stop token): the sequence ends there, so whatever is
+            # chosen for this row is never kept
+            mask = torch.ones(self._vocab_size, dtype=torch.bool)
+        else:
+            self._matcher.fill_next_token_bitmask(self._bitmask)
+            bits = torch.arange(32, dtype=torch.int32)
+            words = (self._bitmask[0, :, None] >> bits) & 1  # [ceil(V / 32), 32]
+            mask = words.reshape(-1)[: self._vocab_size].bool()
+        if accepted:
+            self._matcher.rollback(accepted)
+        return mask
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from its current state."""
+        n = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
 
     def accept(self, token_id: int) -> None:
         """Advance past a sampled token (the mask allowed it)."""

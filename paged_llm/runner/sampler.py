@@ -96,7 +96,7 @@ class Sampler:
 
         params = request.sampling_params
         logits = logits.float()
-        if needs_processing(params, request.num_output_tokens):
+        if request.guide is not None or needs_processing(params, request.num_output_tokens):
             # row i scores the token after drafts[:i], so its history includes them
             out = request.output_token_ids
             histories = [out + drafts[:i] for i in range(len(drafts) + 1)]
@@ -175,7 +175,9 @@ def process_request_rows(
     if processed:
         _process(logits, request, outputs)
     if request.guide is not None:
-        disallowed = ~request.guide.allowed().to(logits.device)  # [V]
+        accepted = request.num_output_tokens  # what the guide has seen; the rest is drafts
+        allowed = torch.stack([request.guide.allowed(o[accepted:]) for o in outputs])  # [R, V]
+        disallowed = ~allowed.to(logits.device)
         logits.masked_fill_(disallowed, float("-inf"))
         before.masked_fill_(disallowed, float("-inf"))
     empty = ~torch.isfinite(logits).any(-1, keepdim=True)  # [R, 1]
