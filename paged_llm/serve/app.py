@@ -164,27 +164,19 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
         model = model_name(req.model)
         params = sampling_params(req, settings.max_logprobs)
         # one engine request per prompt; the engine samples its n choices itself
-        prompts = completion_prompts(req.prompt)
         subs = [
             SubRequest(
-                text_prompt(p, req.add_special_tokens) if isinstance(p, str) else token_prompt(p),
+                text_prompt(p, req.add_special_tokens)
+                if isinstance(p, str)
+                else token_prompt(p, decode=req.echo),  # echo shows token prompts as text
                 params,
             )
-            for p in prompts
+            for p in completion_prompts(req.prompt)
         ]
         choices = Choices(
-            [s.params for s in subs],
-            echo=[_prompt_text(p) for p in prompts] if req.echo else None,
-            prompt_only=req.echo and req.max_tokens == 0,
+            [s.params for s in subs], echo=req.echo, prompt_only=req.echo and req.max_tokens == 0
         )
         return await _generate(request, req, subs, choices, model, chat=False)
-
-    def _prompt_text(prompt: str | list[int]) -> str:
-        """A completions prompt as echo shows it (token ids decoded)."""
-        if isinstance(prompt, str):
-            return prompt
-        tokenizer = engine.engine.tokenizer
-        return "" if tokenizer is None else tokenizer.decode(prompt)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -31,11 +31,18 @@ def text_prompt(text: str, add_special_tokens: bool = True) -> PromptRenderer:
     return render
 
 
-def token_prompt(token_ids: list[int]) -> PromptRenderer:
-    """A completion prompt given as token ids (checked against the vocabulary by the engine)."""
+def token_prompt(token_ids: list[int], decode: bool = False) -> PromptRenderer:
+    """A completion prompt given as token ids (checked against the vocabulary by the engine);
+    ``decode`` also gives its text (for echo)."""
 
     def render(tokenizer: Any) -> dict[str, Any]:
-        return {"prompt_token_ids": list(token_ids), "prompt": None}
+        text = None
+        if decode and tokenizer is not None:
+            try:
+                text = tokenizer.decode(list(token_ids))
+            except Exception:  # ids outside the vocabulary: the engine names the problem
+                text = None
+        return {"prompt_token_ids": list(token_ids), "prompt": text}
 
     return render
 

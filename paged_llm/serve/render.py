@@ -44,7 +44,7 @@ class _Choice:
     started: bool = False
     # completions' echo: the prompt leads text, token ids and logprobs; prompt_only drops the
     # generated part (echo with max_tokens=0)
-    echo: str | None = None
+    echo: bool = False
     prompt_only: bool = False
     num_prompt_tokens: int = 0  # of token_ids, when echoed
 
@@ -60,15 +60,14 @@ class Choices:
     def __init__(
         self,
         params: list[SamplingParams],
-        echo: list[str] | None = None,  # per prompt: its text, shown before each choice
+        echo: bool = False,  # show each prompt (text, tokens, logprobs) before its choices
         prompt_only: bool = False,
     ):
         if len({p.n for p in params}) > 1:
             raise ValueError("every prompt of a request has the same n")
         self.n = params[0].n if params else 1  # choice i belongs to prompt i // n
-        texts = echo or [None] * len(params)
-        self.choices = [_Choice(p, echo=text, prompt_only=prompt_only)
-                        for p, text in zip(params, texts) for _ in range(p.n)]  # fmt: skip
+        self.choices = [_Choice(p, echo=echo, prompt_only=prompt_only)
+                        for p in params for _ in range(p.n)]  # fmt: skip
         self.prompt_tokens: dict[int, int] = {}  # engine request index -> prompt length
         self.strings: dict[int, str] = {}  # token id -> text, for logprobs
 
@@ -101,9 +100,9 @@ class Choices:
         logprobs: list[dict[int, float] | None] = list(completion.logprobs or [])
         if c.prompt_only:
             text, token_ids, logprobs = "", [], []
-        if c.echo is not None:
+        if c.echo:
             c.num_prompt_tokens = len(out.prompt_token_ids)
-            text = c.echo + text
+            text = (out.prompt or "") + text
             token_ids = list(out.prompt_token_ids) + token_ids
             logprobs = list(out.prompt_logprobs or [None] * c.num_prompt_tokens) + logprobs
         progressed = len(token_ids) > len(c.token_ids)
