@@ -367,6 +367,26 @@ def test_structured_outputs_response_format_and_guided_fields(client):
     assert re.fullmatch("[0-9]{4}", "".join(c.choices[0].text for c in stream if c.choices))
 
 
+def test_tokenize_and_detokenize(server, tokenizer):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "def f(x):"}).json()
+    assert r["tokens"] == tokenizer.encode("def f(x):") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256
+    chat = httpx.post(server.url + "/tokenize", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).json()  # fmt: skip
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+    assert chat["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(r["tokens"])}
+    for path, body, status in [
+        ("/tokenize", {"prompt": "a", "messages": []}, 400),
+        ("/tokenize", {"prompt": "a", "model": "nope"}, 404),
+        ("/detokenize", {"tokens": [1, 10**7]}, 400),
+        ("/detokenize", {"tokens": "abc"}, 400),
+    ]:
+        assert httpx.post(server.url + path, json=body).status_code == status
+
+
 def test_echo_with_logprobs_scores_the_prompt_like_the_engine(client, chat_model_dir, tokenizer):
     """lm-evaluation-harness's loglikelihood request: echo, logprobs=1, max_tokens 1 (or 0)."""
     from paged_llm import LLM, SamplingParams

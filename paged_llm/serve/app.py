@@ -18,11 +18,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest
-from paged_llm.serve.errors import APIError, ModelNotFound, Unauthorized, error_body
+from paged_llm.serve.errors import APIError, BadRequest, ModelNotFound, Unauthorized, error_body
 from paged_llm.serve.prompts import chat_prompt, text_prompt, token_prompt
 from paged_llm.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_messages,
     completion_prompts,
     parse_request,
@@ -66,6 +68,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     _add_error_handlers(app)
     app.include_router(_public_routes(engine))
+    app.include_router(_tokenizer_routes(engine, settings))
     app.include_router(
         _openai_routes(engine, settings), dependencies=[Depends(_api_key_check(settings))]
     )
@@ -131,16 +134,59 @@ def _public_routes(engine: AsyncEngine) -> APIRouter:
     return router
 
 
+def _check_model(settings: ServerSettings, requested: str | None) -> None:
+    if requested is not None and requested not in settings.served_model_names:
+        raise ModelNotFound(f"The model `{requested}` does not exist.", param="model")
+
+
+def _tokenizer_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
+    """vLLM's ``/tokenize`` and ``/detokenize`` (outside ``/v1``, so without the API key, as
+    in vLLM). The tokenizer runs on the engine thread, like every other use of it."""
+    router = APIRouter()
+    max_model_len = engine.engine.max_model_len
+    vocab_size = engine.engine.vocab_size
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = parse_request(await request.body(), TokenizeRequest)
+        _check_model(settings, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise BadRequest("send exactly one of 'prompt' and 'messages'", param="prompt")
+        if req.messages is not None:
+            render = chat_prompt(
+                chat_messages(req.messages), settings.chat_template, req.add_generation_prompt,
+                req.continue_final_message, req.chat_template_kwargs,
+            )  # fmt: skip
+        else:
+            render = text_prompt(req.prompt, req.add_special_tokens)
+        ids = (await engine.with_tokenizer(render))["prompt_token_ids"]
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = parse_request(await request.body(), DetokenizeRequest)
+        _check_model(settings, req.model)
+        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary", param="tokens")
+
+        def decode(tokenizer: Any) -> str:
+            if tokenizer is None:
+                raise BadRequest("this model has no tokenizer")
+            return tokenizer.decode(req.tokens)
+
+        return {"prompt": await engine.with_tokenizer(decode)}
+
+    return router
+
+
 def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
     router = APIRouter(prefix="/v1")
     max_model_len = engine.engine.max_model_len
 
     def model_name(requested: str | None) -> str:
-        if requested is None:
-            return settings.served_model_names[0]
-        if requested not in settings.served_model_names:
-            raise ModelNotFound(f"The model `{requested}` does not exist.", param="model")
-        return requested
+        _check_model(settings, requested)
+        return settings.served_model_names[0] if requested is None else requested
 
     @router.get("/models")
     async def models() -> dict[str, Any]:

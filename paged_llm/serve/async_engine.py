@@ -117,6 +117,14 @@ class _Stop:
 
 
 @dataclass
+class _Call:
+    """Run ``fn(tokenizer)`` on the engine thread (the tokenizer's only thread)."""
+
+    fn: Any
+    future: asyncio.Future
+
+
+@dataclass
 class _Live:
     """Engine-thread bookkeeping of one submitted engine request (all its samples)."""
 
@@ -247,13 +255,27 @@ class AsyncEngine:
                 group.unfinished.discard(update.index)
             group.queue.put_nowait(update)
 
-    def _resolve(self, future: asyncio.Future, error: BaseException | None) -> None:
+    def _resolve(
+        self, future: asyncio.Future, error: BaseException | None, result: Any = None
+    ) -> None:
         if future.done():  # the handler was cancelled meanwhile
             return
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
+
+    async def with_tokenizer(self, fn: Any) -> Any:
+        """``fn(tokenizer)`` computed on the engine thread; its APIError reaches the caller."""
+        if not self.is_running:
+            raise EngineUnavailable("the engine is not running (shutting down or failed)")
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, future))
+        while not future.done():
+            await asyncio.wait({future}, timeout=_LIVENESS_S)
+            if not future.done() and not self.thread_alive:
+                raise EngineUnavailable("the engine stopped")
+        return future.result()
 
     # ---- engine thread ------------------------------------------------------------------------
     def _post(self, callback: Any, *args: Any) -> None:
@@ -289,6 +311,8 @@ class AsyncEngine:
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._abort(command.sub_ids)
+            elif isinstance(command, _Call):
+                self._call(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -320,6 +344,16 @@ class AsyncEngine:
             return
         self._post(self._resolve, command.future, None)
 
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self.engine.tokenizer)
+        except Exception as err:
+            if not isinstance(err, APIError):
+                err = BadRequest(str(err))
+            self._post(self._resolve, command.future, err)
+            return
+        self._post(self._resolve, command.future, None, result)
+
     def _abort(self, sub_ids: list[str], notify: bool = True) -> None:
         live = [sid for sid in sub_ids if sid in self._live]
         if not live:
@@ -342,7 +376,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Add):
+            if isinstance(command, (_Add, _Call)):
                 self._post(self._resolve, command.future, error)
         if batch:
             self._post(self._deliver, batch)

@@ -100,6 +100,27 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: dict[str, Any] | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a completion prompt, or chat messages."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_request(raw: bytes, model_cls: type[BaseModel]) -> Any:
     """Parse and validate a JSON body; any problem is a BadRequest naming the field."""
     try:
