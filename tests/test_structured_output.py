@@ -59,6 +59,15 @@ def test_json_object_starts_an_object(llm):
         assert isinstance(json.loads(text), dict)
 
 
+def test_a_grammar_that_completes_before_min_tokens_ends_the_request(llm):
+    guided = GuidedDecodingParams(choice=["yes", "no"])
+    for ignore_eos in (False, True):
+        sp = SamplingParams(temperature=0, max_tokens=20, min_tokens=10, ignore_eos=ignore_eos,
+                            guided_decoding=guided)  # fmt: skip
+        out = llm.generate("ok?", sp, use_tqdm=False)[0].outputs[0]
+        assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
 def test_parallel_samples_and_ignore_eos_still_end_with_the_grammar(llm):
     guided = GuidedDecodingParams(regex=r"[a-c]{3}")
     outs = texts(llm, guided, n=3, ignore_eos=True)

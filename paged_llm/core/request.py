@@ -127,11 +127,11 @@ class Request:
         n_out = self.num_output_tokens
         if n_out >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
+        if self.guide is not None and self.guide.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # nothing can follow, min_tokens or not
         if n_out < params.min_tokens:
             return None
         last = self.output_token_ids[-1]
-        if self.guide is not None and self.guide.is_terminated():
-            return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and last == self.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:

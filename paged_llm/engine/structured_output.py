@@ -4,11 +4,12 @@ few choices, or follows an EBNF grammar.
 
 Grammars compile once per (kind, spec) with xgrammar against the model's tokenizer; each
 sequence then walks its own matcher. The sampler masks what a request's guide disallows (after
-the other logits processors), and the engine feeds the guide each accepted token. A sequence
-stops once its grammar is complete. Under speculative decoding, drafts are cut at the first
-token the grammar rejects, and verification row i is masked by the grammar's state after
-drafts 0..i-1 (the matcher accepts them for a moment and rolls back), so greedy outputs are
-the same with and without drafts.
+the other logits processors), and every token appended to the request's output advances its
+guide. A sequence stops once its grammar is complete (even before ``min_tokens``).
+
+Under speculative decoding, drafts are cut at the first token the grammar rejects, and
+verification row i is masked by the grammar's state after drafts 0..i-1 (the matcher accepts
+them for a moment and rolls back), so greedy outputs are the same with and without drafts.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from paged_llm.sampling_params import GuidedDecodingParams
 def _import_xgrammar() -> Any:
     try:
         import xgrammar
-    except ImportError as err:  # an optional dependency of one feature
+    except ImportError as err:  # a declared dependency; this covers installs without it
         raise ValueError(
             "guided decoding needs the 'xgrammar' package (pip install xgrammar)"
         ) from err
