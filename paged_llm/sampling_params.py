@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json as _json
+import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -95,21 +97,35 @@ class SamplingParams:
         """Raise ValueError naming the first out-of-range field."""
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("top_k", "max_tokens", "min_tokens"):  # counts: a float fails late
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            ):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not 0 <= self.temperature < math.inf:  # NaN fails too
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is None or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+            or not -(2**63) <= self.seed < 2**63
+        ):  # fmt: skip
+            # torch generators take 64-bit seeds; sample i of n uses seed + i
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
         for token, bias in (self.logit_bias or {}).items():
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(
@@ -119,7 +135,7 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
             bad = [t for t in self.allowed_token_ids if isinstance(t, bool)
-                   or not isinstance(t, int) or t < 0]  # fmt: skip
+                   or not isinstance(t, numbers.Integral) or t < 0]  # fmt: skip
             if bad:
                 raise ValueError(f"allowed_token_ids must be token ids (ints >= 0), got {bad[:5]}")
         if self.guided_decoding is not None and not isinstance(
@@ -138,8 +154,9 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 0):  # fmt: skip
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0
+            ):
                 raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")

@@ -106,6 +106,8 @@ def llm(tiny_llama):
         ({"prompt_token_ids": [1, 999]}, {}, "vocabulary"),
         ({"prompt_token_ids": [1, -1]}, {}, "vocabulary"),
         ("some text", {}, "tokenizer"),
+        ({"prompt_token_ids": [1, 2]}, {"logprobs": 10_000}, "vocabulary size"),
+        ({"prompt_token_ids": [1, 2]}, {"prompt_logprobs": 257}, "vocabulary size"),
     ],
 )
 def test_bad_prompts_raise_before_work(llm, prompt, params, match):
@@ -122,6 +124,12 @@ def test_bad_prompts_raise_before_work(llm, prompt, params, match):
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"max_tokens": 4.0}, "max_tokens"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 1.5}, "seed"),
     ],
 )
 def test_bad_sampling_params_raise(params, match):

@@ -243,6 +243,10 @@ class LLMEngine:
                     f"{name} token ids {outside[:5]} are outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
+        for name in ("logprobs", "prompt_logprobs"):  # top-k alternatives come from the vocab
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name}={k} exceeds the vocabulary size {self.vocab_size}")
         bad_words = bad_words_token_ids(params.bad_words or [], self.tokenizer)
         guided = params.guided_decoding
         guides = (
