@@ -158,8 +158,11 @@ class SamplingParams:
                 isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0
             ):
                 raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
+               for t in self.stop_token_ids):  # fmt: skip
+            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:

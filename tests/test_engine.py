@@ -127,6 +127,8 @@ def test_bad_prompts_raise_before_work(llm, prompt, params, match):
         ({"temperature": float("nan")}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),
         ({"top_k": 2.5}, "top_k"),
+        ({"stop": [5]}, "stop"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
         ({"max_tokens": 4.0}, "max_tokens"),
         ({"seed": 2**64}, "seed"),
         ({"seed": 1.5}, "seed"),
