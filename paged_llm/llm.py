@@ -110,10 +110,14 @@ class LLM:
             engine._enqueue(g)
         index = {g.request_id: i for i, g in enumerate(groups)}
         results: list[RequestOutput | None] = [None] * len(groups)
-        with tqdm(total=len(groups), desc="generate", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in index:
-                        results[index[out.request_id]] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(groups), desc="generate", disable=not use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished and out.request_id in index:
+                            results[index[out.request_id]] = out
+                            bar.update(1)
+        except BaseException:  # (a bug, or Ctrl-C): leave the engine empty for the next call
+            engine.abort_request([g.request_id for g in groups])
+            raise
         return [r for r in results if r is not None]

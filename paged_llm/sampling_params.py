@@ -7,6 +7,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass
 class GuidedDecodingParams:
@@ -166,5 +168,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling is argmax decoding."""
-        return self.temperature == 0.0
+        """True when sampling is argmax decoding: temperature 0, or so close to it that logits
+        divided by it would overflow (vLLM's threshold)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE

@@ -325,3 +325,27 @@ def test_iteration_stats_stay_bounded(tiny_llama, monkeypatch):
     stats = llm.llm_engine.iteration_stats
     assert 0 < len(stats) <= 8
     assert stats[-1].num_running == 1  # the last step's statistics are the newest kept
+
+
+def test_tiny_temperature_is_greedy_instead_of_overflowing(llm, reference):
+    sp = SamplingParams(temperature=1e-30, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_a_failed_generate_leaves_the_engine_empty(llm, reference, monkeypatch):
+    engine = llm.llm_engine
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=5))
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests() and engine.kv_usage() == 0
+    assert generate_ids(llm, PROMPTS, 12) == reference

@@ -249,3 +249,52 @@ def test_bans_that_leave_no_token_give_way_instead_of_failing_the_batch(llm):
                         use_tqdm=False)  # fmt: skip
     assert outs[0].outputs[0].token_ids == [eos] * 4
     assert outs[1].outputs[0].token_ids == generate(llm, PROMPTS[1:2])[0][:8]
+
+
+# ---- any combination of settings: refused up front, or run without touching the batch -------
+finite_or_odd = st.one_of(
+    st.floats(-3, 3), st.sampled_from([math.nan, math.inf, -math.inf, 0.0, 1e9])
+)
+counts = st.one_of(st.integers(-2, 300), st.sampled_from([10**6, 2**64, 2.5]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kw=st.fixed_dictionaries(
+        {},
+        optional={
+            "temperature": finite_or_odd,
+            "top_p": finite_or_odd,
+            "top_k": counts,
+            "min_p": finite_or_odd,
+            "max_tokens": counts,
+            "min_tokens": counts,
+            "seed": counts,
+            "n": st.integers(-1, 3),
+            "logprobs": counts,
+            "prompt_logprobs": counts,
+            "presence_penalty": finite_or_odd,
+            "frequency_penalty": finite_or_odd,
+            "repetition_penalty": finite_or_odd,
+            "logit_bias": st.dictionaries(counts, finite_or_odd, max_size=3),
+            "allowed_token_ids": st.lists(counts, max_size=3),
+            "stop": st.lists(st.one_of(st.text(max_size=3), st.integers()), max_size=2),
+            "stop_token_ids": st.lists(counts, max_size=2),
+            "ignore_eos": st.booleans(),
+        },
+    )
+)
+def test_any_settings_are_refused_up_front_or_leave_other_requests_alone(llm, kw):
+    good = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = generate(llm, PROMPTS[:1])[0][:6]
+    try:
+        params = SamplingParams(**kw)
+    except ValueError:
+        return
+    try:
+        outs = llm.generate([{"prompt_token_ids": PROMPTS[1]}, {"prompt_token_ids": PROMPTS[0]}],
+                            [params, good], use_tqdm=False)  # fmt: skip
+    except ValueError:
+        assert not llm.llm_engine.has_unfinished_requests()
+        return
+    assert outs[1].outputs[0].token_ids == want
