@@ -15,6 +15,8 @@ from collections import defaultdict
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from paged_llm.models.presets import default_model_dir
 from paged_llm.serve.background import ServerThread
@@ -625,3 +627,39 @@ def test_prefix_cache_metrics_count_hits_of_a_repeated_prompt(chat_model_dir):
         assert counts[1] == (8, 4)  # the repeat finds every block of its prefix
     finally:
         srv.stop()
+
+
+# ---- random request bodies: a 200 or a 4xx, never a failed engine ----------------------------
+_odd_numbers = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False, width=32),
+    st.sampled_from([0, -1, 1e-30, 1e30, 2**64, 10**6]),
+    st.integers(-3, 300),
+)
+_bodies = st.fixed_dictionaries(
+    {"prompt": st.one_of(st.text(max_size=12), st.lists(st.integers(-2, 3000), max_size=6))},
+    optional={
+        name: _odd_numbers
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed",
+                     "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "min_tokens")
+    }
+    | {
+        "echo": st.booleans(),
+        "ignore_eos": st.booleans(),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
+        "logit_bias": st.dictionaries(st.sampled_from(["1", "x", "99999"]), _odd_numbers,
+                                      max_size=2),
+        "guided_choice": st.lists(st.text(max_size=4), max_size=3),
+        "guided_regex": st.sampled_from(["[ab]{2}", "(", "a*"]),
+        "bad_words": st.lists(st.text(max_size=4), max_size=2),
+        "allowed_token_ids": st.lists(st.integers(-1, 3000), max_size=3),
+    },
+)  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_bodies)
+def test_random_completion_bodies_never_break_the_server(server, body):
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 or 400 <= r.status_code < 500, r.text
+    assert httpx.get(server.url + "/health").status_code == 200
