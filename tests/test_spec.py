@@ -5,6 +5,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from paged_llm import LLM, SamplingParams
 from paged_llm.spec.metrics import SpecDecodeStats
@@ -266,3 +268,36 @@ def test_bad_speculative_config(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(tiny_llama[0]), cpu_kv_cache_gib=0.01, speculative_config={
             "method": "draft_model", "num_speculative_tokens": 2, "model": str(other)})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama, draft_dir):
+    kw = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01)
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(draft_dir)}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    return [LLM(str(tiny_llama[0]), **kw), LLM(str(tiny_llama[0]), speculative_config=spec, **kw),
+            LLM(str(tiny_llama[0]), speculative_config=ngram, **kw)]  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    kw=st.fixed_dictionaries(
+        {},
+        optional={
+            "presence_penalty": st.floats(-2, 2),
+            "frequency_penalty": st.floats(-2, 2),
+            "repetition_penalty": st.floats(0.5, 2.0),
+            "logit_bias": st.dictionaries(st.integers(0, 255), st.floats(-10, 10), max_size=4),
+            "allowed_token_ids": st.lists(st.integers(0, 255), min_size=2, max_size=40),
+            "min_tokens": st.integers(0, 8),
+            "ignore_eos": st.booleans(),
+            "stop_token_ids": st.lists(st.integers(0, 255), max_size=2),
+        },
+    )
+)
+def test_greedy_speculation_is_exact_under_any_logits_processors(engines, kw):
+    """Random penalty / bias / ban settings: both drafters give the plain engine's tokens."""
+    sp = SamplingParams(temperature=0, max_tokens=10, **kw)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    plain, *specd = (ids_of(llm.generate(prompts, sp, use_tqdm=False)) for llm in engines)
+    assert specd == [plain, plain]
