@@ -4,7 +4,7 @@ name, a dotted path or a ``{_target_: ...}`` mapping."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
@@ -44,6 +44,18 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = False
 
+    def __post_init__(self) -> None:
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b & (b - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {b!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        for name in ("cpu_kv_cache_gib", "swap_space"):
+            if not getattr(self, name) >= 0:  # NaN fails too
+                raise ValueError(f"{name} must be >= 0 GiB, got {getattr(self, name)}")
+
 
 @dataclass
 class SchedulerConfig:
@@ -74,14 +86,17 @@ class EngineConfig:
         """Build from vLLM-style flat keyword arguments (``LLM(model=..., block_size=...)``)."""
         cfg = cls()
         sections = {"model": cfg.model, "cache": cfg.cache, "scheduler": cfg.scheduler}
-        owner = {f.name: sec for sec in sections.values() for f in fields(sec)}
+        owner = {f.name: name for name, sec in sections.items() for f in fields(sec)}
+        changes: dict[str, dict[str, Any]] = {name: {} for name in sections}
         for key, value in kwargs.items():
             if key in ("attention_backend", "log_stats", "speculative_config"):
                 setattr(cfg, key, value)
             elif key in owner:
-                setattr(owner[key], key, value)
+                changes[owner[key]][key] = value
             else:
                 raise ValueError(f"unknown engine argument '{key}'")
+        for name, section in sections.items():  # replace() re-runs each section's checks
+            setattr(cfg, name, replace(section, **changes[name]))
         return cfg
 
 

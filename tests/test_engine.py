@@ -148,6 +148,10 @@ def test_bad_engine_arguments_raise(tiny_llama, tmp_path):
         LLM(str(tiny_llama[0]), blok_size=3)
     with pytest.raises(ValueError, match="neither a local checkpoint"):
         LLM(str(tmp_path / "nope"))
+    for kw, match in [({"block_size": 0}, "block_size"), ({"swap_space": -1}, "swap_space"),
+                      ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            LLM(str(tiny_llama[0]), cpu_kv_cache_gib=0.01, **kw)
 
 
 def test_bad_request_does_not_disturb_running_ones(llm, reference):
