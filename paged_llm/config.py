@@ -4,6 +4,7 @@ name, a dotted path or a ``{_target_: ...}`` mapping."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -30,6 +31,17 @@ class ModelConfig:
     # CPU: linear layers send inputs of at least this many rows to oneDNN's matmul, faster than
     # torch's default (MKL) there; None keeps torch's default. See paged_llm/layers/cpu_linear.py
     cpu_onednn_min_rows: int | None = 1
+
+    def __post_init__(self) -> None:
+        _check_optional_count("max_model_len", self.max_model_len)
+
+
+def _check_optional_count(name: str, value: Any) -> None:
+    """None (the default) or an integer >= 1; 0 is not taken as "default" silently."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
+    ):
+        raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
 
 
 @dataclass
@@ -66,6 +78,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # default: max(max_model_len, 2048)
     enable_chunked_prefill: bool = False
     preemption_mode: str = "recompute"  # recompute | swap
+
+    def __post_init__(self) -> None:
+        _check_optional_count("max_num_batched_tokens", self.max_num_batched_tokens)
 
 
 @dataclass

@@ -149,7 +149,9 @@ def test_bad_engine_arguments_raise(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="neither a local checkpoint"):
         LLM(str(tmp_path / "nope"))
     for kw, match in [({"block_size": 0}, "block_size"), ({"swap_space": -1}, "swap_space"),
-                      ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization")]:  # fmt: skip
+                      ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+                      ({"max_model_len": 0}, "max_model_len"),
+                      ({"max_num_batched_tokens": 0}, "max_num_batched_tokens")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             LLM(str(tiny_llama[0]), cpu_kv_cache_gib=0.01, **kw)
 
