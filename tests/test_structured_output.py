@@ -160,3 +160,20 @@ def test_specs_that_do_not_compile_fail_before_work(llm, tiny_llama):
             {"prompt_token_ids": [1, 2]},
             SamplingParams(guided_decoding=GuidedDecodingParams(regex="a")),
         )
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_guided_outputs_survive_preemption(llm, mode):
+    """Recomputation or swapping moves a sequence's KV, not its grammar state."""
+    import logging
+
+    small = LLM("tiny", block_size=4, max_model_len=32, num_gpu_blocks_override=12,
+                preemption_mode=mode, swap_space=0.01)  # fmt: skip
+    logging.getLogger("paged_llm.core.scheduler").setLevel(logging.ERROR)
+    sp = SamplingParams(temperature=0, max_tokens=40, guided_decoding=GuidedDecodingParams(
+        regex=r"([a-z]{1,4} ){3}[0-9]{2}"))  # fmt: skip
+    prompts = [f"# item {i}\n" for i in range(12)]
+    want = [o.outputs[0].text for o in llm.generate(prompts, sp, use_tqdm=False)]
+    got = [o.outputs[0].text for o in small.generate(prompts, sp, use_tqdm=False)]
+    assert small.llm_engine.scheduler.num_preemptions_total > 0
+    assert got == want and all(re.fullmatch(r"([a-z]{1,4} ){3}[0-9]{2}", t) for t in got)
