@@ -301,3 +301,56 @@ def test_greedy_speculation_is_exact_under_any_logits_processors(engines, kw):
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
     plain, *specd = (ids_of(llm.generate(prompts, sp, use_tqdm=False)) for llm in engines)
     assert specd == [plain, plain]
+
+
+@pytest.fixture(scope="module")
+def mixed_engines(tiny_llama):
+    """Engines that batch, chunk, cache, preempt and speculate differently."""
+    kw = dict(block_size=4, max_model_len=64)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    return {
+        "alone": LLM(str(tiny_llama[0]), cpu_kv_cache_gib=0.01, **kw),
+        "chunked+cached": LLM(str(tiny_llama[0]), cpu_kv_cache_gib=0.01,
+                              enable_chunked_prefill=True, max_num_batched_tokens=16,
+                              enable_prefix_caching=True, **kw),
+        "preempting+ngram": LLM(str(tiny_llama[0]), num_gpu_blocks_override=40,
+                                speculative_config=ngram, **kw),
+    }  # fmt: skip
+
+
+_greedy_settings = st.fixed_dictionaries(
+    {"max_tokens": st.integers(1, 12)},
+    optional={
+        "frequency_penalty": st.floats(-1, 2),
+        "repetition_penalty": st.floats(0.7, 1.5),
+        "logit_bias": st.dictionaries(st.integers(0, 255), st.floats(-5, 5), max_size=3),
+        "min_tokens": st.integers(0, 4),
+        "prompt_logprobs": st.integers(0, 2),
+        "ignore_eos": st.booleans(),
+    },
+)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(0, len(PROMPTS) - 1), _greedy_settings), min_size=1, max_size=5
+    ),
+    engine=st.sampled_from(["chunked+cached", "preempting+ngram"]),
+)
+def test_each_request_of_a_mixed_batch_gets_what_it_gets_alone(mixed_engines, requests, engine):
+    """Whatever else runs beside it (other settings, chunking, cache hits, preemption, drafts),
+    a greedy request's tokens and prompt logprobs are those of running it alone."""
+    logging.getLogger("paged_llm.core.scheduler").setLevel(logging.ERROR)
+    prompts = [{"prompt_token_ids": PROMPTS[i]} for i, _ in requests]
+    params = [SamplingParams(temperature=0, **{**kw, "min_tokens": min(
+        kw.get("min_tokens", 0), kw["max_tokens"])}) for _, kw in requests]  # fmt: skip
+    alone = [mixed_engines["alone"].generate(p, sp, use_tqdm=False)[0]
+             for p, sp in zip(prompts, params)]  # fmt: skip
+    mixed = mixed_engines[engine].generate(prompts, params, use_tqdm=False)
+    for a, m in zip(alone, mixed):
+        assert m.outputs[0].token_ids == a.outputs[0].token_ids
+        if a.prompt_logprobs is not None:
+            for ea, em in zip(a.prompt_logprobs[1:], m.prompt_logprobs[1:]):
+                assert ea.keys() == em.keys()
+                assert all(abs(ea[t] - em[t]) < 1e-4 for t in ea)
