@@ -232,16 +232,13 @@ class LLMEngine:
         params.validate()
         text, ids = to_token_ids(prompt, self.tokenizer)
         validate_token_ids(ids, self.vocab_size, self.max_model_len)
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary")
-        for name, ids_ in (("logit_bias", params.logit_bias or {}),
+        for name, ids_ in (("stop_token_ids", params.stop_token_ids),
+                           ("logit_bias", params.logit_bias or {}),
                            ("allowed_token_ids", params.allowed_token_ids or [])):  # fmt: skip
-            outside = [t for t in ids_ if not t < self.vocab_size]
+            outside = [t for t in ids_ if not 0 <= t < self.vocab_size]
             if outside:
                 raise ValueError(
-                    f"{name} token ids {outside[:5]} are outside the vocabulary "
-                    f"[0, {self.vocab_size})"
+                    f"{name} {outside[:5]} are outside the vocabulary [0, {self.vocab_size})"
                 )
         for name in ("logprobs", "prompt_logprobs"):  # top-k alternatives come from the vocab
             k = getattr(params, name)

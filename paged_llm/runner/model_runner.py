@@ -17,7 +17,7 @@ from paged_llm.layers.attention import ForwardContext
 from paged_llm.quant.kv_cache import SCALE_DTYPE, KVCacheSpec
 from paged_llm.runner.cuda_graphs import CudaGraphRunner, is_decode_batch
 from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, allocate_kv_scales, move_blocks
-from paged_llm.runner.sampler import Sampler, SampleResult
+from paged_llm.runner.sampler import Sampler, SampleResult, logprob_entries
 
 logger = logging.getLogger(__name__)
 
@@ -142,15 +142,8 @@ def prompt_logprobs(
     out: dict[str, PromptLogprobs] = {}
     row = 0
     for request_id, first, count, top_k in batch.prompt_spans:
-        rows = logprobs[row : row + count]
         targets = batch.prompt_targets[row : row + count]
-        chosen = rows[torch.arange(count), torch.tensor(targets)].tolist()
-        entries = [{t: lp} for t, lp in zip(targets, chosen)]
-        if top_k > 0:
-            top = torch.topk(rows, top_k)
-            for entry, ids, values in zip(entries, top.indices.tolist(), top.values.tolist()):
-                entry.update(zip(ids, values))
-        out[request_id] = (first, entries)
+        out[request_id] = (first, logprob_entries(logprobs[row : row + count], targets, top_k))
         row += count
     return out
 

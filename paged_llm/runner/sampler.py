@@ -151,11 +151,23 @@ class Sampler:
     ) -> dict[int, float] | None:
         if logprobs is None or p.logprobs is None:
             return None
-        out = {token: float(logprobs[row, token])}
-        if p.logprobs > 0:
-            top = torch.topk(logprobs[row], p.logprobs)
-            out.update(zip(top.indices.tolist(), top.values.tolist()))
-        return out
+        return logprob_entries(logprobs[row : row + 1], [token], p.logprobs)[0]
+
+
+def logprob_entries(
+    logprobs: torch.Tensor,  # [N, V] log-probabilities
+    tokens: Sequence[int],  # [N]: the token each row chose (or scores)
+    top_k: int,
+) -> list[dict[int, float]]:
+    """vLLM's logprobs per row: ``{token: logprob}`` plus the ``top_k`` most likely tokens."""
+    index = torch.tensor(list(tokens), dtype=torch.long, device=logprobs.device)
+    chosen = logprobs[torch.arange(len(index), device=logprobs.device), index].tolist()
+    entries = [{t: lp} for t, lp in zip(tokens, chosen)]
+    if top_k > 0:
+        top = torch.topk(logprobs, top_k)
+        for entry, ids, values in zip(entries, top.indices.tolist(), top.values.tolist()):
+            entry.update(zip(ids, values))
+    return entries
 
 
 def process_request_rows(

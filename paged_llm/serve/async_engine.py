@@ -221,11 +221,7 @@ class AsyncEngine:
         future = asyncio.get_running_loop().create_future()
         self._commands.put(_Add(group, future, self.engine.clock()))
         try:
-            while not future.done():
-                await asyncio.wait({future}, timeout=_LIVENESS_S)
-                if not future.done() and not self.thread_alive:
-                    raise EngineUnavailable("the engine stopped")
-            future.result()
+            await self._engine_result(future)
         except BaseException:  # invalid input, or the handler was cancelled meanwhile
             group.close()
             raise
@@ -271,6 +267,10 @@ class AsyncEngine:
             raise EngineUnavailable("the engine is not running (shutting down or failed)")
         future = asyncio.get_running_loop().create_future()
         self._commands.put(_Call(fn, future))
+        return await self._engine_result(future)
+
+    async def _engine_result(self, future: asyncio.Future) -> Any:
+        """A command's result, or EngineUnavailable if the engine thread dies before it."""
         while not future.done():
             await asyncio.wait({future}, timeout=_LIVENESS_S)
             if not future.done() and not self.thread_alive:
