@@ -11,7 +11,10 @@ def test_savings_are_measured_and_ordered(tmp_path):
 
     doc = beam_sharing.run("test-target", 4, (20, 24), tmp_path)
     assert json.loads((tmp_path / "beam_sharing.json").read_text())["mode"] == "real"
-    s = {name: r["saving"] for name, r in doc["settings"].items()}
+    assert all(0 < r["saving"] < 1 for r in doc["settings"].values())  # time-weighted
+    # The orderings are checked on the per-iteration mean: the time-weighted saving weighs each
+    # step by its wall time, which moves by several points between runs on a busy machine.
+    s = {name: r["mean_iteration_saving"] for name, r in doc["settings"].items()}
     assert set(s) == {f"{kind}_{k}" for kind in ("parallel", "beam") for k in (2, 4, 6)}
     assert all(0 < v < 1 for v in s.values())
     # more sequences per request share more; a prompt's beams share more than its samples

@@ -29,6 +29,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 LABEL = f'{{model_name="{MODEL}"}}'
+ABORTS = f'vllm:request_success_total{{finished_reason="abort",{LABEL[1:]}'
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def metrics(server) -> dict[str, float]:
 
 
 def abort_count(server) -> float:
-    return metrics(server)[f'vllm:request_success_total{{finished_reason="abort",{LABEL[1:]}']
+    return metrics(server)[ABORTS]
 
 
 def by_index(choices):
@@ -94,8 +95,12 @@ def streamed_choices(chunks):
     return per
 
 
-def wait_idle(server, timeout=10.0) -> dict[str, float]:
-    """Poll /metrics until nothing runs or waits and no KV block is in use (bounded)."""
+def wait_idle(server, timeout=10.0, aborts: float | None = None) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and no KV block is in use (bounded).
+
+    With ``aborts``, also wait for the abort counter to reach it: a client that gives up early
+    may disconnect before the server has even submitted its request, so "idle" alone can be
+    seen before the request exists."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(server)
@@ -103,6 +108,8 @@ def wait_idle(server, timeout=10.0) -> dict[str, float]:
             m[f"vllm:{name}{LABEL}"] == 0
             for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
         )
+        if aborts is not None:
+            idle = idle and m[ABORTS] >= aborts
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
@@ -432,14 +439,13 @@ def test_echo_text_prompt_streamed_and_whole(client):
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
-    before = metrics(server)[f'vllm:request_success_total{{finished_reason="abort",{LABEL[1:]}']
+    before = abort_count(server)
     body = {"prompt": "while True:", "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-    after = wait_idle(server)
-    assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0
-    assert after[f'vllm:request_success_total{{finished_reason="abort",{LABEL[1:]}'] == before + 1
+    after = wait_idle(server, aborts=before + 1)
+    assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0 and after[ABORTS] == before + 1
 
 
 def test_disconnect_aborts_every_sample_of_n(server):
@@ -448,20 +454,19 @@ def test_disconnect_aborts_every_sample_of_n(server):
     body["ignore_eos"] = True
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         assert next(line for line in r.iter_lines() if line.startswith("data:"))
-    after = wait_idle(server)
-    assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0
-    assert abort_count(server) == before + 3  # counted per choice, as vLLM counts sequences
+    after = wait_idle(server, aborts=before + 3)
+    # counted per choice, as vLLM counts sequences
+    assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0 and after[ABORTS] == before + 3
 
 
 def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
-    key = f'vllm:request_success_total{{finished_reason="abort",{LABEL[1:]}'
-    before = metrics(server)[key]
+    before = abort_count(server)
     # 4 x 240 tokens take several times the 0.1 s the client waits, even on a fast machine
     body = {"prompt": "while True:", "max_tokens": 240, "n": 4, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.1)
-    after = wait_idle(server)
-    assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0 and after[key] == before + 4
+    after = wait_idle(server, aborts=before + 4)
+    assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0 and after[ABORTS] == before + 4
 
 
 def test_metrics_count_tokens_and_latencies(server, client, tokenizer):
