@@ -4,7 +4,7 @@ from paged_llm.beam_search import BeamSearchOutput, BeamSearchParams
 from paged_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.llm import LLM
-from paged_llm.outputs import CompletionOutput, RequestOutput
+from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_llm.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "GuidedDecodingParams",
     "RequestOutput",
     "CompletionOutput",
+    "Logprob",
     "EngineConfig",
     "ModelConfig",
     "CacheConfig",

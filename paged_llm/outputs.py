@@ -1,8 +1,47 @@
-"""Result objects with vLLM's names (RequestOutput, CompletionOutput)."""
+"""Result objects with vLLM's names (RequestOutput, CompletionOutput, Logprob)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+class Logprob(float):
+    """One token's log-probability, with vLLM's ``Logprob`` attributes: ``.logprob``,
+    ``.rank`` (1 = the most likely token) and ``.decoded_token`` (its text, when the model has
+    a tokenizer).
+
+    It is also the float itself, so code written for vLLM (``entry[t].logprob``) and code
+    that treats an entry as a number (``sum(entry[t] for ...)``) both work.
+    """
+
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(
+        cls, logprob: float, rank: int | None = None, decoded_token: str | None = None
+    ) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        """The log-probability as a plain float."""
+        return float(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+            f"decoded_token={self.decoded_token!r})"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (tensor-parallel workers) keep the fields
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+
+# One generated (or prompt) position: token id -> Logprob, for the chosen token and the top-k.
+LogprobEntry = dict[int, Logprob]
 
 
 @dataclass
@@ -13,8 +52,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    # logprobs[i] maps token id -> logprob for generated position i (sampled token + top-k)
-    logprobs: list[dict[int, float]] | None = None
+    # logprobs[i] maps token id -> Logprob for generated position i (sampled token + top-k)
+    logprobs: list[LogprobEntry] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None
 
@@ -45,7 +84,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    # SamplingParams.prompt_logprobs: per prompt token, token id -> logprob (it + top-k); the
+    # SamplingParams.prompt_logprobs: per prompt token, token id -> Logprob (it + top-k); the
     # first token has none (None), as in vLLM
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[LogprobEntry | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's field)

@@ -207,6 +207,42 @@ def test_stop_token_ids_max_tokens_and_logprobs(llm, reference):
     )
 
 
+def test_logprobs_are_vllm_logprob_objects():
+    """Each entry maps token id -> Logprob(.logprob, .rank, .decoded_token), and is a float."""
+    import json
+    import pickle
+
+    llm = LLM("tiny", cpu_kv_cache_gib=0.01)
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=1.5, seed=3, max_tokens=8, logprobs=3, prompt_logprobs=2)
+    out = llm.generate("def main():", params)[0]
+    c = out.outputs[0]
+    rows = [(2, e) for e in out.prompt_logprobs[1:]] + [(3, e) for e in c.logprobs]
+    chosen = out.prompt_token_ids[1:] + c.token_ids
+    outside = 0
+    for token, (k, entry) in zip(chosen, rows):
+        for t, lp in entry.items():
+            assert isinstance(lp, float) and lp.logprob == float(lp)
+            assert lp.decoded_token == tokenizer.decode([t])
+        ranked = sorted(entry.values(), key=lambda lp: -lp)
+        assert ranked[0].rank == 1 and [lp.rank for lp in ranked] == sorted(
+            lp.rank for lp in ranked
+        )
+        if len(entry) == k + 1:  # the chosen token is not among the top k: it ranks below them
+            outside += 1
+            assert entry[token].rank > k and ranked[-1] is entry[token]
+        else:
+            assert sorted(lp.rank for lp in entry.values()) == list(range(1, k + 1))
+    assert outside > 0  # the sampled (temperature 1.5) and prompt tokens are often not top-k
+    again = pickle.loads(pickle.dumps(c.logprobs))
+    fields = [{t: (v.logprob, v.rank, v.decoded_token) for t, v in e.items()} for e in c.logprobs]
+    assert [
+        {t: (v.logprob, v.rank, v.decoded_token) for t, v in e.items()} for e in again
+    ] == fields
+    first = c.logprobs[0][c.token_ids[0]]
+    assert json.loads(json.dumps(first)) == first.logprob
+
+
 def test_default_model_generates_text_with_stop_strings():
     llm = LLM("tiny", cpu_kv_cache_gib=0.01)
     first = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=16))[0]

@@ -30,6 +30,8 @@ def check(outs, reference, top_k):
             assert set(entry) == set(top) | {prompt[i]}
             for t in top:
                 assert entry[t] == pytest.approx(row[t].item(), abs=1e-4)
+            for t, lp in entry.items():  # vLLM's Logprob: rank 1 = the most likely token
+                assert lp.logprob == float(lp) and lp.rank == int((row > row[t]).sum()) + 1
 
 
 def run(llm, top_k, **kw):

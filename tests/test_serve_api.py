@@ -428,6 +428,47 @@ def test_echo_with_logprobs_scores_the_prompt_like_the_engine(client, chat_model
     )
 
 
+def test_prompt_logprobs_field_like_vllm(server, chat_model_dir):
+    """vLLM's prompt_logprobs: per choice (completions) or per response (chat), each entry
+    token id -> logprob, rank and decoded text; refused with stream, as vLLM does."""
+    from paged_llm import LLM, SamplingParams
+
+    prompt = [5, 6, 7, 8, 9, 10]
+    llm = LLM(str(chat_model_dir), max_model_len=256, cpu_kv_cache_gib=0.05)
+    ref = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=2)
+    )[0].prompt_logprobs
+    url = server.url + "/v1/completions"
+    body = {"prompt": [prompt, prompt], "max_tokens": 2, "n": 2, "prompt_logprobs": 2}
+    got = httpx.post(url, json=body).json()
+    assert len(got["choices"]) == 4
+    for choice in got["choices"]:
+        lps = choice["prompt_logprobs"]
+        assert len(lps) == len(prompt) and lps[0] is None
+        for entry, ref_entry in zip(lps[1:], ref[1:]):
+            assert set(entry) == {str(t) for t in ref_entry}
+            for t, v in ref_entry.items():
+                e = entry[str(t)]
+                assert e["logprob"] == pytest.approx(v.logprob, abs=1e-4)
+                assert (e["rank"], e["decoded_token"]) == (v.rank, v.decoded_token)
+    plain = httpx.post(url, json={"prompt": prompt, "max_tokens": 1}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 1}
+    got = httpx.post(server.url + "/v1/chat/completions", json=chat).json()
+    assert got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) > 1
+    assert all(1 <= len(e) <= 2 for e in got["prompt_logprobs"][1:])
+    for bad, match in [
+        ({"prompt_logprobs": 1, "stream": True}, "not available when stream"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be in"),
+        ({"prompt_logprobs": 10_000}, "prompt_logprobs must be in"),
+    ]:
+        r = httpx.post(url, json={"prompt": prompt, "max_tokens": 1, **bad})
+        assert r.status_code == 400 and match in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "prompt_logprobs"
+    streamed = {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0, "stream": True}
+    assert httpx.post(url, json=streamed).status_code == 200  # 0 is accepted and dropped
+
+
 def test_echo_text_prompt_streamed_and_whole(client):
     whole = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=5, echo=True,
                                       **greedy())  # fmt: skip

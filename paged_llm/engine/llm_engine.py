@@ -23,7 +23,7 @@ from paged_llm.engine.inputs import to_token_ids, validate_token_ids
 from paged_llm.engine.loading import load_model_and_tokenizer, resolve_device
 from paged_llm.engine.structured_output import StructuredOutputCompiler
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
-from paged_llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paged_llm.outputs import CompletionOutput, LogprobEntry, RequestMetrics, RequestOutput
 from paged_llm.quant.kv_cache import SCALE_DTYPE, kv_cache_spec
 from paged_llm.runner.cuda_graphs import cuda_graph_sizes
 from paged_llm.runner.kv_cache import kv_bytes_per_block
@@ -45,7 +45,7 @@ class _Tracked:
     request: Request
     prompt: str | None
     text: str = ""
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[LogprobEntry] | None = None
     cumulative_logprob: float = 0.0
 
 
@@ -58,7 +58,7 @@ class _Group:
     unforked: list[_Tracked]  # samples waiting to share the first member's prompt blocks
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (and
     # for tokens whose chunk has not run yet)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[LogprobEntry | None] | None = None
 
 
 class LLMEngine:
@@ -342,6 +342,8 @@ class LLMEngine:
         results, prompt_lps = self.runner.execute(out, draft_probs)
         for rid, (first, entries) in prompt_lps.items():
             group = self._seqs[rid][0]  # recomputed after preemption: the same values again
+            for entry in entries:
+                self._name_tokens(entry)
             group.prompt_logprobs[first : first + len(entries)] = entries
         now = self.clock()
         sampled = {rid: r.token_ids for rid, r in results.items()}
@@ -410,11 +412,17 @@ class LLMEngine:
             stats.num_batched_tokens, self.scheduler.num_preemptions_total,
         )  # fmt: skip
 
-    @staticmethod
-    def _record_logprobs(tracked: _Tracked, result: Any) -> None:
+    def _record_logprobs(self, tracked: _Tracked, result: Any) -> None:
         if tracked.logprobs is not None and result.logprobs is not None:
+            self._name_tokens(result.logprobs)
             tracked.logprobs.append(result.logprobs)
             tracked.cumulative_logprob += result.logprobs[result.token_id]
+
+    def _name_tokens(self, entry: LogprobEntry) -> None:
+        """Fill each Logprob's ``decoded_token`` (the token's own text), as vLLM does."""
+        if self.tokenizer is not None:
+            for token_id, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([token_id])
 
     def _detokenize(self, tracked: _Tracked, now: float) -> None:
         """Update the text; finish the request at a stop string (text cut before it)."""

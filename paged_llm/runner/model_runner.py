@@ -14,6 +14,7 @@ from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata, build_attention_metadata
 from paged_llm.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_llm.layers.attention import ForwardContext
+from paged_llm.outputs import LogprobEntry
 from paged_llm.quant.kv_cache import SCALE_DTYPE, KVCacheSpec
 from paged_llm.runner.cuda_graphs import CudaGraphRunner, is_decode_batch
 from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, allocate_kv_scales, move_blocks
@@ -127,7 +128,7 @@ def prepare_inputs(
 
 
 # (index of the first prompt token scored, then per token: its logprob and the top-k's)
-PromptLogprobs = tuple[int, list[dict[int, float]]]
+PromptLogprobs = tuple[int, list[LogprobEntry]]
 
 
 def prompt_logprobs(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_llm.core.request import Request
+from paged_llm.outputs import Logprob, LogprobEntry
 from paged_llm.runner.logits_processors import (
     apply_allowed_token_ids,
     needs_processing,
@@ -25,7 +26,7 @@ class SampleResult:
     """The token(s) chosen for one request and, if asked, their logprobs."""
 
     token_id: int  # the (last) new token
-    logprobs: dict[int, float] | None = None  # of token_id: it + top-k alternatives
+    logprobs: LogprobEntry | None = None  # of token_id: it + top-k alternatives
     # speculative decoding: every token of the step, accepted drafts first (else [token_id])
     token_ids: list[int] | None = None
     num_drafts: int = 0
@@ -148,7 +149,7 @@ class Sampler:
     @staticmethod
     def _logprobs(
         logprobs: torch.Tensor | None, row: int, token: int, p: SamplingParams
-    ) -> dict[int, float] | None:
+    ) -> LogprobEntry | None:
         if logprobs is None or p.logprobs is None:
             return None
         return logprob_entries(logprobs[row : row + 1], [token], p.logprobs)[0]
@@ -158,15 +159,21 @@ def logprob_entries(
     logprobs: torch.Tensor,  # [N, V] log-probabilities
     tokens: Sequence[int],  # [N]: the token each row chose (or scores)
     top_k: int,
-) -> list[dict[int, float]]:
-    """vLLM's logprobs per row: ``{token: logprob}`` plus the ``top_k`` most likely tokens."""
+) -> list[LogprobEntry]:
+    """vLLM's logprobs per row: ``{token: Logprob}`` plus the ``top_k`` most likely tokens,
+    each with its rank in the row (1 = most likely; the number of strictly likelier tokens
+    plus one, as vLLM counts)."""
     index = torch.tensor(list(tokens), dtype=torch.long, device=logprobs.device)
-    chosen = logprobs[torch.arange(len(index), device=logprobs.device), index].tolist()
-    entries = [{t: lp} for t, lp in zip(tokens, chosen)]
+    chosen_t = logprobs[torch.arange(len(index), device=logprobs.device), index]  # [N]
+    ranks = ((logprobs > chosen_t[:, None]).sum(-1) + 1).tolist()
+    entries = [{t: Logprob(lp, rank)} for t, lp, rank in zip(tokens, chosen_t.tolist(), ranks)]
     if top_k > 0:
         top = torch.topk(logprobs, top_k)
         for entry, ids, values in zip(entries, top.indices.tolist(), top.values.tolist()):
-            entry.update(zip(ids, values))
+            entry.update(
+                (t, entry[t] if t in entry else Logprob(lp, r))  # ties keep the chosen's rank
+                for r, (t, lp) in enumerate(zip(ids, values), start=1)
+            )
     return entries
 
 

@@ -62,6 +62,7 @@ class _GenerationRequest(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # each prompt token's logprob + this many alternatives
 
 
 class CompletionRequest(_GenerationRequest):
@@ -179,6 +180,7 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
             raise BadRequest(f"logprobs must be in [0, {max_logprobs}]", param="logprobs")
         if req.echo and max_tokens == 0:  # score the prompt only: run one step, show no output
             max_tokens = 1
+    prompt_logprobs = _prompt_logprobs(req, logprobs, max_logprobs)
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest(
             f"{max_tokens_field} must be at least 1, got {max_tokens}", param=max_tokens_field
@@ -200,8 +202,7 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
             stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
-            # echo with logprobs shows the prompt's logprobs first (as vLLM and OpenAI did)
-            prompt_logprobs=logprobs if isinstance(req, CompletionRequest) and req.echo else None,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             presence_penalty=req.presence_penalty or 0.0,
@@ -214,6 +215,23 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
         )
     except ValueError as err:
         raise BadRequest(str(err), param=_param_of(str(err))) from None
+
+
+def _prompt_logprobs(
+    req: _GenerationRequest, logprobs: int | None, max_logprobs: int
+) -> int | None:
+    """vLLM's ``prompt_logprobs``; without it, completions' echo with logprobs scores the prompt
+    with ``logprobs`` alternatives (as vLLM and OpenAI did)."""
+    k = req.prompt_logprobs
+    if k is not None and not 0 <= k <= max_logprobs:
+        raise BadRequest(f"prompt_logprobs must be in [0, {max_logprobs}]", param="prompt_logprobs")
+    if k and req.stream:  # streamed chunks have no field for them (vLLM refuses too; 0 is dropped)
+        raise BadRequest(
+            "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+        )
+    if k is None or req.stream:
+        return logprobs if isinstance(req, CompletionRequest) and req.echo else None
+    return k
 
 
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_llm.outputs import CompletionOutput, RequestOutput
+from paged_llm.outputs import CompletionOutput, LogprobEntry, RequestOutput
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.async_engine import Update
 
@@ -24,7 +24,7 @@ class Delta:
 
     index: int
     text: str
-    logprobs: list[dict[int, float] | None]  # one entry per new token (None: a prompt's first)
+    logprobs: list[LogprobEntry | None]  # one entry per new token (None: a prompt's first)
     token_ids: list[int]
     first: bool  # the choice's first update (chat sends the role then)
     finish_reason: str | None = None
@@ -38,7 +38,7 @@ class _Choice:
     sent_chars: int = 0
     sent_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    logprobs: list[LogprobEntry | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False
@@ -69,6 +69,8 @@ class Choices:
         self.choices = [_Choice(p, echo=echo, prompt_only=prompt_only)
                         for p in params for _ in range(p.n)]  # fmt: skip
         self.prompt_tokens: dict[int, int] = {}  # engine request index -> prompt length
+        # engine request index -> its prompt's logprobs (SamplingParams.prompt_logprobs)
+        self.prompt_logprobs: dict[int, list[LogprobEntry | None]] = {}
         self.strings: dict[int, str] = {}  # token id -> text, for logprobs
 
     def apply(self, update: Update) -> list[Delta]:
@@ -79,6 +81,8 @@ class Choices:
         out = update.output
         if out is not None:
             self.prompt_tokens[update.index] = len(out.prompt_token_ids)
+            if out.prompt_logprobs is not None:
+                self.prompt_logprobs[update.index] = out.prompt_logprobs
             for completion in out.outputs:
                 if self._fold(self.choices[base + completion.index], completion, out):
                     changed.add(base + completion.index)
@@ -97,7 +101,7 @@ class Choices:
         unchanged ones (waiting to fork, or finished earlier) must not stream empty chunks.
         """
         text, token_ids = completion.text, list(completion.token_ids)
-        logprobs: list[dict[int, float] | None] = list(completion.logprobs or [])
+        logprobs: list[LogprobEntry | None] = list(completion.logprobs or [])
         if c.prompt_only:
             text, token_ids, logprobs = "", [], []
         if c.echo:
@@ -178,6 +182,22 @@ class Choices:
             item["top_logprobs"] = [self._token_entry(t, v) for t, v in top]
             content.append(item)
         return {"content": content}
+
+    def prompt_logprobs_json(self, index: int) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs`` of choice ``index``'s prompt: per prompt token (None for
+        the first), token id -> logprob, rank and decoded text; None if not asked for."""
+        entries = self.prompt_logprobs.get(index // self.n)
+        if entries is None:
+            return None
+        return [
+            None
+            if entry is None
+            else {
+                str(t): {"logprob": _lp(v), "rank": v.rank, "decoded_token": v.decoded_token}
+                for t, v in entry.items()
+            }
+            for entry in entries
+        ]
 
     def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         s = self.strings.get(token_id, "")
@@ -266,8 +286,10 @@ def whole_response(rid: str, created: int, model: str, choices: Choices, chat: b
             item["logprobs"] = choices.completion_logprobs(delta, 0)
         item["finish_reason"] = c.finish_reason
         item["stop_reason"] = c.stop_reason
+        if not chat:  # each choice carries its own prompt's (a request may have several)
+            item["prompt_logprobs"] = choices.prompt_logprobs_json(i)
         items.append(item)
-    return {
+    body = {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
@@ -275,3 +297,6 @@ def whole_response(rid: str, created: int, model: str, choices: Choices, chat: b
         "choices": items,
         "usage": choices.usage(),
     }
+    if chat:  # one conversation, so one prompt for every choice (vLLM's top-level field)
+        body["prompt_logprobs"] = choices.prompt_logprobs_json(0)
+    return body
