@@ -1,7 +1,7 @@
 """paged-llm: a readable research implementation of vLLM and PagedAttention."""
 
 from paged_llm.beam_search import BeamSearchOutput, BeamSearchParams
-from paged_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from paged_llm.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.llm import LLM
 from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -12,6 +12,7 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchOutput",
     "LLMEngine",
+    "EngineArgs",
     "SamplingParams",
     "GuidedDecodingParams",
     "RequestOutput",

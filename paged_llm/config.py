@@ -115,6 +115,23 @@ class EngineConfig:
         return cfg
 
 
+class EngineArgs:
+    """vLLM's ``EngineArgs``: the keyword arguments ``LLM(...)`` takes, for
+    ``LLMEngine.from_engine_args``. They are checked here, so a typo fails at once."""
+
+    def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
+        self.model, self.kwargs = model, kwargs
+        self.create_engine_config()
+
+    def create_engine_config(self) -> EngineConfig:
+        """The EngineConfig these arguments describe."""
+        return EngineConfig.from_kwargs(model=self.model, **self.kwargs)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in {"model": self.model, **self.kwargs}.items())
+        return f"EngineArgs({args})"
+
+
 def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
     """Build an EngineConfig from a resolved Hydra config (groups model/attention/policy and the
     cache/scheduler sections); unknown keys raise, so typos in overrides are caught."""

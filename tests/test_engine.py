@@ -207,6 +207,24 @@ def test_stop_token_ids_max_tokens_and_logprobs(llm, reference):
     )
 
 
+def test_engine_from_vllm_engine_args(tiny_llama, reference):
+    from paged_llm import EngineArgs, LLMEngine
+
+    path = str(tiny_llama[0])
+    args = EngineArgs(model=path, max_model_len=64, cpu_kv_cache_gib=0.01)
+    engine = LLMEngine.from_engine_args(args)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, params)
+    done = [o for o in engine.iter_outputs() if o.finished]
+    assert done[0].outputs[0].token_ids == reference[0][:4]
+    assert engine.get_tokenizer() is engine.tokenizer
+    assert LLMEngine.from_engine_args(model=path, block_size=4).config.cache.block_size == 4
+    with pytest.raises(ValueError, match="unknown engine argument 'max_model_length'"):
+        EngineArgs(model=path, max_model_length=64)  # caught before any model is loaded
+    with pytest.raises(ValueError, match="not both"):
+        LLMEngine.from_engine_args(args, block_size=4)
+
+
 def test_logprobs_are_vllm_logprob_objects():
     """Each entry maps token id -> Logprob(.logprob, .rank, .decoded_token), and is a float."""
     import json

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from paged_llm.attention.registry import ATTENTION_BACKENDS, auto_backend_name
-from paged_llm.config import EngineConfig
+from paged_llm.config import EngineArgs, EngineConfig
 from paged_llm.core.kv import POLICIES
 from paged_llm.core.request import Request, RequestStatus
 from paged_llm.core.scheduler import Scheduler, SchedulerLimits
@@ -496,10 +496,18 @@ class LLMEngine:
         """Fraction of device KV blocks in use."""
         return self.scheduler.kv.usage()
 
+    def get_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (None if it has none)."""
+        return self.tokenizer
+
     @classmethod
-    def from_engine_args(cls, **kwargs: Any) -> LLMEngine:
-        """Build from vLLM-style keyword arguments."""
-        return cls(EngineConfig.from_kwargs(**kwargs))
+    def from_engine_args(cls, engine_args: EngineArgs | None = None, **kwargs: Any) -> LLMEngine:
+        """Build from vLLM's ``EngineArgs`` or from the same keyword arguments."""
+        if engine_args is None:
+            engine_args = EngineArgs(**kwargs)
+        elif kwargs:
+            raise ValueError("pass EngineArgs or keyword arguments, not both")
+        return cls(engine_args.create_engine_config())
 
 
 __all__ = ["LLMEngine", "resolve_dtype"]
