@@ -49,6 +49,9 @@ GEMV_CONFIGS = [
     (16, 512, 8, 3, 0),
     (32, 256, 8, 4, 0),
     (64, 256, 8, 3, 0),
+    # wider column tiles: the int4 GEMV kernel reuses each x value across a thread's columns
+    (128, 128, 4, 3, 0),
+    (128, 128, 8, 3, 0),
 ]
 MATMUL_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N, K) of LLaMA-7B's linears
 MATMUL_ROWS = [1, 4, 32]

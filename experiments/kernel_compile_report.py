@@ -1,12 +1,15 @@
 """Compile every Triton kernel for a GPU architecture on a machine without one, and report each
-compiled variant's registers, spills and shared memory (one JSON).
+compiled variant's registers, spills, shared memory and the static instruction counts of its
+hot loop (one JSON).
 
 The CPU interpreter checks what the kernels compute, not that they compile: a kernel can pass
 every interpreter test and still fail to lower for sm_90, or spill registers to local memory
 there. This compiles the kernels exactly as the engine launches them (through the public
 wrappers, with the tuned configs of ``paged_llm/ops/tuning.py`` for that architecture) against
 a stand-in driver that reports the target GPU and never launches; the cubins' resource usage
-comes from the ``cuobjdump`` that Triton ships.
+and SASS come from the ``cuobjdump`` that Triton ships. The hot-loop counts (instructions,
+barriers, shared-memory accesses, int->float conversions per iteration of the longest loop)
+compare two versions of a kernel before any GPU time is spent on them; they are not timings.
 
     python -m experiments.kernel_compile_report --arch 90 80 --out outputs/kernel_compile
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -88,20 +92,54 @@ def compile_only(capability: int, arch: str) -> Iterator[list[Any]]:
         driver._active = original_driver  # reset_active() would look for a real GPU driver
 
 
-def resource_usage(cubin: bytes) -> dict[str, int]:
-    """REG / STACK / SHARED / LOCAL of the one function in a cubin (Triton's cuobjdump)."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """The output of Triton's own ``cuobjdump <flag>`` on a cubin."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run(
-            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        return subprocess.run(
+            [str(tool), flag, f.name], capture_output=True, text=True, check=True
         ).stdout
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG / STACK / SHARED / LOCAL of the one function in a cubin (Triton's cuobjdump)."""
+    text = _cuobjdump(cubin, "--dump-resource-usage")
     line = next(ln for ln in text.splitlines() if "REG:" in ln)
     fields = dict(item.split(":", 1) for item in line.split())
     return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "SHARED", "LOCAL")}
+
+
+_SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
+# opcode -> the hot-loop count it adds to: what makes a kernel's inner loop slow
+_LOOP_CLASSES = {
+    "barriers": ("BAR",),
+    "shared_memory": ("LDS", "LDSM", "STS"),
+    "global_loads": ("LDG",),
+    "int_to_float": ("I2F", "I2FP"),  # conversions run at a quarter of the FMA rate
+    "fma": ("FFMA", "HFMA2", "HMMA", "HGMMA", "IMMA"),
+}
+
+
+def hot_loop(sass: str) -> dict[str, int] | None:
+    """Static counts of the longest loop (a backward branch) of one function's SASS: the main
+    loop of these kernels, where an extra instruction costs once per tile. None if no loop."""
+    ins = [(int(a, 16), op, rest) for a, op, rest in _SASS_LINE.findall(sass)]
+    best: list[str] = []
+    for addr, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
+            best = max(best, body, key=len)
+    if not best:
+        return None
+    counts = {"instructions": len(best)}
+    for name, ops in _LOOP_CLASSES.items():
+        counts[name] = sum(op in ops for op in best)
+    return counts
 
 
 # ---- the launches to compile: (case name, function launching the kernels for one dtype) -------
@@ -252,10 +290,17 @@ def compile_case(name: str, capability: int, dtype: torch.dtype) -> list[dict[st
                 "num_stages": meta.num_stages,
                 "dynamic_shared": meta.shared,  # Triton's tiles live in dynamic shared memory
                 **usage,
+                "hot_loop": hot_loop(_cuobjdump(kernel.asm["cubin"], "-sass")),
                 "ok": usage["local"] == 0,  # spills go to local memory
             }
         )
     return rows
+
+
+def _loop_summary(loop: dict[str, int] | None) -> str:
+    if loop is None:
+        return "-"
+    return " ".join(f"{k}={v}" for k, v in loop.items() if v)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -282,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"sm_{capability} {dtype_name:4} {case:18} "
                     + (
                         f"regs {last['reg']:3} local {last['local']} "
-                        f"shared {last['dynamic_shared']}"
+                        f"shared {last['dynamic_shared']:6} loop {_loop_summary(last['hot_loop'])}"
                         if "reg" in last
                         else last.get("error", "")
                     ),

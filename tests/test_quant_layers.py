@@ -191,6 +191,8 @@ def test_gemv_k_tile_shrinks_with_rows():
     from paged_llm.ops.quant_matmul.triton import GEMV_ELEMENTS_PER_THREAD, _gemv_block_k
 
     assert _gemv_block_k(128, 1, 16, 4) == 128
+    # int4 tiles hold packed int32s, several K rows per element: a longer K tile fits
+    assert _gemv_block_k(256, 4, 64, 4, k_pack=4) == 4 * _gemv_block_k(256, 4, 64, 4) == 128
     for block_m in (1, 2, 4, 8):
         tile = _gemv_block_k(256, block_m, 64, 4)
         assert tile & (tile - 1) == 0 and tile >= 16

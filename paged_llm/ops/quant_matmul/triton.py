@@ -10,7 +10,10 @@ exists in memory.
 ``tl.dot`` needs at least 16 rows per tile, so a batch-1 decode would spend 15/16 of each tile's
 work on padding. Up to ``gemv_rows`` rows (a per-architecture setting in ``ops/tuning.py``) the
 kernels instead multiply and sum over K on the CUDA cores (a GEMV), with the row tile padded
-only to a power of two; a weight-bound matmul has the arithmetic to spare.
+only to a power of two. The int4 GEMV is its own kernel, ``_int4_gemv_kernel``: at decode
+sizes unpacking nibbles, not reading bytes, is what limits an int4 matmul, so it is written
+to spend about three instructions per weight (its docstring; ``experiments/kernel_compile_report``
+counts them in the compiled loop).
 
 The 8-bit kernel also takes FP8 (e4m3) weights: at decode shapes it is a weight-only FP8 path
 that skips quantizing the activations, which ``torch._scaled_mm`` needs.
@@ -47,9 +50,10 @@ def _block_m(rows: int, gemv: bool) -> int:
 GEMV_ELEMENTS_PER_THREAD = 64
 
 
-def _gemv_block_k(block_k: int, block_m: int, block_n: int, num_warps: int) -> int:
-    """The K tile of a GEMV launch: ``block_k`` capped by the register budget (a power of 2)."""
-    budget = GEMV_ELEMENTS_PER_THREAD * 32 * num_warps // (block_m * block_n)
+def _gemv_block_k(block_k: int, block_m: int, block_n: int, num_warps: int, k_pack: int = 1) -> int:
+    """The K tile of a GEMV launch: ``block_k`` capped by the register budget (a power of 2).
+    ``k_pack`` K rows share one tile element (8 for int4, whose tiles hold packed int32s)."""
+    budget = GEMV_ELEMENTS_PER_THREAD * 32 * num_warps * k_pack // (block_m * block_n)
     return max(16, min(block_k, 1 << max(0, budget.bit_length() - 1)))
 
 
@@ -157,10 +161,10 @@ def _int4_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides GROUP_SIZE, so one K tile lies in one group
     SPLIT_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """out[m-tile, n-tile] (+)= x[m-tile, k-split] @ ((q - z) * s)[k-split, n-tile]."""
+    """out[m-tile, n-tile] (+)= x[m-tile, k-split] @ ((q - z) * s)[k-split, n-tile] on tensor
+    cores (``_int4_gemv_kernel`` takes the few-row launches)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -193,8 +197,115 @@ def _int4_matmul_kernel(
         # [BLOCK_M, BLOCK_N] result instead of every weight. q - z in [-16, 15] is exact in
         # every float dtype.
         w = q - z[None, :]  # [BLOCK_K, BLOCK_N]
-        acc += _tile_product(x, w, USE_DOT, DOT_PRECISION) * s.to(tl.float32)[None, :]
+        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION) * s.to(tl.float32)[None, :]
     _store_tile(acc, out_ptr + pid_k * stride_os, offs_m, offs_n, m_mask, n_mask,
+                stride_om, stride_on)  # fmt: skip
+
+
+# float32 bits of 2**23: with these bits set, bits 0-22 read as 2**23 + their value
+FLOAT_2_23 = tl.constexpr(0x4B000000)
+
+
+@triton.jit
+def _under_2_23(bits):
+    """``bits`` (< 2**23) with the exponent of 2**23 set (see ``_nibble``)."""
+    return bits | FLOAT_2_23
+
+
+@triton.jit
+def _nibble(word, SHIFT: tl.constexpr):
+    """The 4-bit field at ``SHIFT`` of ``word`` (made by ``_under_2_23``) times 2**SHIFT, as
+    float32, exactly, in two instructions: one AND keeps the exponent and the field, and the
+    bits then read as 2**23 + value. An int->float conversion would run at a quarter of the
+    FMA rate on NVIDIA GPUs, and a shift per nibble would add a third instruction."""
+    return (word & (FLOAT_2_23 | (0xF << SHIFT))).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr,  # [M, K], M small (decode)
+    qweight_ptr,  # [K/8, N] int32, GPTQ layout (eight input rows per int32)
+    qzeros_ptr,  # [G, N/8] int32 (eight output columns per int32)
+    scales_ptr,  # [G, N]
+    out_ptr,  # [M, N]; with SPLIT_K > 1: [SPLIT_K, M, N] fp32 partial sums
+    M,
+    N,
+    K,
+    k_per_split,  # a multiple of BLOCK_K
+    zero_offset,  # added to the stored zeros (GPTQ stores zero - 1)
+    stride_xm,
+    stride_xk,
+    stride_qk,
+    stride_qn,
+    stride_zg,
+    stride_zn,
+    stride_sg,
+    stride_sn,
+    stride_os,
+    stride_om,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides GROUP_SIZE, so one K tile lies in one group
+    SPLIT_K: tl.constexpr,
+):
+    """out[m-tile, n-tile] (+)= x[m-tile, k-split] @ ((q - z) * s)[k-split, n-tile], for few
+    rows: multiply-and-add on the CUDA cores, reduced over K once at the end.
+
+    Decode-sized int4 matmuls are bound by the instructions that unpack the weights, not by
+    reading them, so the loop spends about three per weight: each packed int32 is loaded once
+    (a [BLOCK_K / 8, BLOCK_N] tile), nibble j is masked in place and read as a float by
+    ``_nibble`` (q * 16**j, exact), then multiplied by x[k] / 16**j (exact: a power of two).
+    The zero point factors out of the sum, sum_k x_k (q_k - z) = sum_k x_k q_k -
+    z sum_k x_k, and the scale out of the tile. Partial sums stay per [row, packed row,
+    column] until the end, so no cross-thread reduction runs inside the loop."""
+    KP: tl.constexpr = BLOCK_K // 8  # packed rows per K tile
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_p = tl.arange(0, KP)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    z_shift = (offs_n % 8) * 4  # nibble of column n inside its qzeros int32
+    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
+    acc = tl.zeros([BLOCK_M, KP, BLOCK_N], dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    # K is a multiple of GROUP_SIZE, hence of BLOCK_K
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
+        rows_p = k0 // 8 + offs_p  # [KP]
+        # Loaded as a 3-D tile so that its load layout (several contiguous columns per
+        # thread) is the layout the whole loop computes in: each thread then reuses each
+        # x value it loads across those columns.
+        packed = tl.load(
+            qweight_ptr + rows_p[None, :, None] * stride_qk + offs_n[None, None, :] * stride_qn,
+            mask=n_mask[None, None, :],
+            other=0,
+        )  # [1, KP, BLOCK_N]
+        # nibbles 0-4 stay in place, 5-7 move to bits 0-11 (2**23 cannot hold them in place)
+        low = _under_2_23(packed & 0xFFFFF)
+        high = _under_2_23((packed >> 20) & 0xFFF)
+        xq = tl.zeros([BLOCK_M, KP, BLOCK_N], dtype=tl.float32)  # sum_j x q over the tile
+        xs = tl.zeros([BLOCK_M, KP], dtype=tl.float32)  # sum_j x
+        for j in tl.static_range(8):
+            # [BLOCK_M, KP]: x[k] for k = 8 p + j. Loaded 2-D and broadcast over the columns
+            # afterwards, so each thread loads each of its x values once.
+            x2 = tl.load(
+                x_rows + (rows_p * 8 + j)[None, :] * stride_xk, mask=m_mask[:, None], other=0.0
+            ).to(tl.float32)
+            xs += x2
+            x = x2[:, :, None]
+            if j < 5:
+                xq += (x * (1.0 / (1 << (4 * j)))) * _nibble(low, 4 * j)  # q * 16**j
+            else:
+                xq += (x * (1.0 / (1 << (4 * (j - 5))))) * _nibble(high, 4 * (j - 5))
+        g = k0 // GROUP_SIZE
+        zp = tl.load(qzeros_ptr + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
+        z = (((zp >> z_shift) & 0xF) + zero_offset).to(tl.float32)  # [BLOCK_N]
+        s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
+        acc += (xq - xs[:, :, None] * z[None, None, :]) * s.to(tl.float32)[None, None, :]
+    _store_tile(tl.sum(acc, axis=1), out_ptr + pid_k * stride_os, offs_m, offs_n, m_mask, n_mask,
                 stride_om, stride_on)  # fmt: skip
 
 
@@ -251,12 +362,14 @@ def launch_config(kernel: str, x: torch.Tensor, overrides: dict[str, int | None]
     )
 
 
-def _plan_launch(x: torch.Tensor, n: int, k: int, cfg: KernelConfig, k_tile: int) -> _Launch:
+def _plan_launch(
+    x: torch.Tensor, n: int, k: int, cfg: KernelConfig, k_tile: int, k_pack: int = 1
+) -> _Launch:
     rows = x.shape[0]
     gemv = rows <= cfg.gemv_rows
     block_m = _block_m(rows, gemv)
     if gemv:
-        k_tile = _gemv_block_k(k_tile, block_m, cfg.block_n, cfg.num_warps)
+        k_tile = _gemv_block_k(k_tile, block_m, cfg.block_n, cfg.num_warps, k_pack)
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(rows, block_m)
     k_tiles = triton.cdiv(k, k_tile)
     split_k = cfg.split_k or choose_split_k(tiles, k_tiles, x.device)
@@ -374,11 +487,19 @@ def int4_matmul_triton(
         )
     if x.shape[0] == 0:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
-    launch = _plan_launch(x, n, k, cfg, tile_k)
-    _int4_matmul_kernel[launch.grid](
+    # One tile element holds eight K rows (a packed int32), but the GEMV keeps two fp32 tiles
+    # live (the tile's sum and the accumulator): budget the K tile for four rows per element.
+    launch = _plan_launch(x, n, k, cfg, tile_k, k_pack=4)
+    args = (
         x, qweight, qzeros, scales, launch.target, x.shape[0], n, k, launch.k_per_split,
         zero_offset, *x.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(),
-        launch.split_stride, *launch.target.stride()[-2:], GROUP_SIZE=group_size,
-        **launch.meta(cfg, x.dtype),
+        launch.split_stride, *launch.target.stride()[-2:],
     )  # fmt: skip
+    meta = launch.meta(cfg, x.dtype)
+    del meta["USE_DOT"]  # two kernels, one per path
+    if launch.use_dot:
+        _int4_matmul_kernel[launch.grid](*args, GROUP_SIZE=group_size, **meta)
+    else:
+        del meta["DOT_PRECISION"]
+        _int4_gemv_kernel[launch.grid](*args, GROUP_SIZE=group_size, **meta)
     return _finish(launch, x.dtype)
