@@ -118,7 +118,7 @@ _SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][
 _LOOP_CLASSES = {
     "barriers": ("BAR",),
     "shared_memory": ("LDS", "LDSM", "STS"),
-    "global_loads": ("LDG",),
+    "global_loads": ("LDG", "LDGSTS"),  # LDGSTS: an asynchronous copy to shared memory
     "int_to_float": ("I2F", "I2FP"),  # conversions run at a quarter of the FMA rate
     "fma": ("FFMA", "HFMA2", "HMMA", "HGMMA", "IMMA"),
 }

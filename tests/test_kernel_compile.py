@@ -48,3 +48,5 @@ def test_every_kernel_compiles_for_sm90_and_int4_gemv_loop_is_lean(tmp_path):
     # one load per packed int32, no int->float per weight, no reduction inside the loop
     assert loop["barriers"] == loop["shared_memory"] == 0 and loop["int_to_float"] <= 4
     assert loop["instructions"] < 8 * 64  # a 128 x 64 tile over 128 threads: 64 weights each
+    dot = next(r for r in doc["rows"] if r["case"] == "int4_matmul_m32")
+    assert dot["kernel"] == "_int4_matmul_kernel" and dot["hot_loop"]["int_to_float"] <= 2

@@ -10,6 +10,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from torch import nn  # noqa: E402
 
 from paged_llm.ops.quant_matmul.reference import (  # noqa: E402
@@ -17,6 +19,7 @@ from paged_llm.ops.quant_matmul.reference import (  # noqa: E402
     int8_matmul_reference,
 )
 from paged_llm.ops.quant_matmul.triton import (  # noqa: E402
+    _int4_minus_zero,
     fp8_matmul_triton,
     int4_matmul_triton,
     int8_matmul_triton,
@@ -184,6 +187,28 @@ def test_gemv_path_matches_dot_path_and_reference(rows):
                                   split_k=split_k)  # fmt: skip
         assert torch.allclose(out8, ref8, atol=1e-5 * ref8.abs().max(), rtol=1e-5)
         assert torch.allclose(out4, ref4, atol=1e-5 * ref4.abs().max(), rtol=1e-5)
+
+
+@triton.jit
+def _minus_zero_kernel(q_ptr, z_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    q, z = tl.load(q_ptr + offs), tl.load(z_ptr + offs)
+    tl.store(out_ptr + offs, _int4_minus_zero(q, z, out_ptr.dtype.element_ty))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_int4_minus_zero_is_exact_without_conversion(dtype):
+    """The dot path's q - z by exponent bits. bf16: the interpreter does bf16 arithmetic on raw
+    bit patterns, so only its exponent trick is checked, in torch."""
+    q = torch.arange(16, dtype=torch.int32).repeat_interleave(17)  # every (q, z) pair
+    z = torch.arange(17, dtype=torch.int32).repeat(16)  # zeros 0..15, plus GPTQ's offset 1
+    q, z = torch.cat([q, q[:240]]), torch.cat([z, z[:240]])  # 512 elements: a power of two
+    out = torch.empty(q.numel(), dtype=dtype)
+    _minus_zero_kernel[(1,)](q, z, out, N=q.numel())
+    assert torch.equal(out, (q - z).to(dtype))
+    nibbles = torch.arange(16, dtype=torch.int32)
+    bf16 = (nibbles | 0x4300).to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(bf16, (nibbles + 128).to(torch.bfloat16))  # the bits read as 128 + q
 
 
 def test_gemv_k_tile_shrinks_with_rows():

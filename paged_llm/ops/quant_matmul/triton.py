@@ -10,10 +10,11 @@ exists in memory.
 ``tl.dot`` needs at least 16 rows per tile, so a batch-1 decode would spend 15/16 of each tile's
 work on padding. Up to ``gemv_rows`` rows (a per-architecture setting in ``ops/tuning.py``) the
 kernels instead multiply and sum over K on the CUDA cores (a GEMV), with the row tile padded
-only to a power of two. The int4 GEMV is its own kernel, ``_int4_gemv_kernel``: at decode
-sizes unpacking nibbles, not reading bytes, is what limits an int4 matmul, so it is written
-to spend about three instructions per weight (its docstring; ``experiments/kernel_compile_report``
-counts them in the compiled loop).
+only to a power of two. At decode sizes unpacking nibbles, not reading bytes, is what limits
+an int4 matmul, so both int4 kernels load each packed int32 once and avoid int->float
+conversions per weight; the GEMV is its own kernel, ``_int4_gemv_kernel``, whose inner
+product takes three instructions per weight (``experiments/kernel_compile_report`` counts
+the compiled loops: 5.8 instructions per weight in all on sm_90).
 
 The 8-bit kernel also takes FP8 (e4m3) weights: at decode shapes it is a weight-only FP8 path
 that skips quantizing the activations, which ``torch._scaled_mm`` needs.
@@ -134,6 +135,22 @@ def _store_tile(acc, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, stride_
 
 
 @triton.jit
+def _int4_minus_zero(q, z, dtype: tl.constexpr):
+    """q - z (q, z in [0, 16] as int32) in ``dtype``, exactly, without an int->float conversion
+    per weight: q is written under the exponent bits of a power of two P that dtype holds with
+    unit spacing (P = 1024 in fp16, 128 in bf16, 2**23 in fp32), so the bits read as P + q.
+    Only z + P is converted (one value per column; through fp32, which the interpreter's
+    int->bf16 conversion needs)."""
+    zp = z.to(tl.float32)
+    if dtype == tl.float16:
+        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (zp + 1024).to(dtype)
+    elif dtype == tl.bfloat16:
+        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (zp + 128).to(dtype)
+    else:
+        return (q | FLOAT_2_23).to(tl.float32, bitcast=True) - (zp + 8388608.0)
+
+
+@triton.jit
 def _int4_matmul_kernel(
     x_ptr,  # [M, K]
     qweight_ptr,  # [K/8, N] int32, GPTQ layout (eight input rows per int32)
@@ -172,6 +189,7 @@ def _int4_matmul_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     z_shift = (offs_n % 8) * 4  # nibble of column n inside its qzeros int32
+    offs_p = tl.arange(0, BLOCK_K // 8)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * k_per_split
     # K is a multiple of GROUP_SIZE, hence of BLOCK_K
@@ -182,13 +200,15 @@ def _int4_matmul_kernel(
             mask=m_mask[:, None],
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
-        # Each int32 is loaded by its eight rows (from cache); row k takes nibble k % 8.
+        # Each int32 is loaded once and spread over its eight rows: row 8 p + j of the tile
+        # takes nibble j of packed row p.
         packed = tl.load(
-            qweight_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+            qweight_ptr + (k0 // 8 + offs_p)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
             mask=n_mask[None, :],
             other=0,
-        )  # [BLOCK_K, BLOCK_N]
-        q = (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF
+        )  # [BLOCK_K / 8, BLOCK_N]
+        q = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
         g = k0 // GROUP_SIZE
         zp = tl.load(qzeros_ptr + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
         z = ((zp >> z_shift) & 0xF) + zero_offset  # [BLOCK_N]
@@ -196,8 +216,8 @@ def _int4_matmul_kernel(
         # The tile lies in one group, so its scale factors out of the dot: multiply the small
         # [BLOCK_M, BLOCK_N] result instead of every weight. q - z in [-16, 15] is exact in
         # every float dtype.
-        w = q - z[None, :]  # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION) * s.to(tl.float32)[None, :]
+        w = _int4_minus_zero(q, z[None, :], x.dtype)  # [BLOCK_K, BLOCK_N] in x's dtype
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s.to(tl.float32)[None, :]
     _store_tile(acc, out_ptr + pid_k * stride_os, offs_m, offs_n, m_mask, n_mask,
                 stride_om, stride_on)  # fmt: skip
 
@@ -254,7 +274,7 @@ def _int4_gemv_kernel(
     rows: multiply-and-add on the CUDA cores, reduced over K once at the end.
 
     Decode-sized int4 matmuls are bound by the instructions that unpack the weights, not by
-    reading them, so the loop spends about three per weight: each packed int32 is loaded once
+    reading them, so the inner product spends three per weight: each packed int32 is loaded once
     (a [BLOCK_K / 8, BLOCK_N] tile), nibble j is masked in place and read as a float by
     ``_nibble`` (q * 16**j, exact), then multiplied by x[k] / 16**j (exact: a power of two).
     The zero point factors out of the sum, sum_k x_k (q_k - z) = sum_k x_k q_k -
