@@ -135,6 +135,16 @@ def _store_tile(acc, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, stride_
 
 
 @triton.jit
+def _group_zero_and_scale(qzeros_ptr, scales_ptr, g, offs_n, n_mask, zero_offset,
+                          stride_zg, stride_zn, stride_sg, stride_sn):  # fmt: skip
+    """Group ``g``'s zero points (int32; column n is nibble n % 8 of its qzeros int32) and
+    scales for the columns ``offs_n``: two [BLOCK_N] vectors."""
+    zp = tl.load(qzeros_ptr + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
+    s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
+    return ((zp >> ((offs_n % 8) * 4)) & 0xF) + zero_offset, s
+
+
+@triton.jit
 def _int4_minus_zero(q, z, dtype: tl.constexpr):
     """q - z (q, z in [0, 16] as int32) in ``dtype``, exactly, without an int->float conversion
     per weight: q is written under the exponent bits of a power of two P that dtype holds with
@@ -188,7 +198,6 @@ def _int4_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    z_shift = (offs_n % 8) * 4  # nibble of column n inside its qzeros int32
     offs_p = tl.arange(0, BLOCK_K // 8)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * k_per_split
@@ -209,10 +218,18 @@ def _int4_matmul_kernel(
         )  # [BLOCK_K / 8, BLOCK_N]
         q = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
         q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-        g = k0 // GROUP_SIZE
-        zp = tl.load(qzeros_ptr + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
-        z = ((zp >> z_shift) & 0xF) + zero_offset  # [BLOCK_N]
-        s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
+        z, s = _group_zero_and_scale(
+            qzeros_ptr,
+            scales_ptr,
+            k0 // GROUP_SIZE,
+            offs_n,
+            n_mask,
+            zero_offset,
+            stride_zg,
+            stride_zn,
+            stride_sg,
+            stride_sn,
+        )
         # The tile lies in one group, so its scale factors out of the dot: multiply the small
         # [BLOCK_M, BLOCK_N] result instead of every weight. q - z in [-16, 15] is exact in
         # every float dtype.
@@ -288,7 +305,6 @@ def _int4_gemv_kernel(
     offs_p = tl.arange(0, KP)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    z_shift = (offs_n % 8) * 4  # nibble of column n inside its qzeros int32
     x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
     acc = tl.zeros([BLOCK_M, KP, BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * k_per_split
@@ -320,10 +336,19 @@ def _int4_gemv_kernel(
                 xq += (x * (1.0 / (1 << (4 * j)))) * _nibble(low, 4 * j)  # q * 16**j
             else:
                 xq += (x * (1.0 / (1 << (4 * (j - 5))))) * _nibble(high, 4 * (j - 5))
-        g = k0 // GROUP_SIZE
-        zp = tl.load(qzeros_ptr + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
-        z = (((zp >> z_shift) & 0xF) + zero_offset).to(tl.float32)  # [BLOCK_N]
-        s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
+        z, s = _group_zero_and_scale(
+            qzeros_ptr,
+            scales_ptr,
+            k0 // GROUP_SIZE,
+            offs_n,
+            n_mask,
+            zero_offset,
+            stride_zg,
+            stride_zn,
+            stride_sg,
+            stride_sn,
+        )
+        z = z.to(tl.float32)
         acc += (xq - xs[:, :, None] * z[None, None, :]) * s.to(tl.float32)[None, None, :]
     _store_tile(tl.sum(acc, axis=1), out_ptr + pid_k * stride_os, offs_m, offs_n, m_mask, n_mask,
                 stride_om, stride_on)  # fmt: skip
