@@ -687,10 +687,11 @@ _bodies = st.fixed_dictionaries(
         name: _odd_numbers
         for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed",
                      "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "min_tokens")
+                     "min_tokens", "prompt_logprobs")
     }
     | {
         "echo": st.booleans(),
+        "stream": st.booleans(),
         "ignore_eos": st.booleans(),
         "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
         "logit_bias": st.dictionaries(st.sampled_from(["1", "x", "99999"]), _odd_numbers,
