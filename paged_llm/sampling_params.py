@@ -83,6 +83,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token (raw model logprobs)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -160,6 +161,9 @@ class SamplingParams:
                 isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0
             ):
                 raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+            raise ValueError(f"truncate_prompt_tokens must be None or an integer >= 1, got {k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral)

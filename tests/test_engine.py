@@ -127,6 +127,8 @@ def test_bad_prompts_raise_before_work(llm, prompt, params, match):
         ({"temperature": float("nan")}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),
         ({"top_k": 2.5}, "top_k"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
         ({"stop": [5]}, "stop"),
         ({"stop_token_ids": ["a"]}, "stop_token_ids"),
         ({"max_tokens": 4.0}, "max_tokens"),
@@ -205,6 +207,28 @@ def test_stop_token_ids_max_tokens_and_logprobs(llm, reference):
     assert c.cumulative_logprob == pytest.approx(
         sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs))
     )
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, reference):
+    """vLLM's left truncation: the same tokens as the prompt's tail alone; a prompt longer than
+    max_model_len is accepted when the kept tail fits."""
+    greedy = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    tail = PROMPTS[2][-3:]
+    long = [7] * 80 + tail  # 83 tokens > max_model_len 64
+    outs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[2]}, {"prompt_token_ids": long}, {"prompt_token_ids": tail}],
+        SamplingParams(truncate_prompt_tokens=3, **greedy),
+    )
+    assert [o.prompt_token_ids for o in outs] == [tail] * 3
+    assert (
+        outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    )
+    short = llm.generate({"prompt_token_ids": tail}, SamplingParams(**greedy))[0]
+    assert outs[0].outputs[0].token_ids == short.outputs[0].token_ids
+    kept = llm.generate(
+        {"prompt_token_ids": tail}, SamplingParams(truncate_prompt_tokens=50, **greedy)
+    )
+    assert kept[0].prompt_token_ids == tail  # shorter prompts are left alone
 
 
 def test_engine_from_vllm_engine_args(tiny_llama, reference):

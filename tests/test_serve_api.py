@@ -9,6 +9,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import time
 from collections import defaultdict
 
@@ -469,6 +470,20 @@ def test_prompt_logprobs_field_like_vllm(server, chat_model_dir):
     assert httpx.post(url, json=streamed).status_code == 200  # 0 is accepted and dropped
 
 
+def test_truncate_prompt_tokens_and_refused_beam_search(server):
+    url = server.url + "/v1/completions"
+    long = [5, 6, 7, 8] * 80  # 320 tokens, beyond the 256-token context
+    body = {"prompt": long, "max_tokens": 2, "truncate_prompt_tokens": 10, "temperature": 0}
+    got = httpx.post(url, json=body).json()
+    assert got["usage"]["prompt_tokens"] == 10
+    tail = httpx.post(url, json={**body, "prompt": long[-10:]}).json()
+    assert got["choices"][0]["text"] == tail["choices"][0]["text"]
+    r = httpx.post(url, json={"prompt": long, "max_tokens": 2})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"prompt": "x", "max_tokens": 2, "use_beam_search": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+
+
 def test_echo_text_prompt_streamed_and_whole(client):
     whole = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=5, echo=True,
                                       **greedy())  # fmt: skip
@@ -501,11 +516,19 @@ def test_disconnect_aborts_every_sample_of_n(server):
 
 
 def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
+    """A client of a non-streamed request hangs up while it runs: every sample is aborted."""
     before = abort_count(server)
-    # 4 x 240 tokens take several times the 0.1 s the client waits, even on a fast machine
-    body = {"prompt": "while True:", "max_tokens": 240, "n": 4, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.1)
+    body = json.dumps({"prompt": "while True:", "max_tokens": 240, "n": 4, "ignore_eos": True})
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {server.host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    with socket.create_connection((server.host, server.port)) as sock:
+        sock.sendall((head + body).encode())
+        # Hang up once the request runs. A client that leaves before the server has even read
+        # its request started nothing, and a fixed client timeout cannot tell the two apart.
+        deadline = time.monotonic() + 30
+        while metrics(server)[f"vllm:num_requests_running{LABEL}"] == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
     after = wait_idle(server, aborts=before + 4)
     assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0 and after[ABORTS] == before + 4
 

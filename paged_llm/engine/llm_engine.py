@@ -231,6 +231,10 @@ class LLMEngine:
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         params.validate()
         text, ids = to_token_ids(prompt, self.tokenizer)
+        keep = params.truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:  # left truncation, before the length check
+            ids = ids[-keep:]
+            text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
         validate_token_ids(ids, self.vocab_size, self.max_model_len)
         for name, ids_ in (("stop_token_ids", params.stop_token_ids),
                            ("logit_bias", params.logit_bias or {}),

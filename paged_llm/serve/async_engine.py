@@ -323,11 +323,10 @@ class AsyncEngine:
         try:
             for index, (sub_id, sub) in enumerate(zip(group.sub_ids, group.subs)):
                 prompt = sub.render(self.engine.tokenizer)
-                check_fits(
-                    len(prompt["prompt_token_ids"]),
-                    sub.params.max_tokens,
-                    self.engine.max_model_len,
-                )
+                num_prompt = len(prompt["prompt_token_ids"])
+                if sub.params.truncate_prompt_tokens is not None:  # the engine cuts it first
+                    num_prompt = min(num_prompt, sub.params.truncate_prompt_tokens)
+                check_fits(num_prompt, sub.params.max_tokens, self.engine.max_model_len)
                 try:
                     self.engine.add_request(sub_id, prompt, sub.params, command.arrival_time)
                 except ValueError as err:

@@ -63,6 +63,8 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # each prompt token's logprob + this many alternatives
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    use_beam_search: bool = False  # vLLM's; refused (beam search is LLM.beam_search offline)
 
 
 class CompletionRequest(_GenerationRequest):
@@ -153,6 +155,7 @@ def _reject_unsupported(req: _GenerationRequest) -> None:
         ]
     if isinstance(req, ChatCompletionRequest):
         checks += [("tools", bool(req.tools))]
+    checks += [("use_beam_search", req.use_beam_search)]
     for name, bad in checks:
         if bad:
             raise BadRequest(f"'{name}' is not supported by this server yet", param=name)
@@ -205,6 +208,7 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
