@@ -698,6 +698,18 @@ def test_prefix_cache_metrics_count_hits_of_a_repeated_prompt(chat_model_dir):
         srv.stop()
 
 
+def test_conflicting_whitelists_are_a_400_not_a_dead_engine(server):
+    """Found by the fuzz test below: a grammar none of whose first tokens is allowed made every
+    probability NaN and stopped the engine for everyone."""
+    for stream in (False, True):
+        for allowed in ([0], [19]):
+            body = {"prompt": "x", "guided_regex": "[ab]{2}", "allowed_token_ids": allowed,
+                    "stream": stream}  # fmt: skip
+            r = httpx.post(server.url + "/v1/completions", json=body)
+            assert r.status_code == 400 and "no token to start with" in r.text
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 # ---- random request bodies: a 200 or a 4xx, never a failed engine ----------------------------
 _odd_numbers = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False, width=32),

@@ -177,3 +177,21 @@ def test_guided_outputs_survive_preemption(llm, mode):
     got = [o.outputs[0].text for o in small.generate(prompts, sp, use_tqdm=False)]
     assert small.llm_engine.scheduler.num_preemptions_total > 0
     assert got == want and all(re.fullmatch(r"([a-z]{1,4} ){3}[0-9]{2}", t) for t in got)
+
+
+def test_conflicting_whitelists_never_fail_the_batch(llm):
+    """allowed_token_ids that exclude every first token of the grammar: refused at once. One that
+    conflicts only later: the grammar wins there (the output stays well-formed), and the other
+    requests of the batch are untouched."""
+    (a,) = llm.get_tokenizer().encode("a", add_special_tokens=False)
+    (x,) = llm.get_tokenizer().encode("x", add_special_tokens=False)
+    with pytest.raises(ValueError, match="leave no token to start with"):
+        llm.generate("q", SamplingParams(guided_decoding=GuidedDecodingParams(regex="[ab]{2}"),
+                                         allowed_token_ids=[x]))  # fmt: skip
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], plain, use_tqdm=False)[0].outputs[0].token_ids
+    regex = GuidedDecodingParams(regex="ab")
+    guided = SamplingParams(guided_decoding=regex, allowed_token_ids=[a], seed=0, max_tokens=8)
+    outs = llm.generate(PROMPTS[:2], [plain, guided], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone
+    assert outs[1].outputs[0].text == "ab" and outs[1].outputs[0].finish_reason == "stop"

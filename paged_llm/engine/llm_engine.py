@@ -255,6 +255,13 @@ class LLMEngine:
             if guided
             else [None] * params.n
         )
+        if guided and params.allowed_token_ids is not None:
+            first = guides[0].allowed()  # [V] bool: the grammar's possible first tokens
+            if not bool(first[torch.tensor(params.allowed_token_ids)].any()):
+                raise ValueError(
+                    "allowed_token_ids and guided_decoding leave no token to start with: the "
+                    "grammar accepts none of the allowed tokens first"
+                )
         arrival = self.clock() if arrival_time is None else arrival_time
         members = []
         for i in range(params.n):

@@ -183,25 +183,33 @@ def process_request_rows(
     outputs: Sequence[Sequence[int]],  # per row: the output tokens before it
 ) -> torch.Tensor:
     """``logits_processors.process_logits`` for a request's rows (skipped when it is a no-op),
-    then its grammar's mask (structured output). The whitelists (grammar, allowed_token_ids)
-    win over the bans: a row the bans leave without any token (say ``allowed_token_ids=[eos]``
-    before ``min_tokens``) keeps the whitelists alone, so sampling has a token to draw."""
+    then its grammar's mask (structured output).
+
+    Every row keeps at least one token, so one request's conflicting constraints can never
+    fail the batch it runs in. The whitelists win over the bans: a row the bans leave without
+    any token (say ``allowed_token_ids=[eos]`` before ``min_tokens``) keeps the whitelists
+    alone. If the two whitelists exclude each other mid-output (the engine refuses requests
+    whose grammar accepts none of ``allowed_token_ids`` first), the grammar alone wins, so the
+    output stays well-formed."""
     params = request.sampling_params
     processed = needs_processing(params, min(len(o) for o in outputs))
     if request.guide is None and not processed:
         return logits
-    before = apply_allowed_token_ids(logits.clone(), params)
+    raw = logits.clone()
+    before = apply_allowed_token_ids(raw.clone(), params)
     if processed:
         _process(logits, request, outputs)
     if request.guide is not None:
         accepted = request.num_output_tokens  # what the guide has seen; the rest is drafts
         allowed = torch.stack([request.guide.allowed(o[accepted:]) for o in outputs])  # [R, V]
         disallowed = ~allowed.to(logits.device)
-        logits.masked_fill_(disallowed, float("-inf"))
-        before.masked_fill_(disallowed, float("-inf"))
-    empty = ~torch.isfinite(logits).any(-1, keepdim=True)  # [R, 1]
-    if bool(empty.any()):
-        logits.copy_(torch.where(empty, before, logits))
+        for t in (logits, before, raw):
+            t.masked_fill_(disallowed, float("-inf"))
+    for fallback in (before, raw):  # the next-weaker constraint for rows left empty
+        empty = ~torch.isfinite(logits).any(-1, keepdim=True)  # [R, 1]
+        if not bool(empty.any()):
+            break
+        logits.copy_(torch.where(empty, fallback, logits))
     return logits
 
 
