@@ -745,3 +745,43 @@ def test_random_completion_bodies_never_break_the_server(server, body):
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200 or 400 <= r.status_code < 500, r.text
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+_messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant", "tool", "wizard"])},
+        optional={"content": st.one_of(st.none(), st.text(max_size=8),
+                                       st.lists(st.fixed_dictionaries(
+                                           {"type": st.sampled_from(["text", "image_url"]),
+                                            "text": st.text(max_size=4)}), max_size=2))},
+    ),
+    max_size=3,
+)  # fmt: skip
+_chat_bodies = st.fixed_dictionaries(
+    {"messages": _messages},
+    optional={
+        name: _odd_numbers
+        for name in ("max_tokens", "max_completion_tokens", "temperature", "top_logprobs", "n",
+                     "seed", "min_tokens", "prompt_logprobs", "truncate_prompt_tokens")
+    }
+    | {
+        "logprobs": st.booleans(),
+        "stream": st.booleans(),
+        "add_generation_prompt": st.booleans(),
+        "continue_final_message": st.booleans(),
+        "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"},
+                                            {"type": "json_schema"}, {"type": "yaml"},
+                                            {"type": "json_schema", "json_schema": {
+                                                "schema": {"type": "integer"}}}]),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
+        "allowed_token_ids": st.lists(st.integers(-1, 3000), max_size=3),
+    },
+)  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_chat_bodies)
+def test_random_chat_bodies_never_break_the_server(server, body):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 or 400 <= r.status_code < 500, r.text
+    assert httpx.get(server.url + "/health").status_code == 200
