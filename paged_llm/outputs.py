@@ -36,7 +36,7 @@ class Logprob(float):
             f"decoded_token={self.decoded_token!r})"
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:  # pickles (tensor-parallel workers) keep the fields
+    def __reduce__(self) -> tuple[Any, ...]:  # a pickled copy (multiprocessing) keeps the fields
         return (Logprob, (float(self), self.rank, self.decoded_token))
 
 
