@@ -4,9 +4,10 @@ name, a dotted path or a ``{_target_: ...}`` mapping."""
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from paged_llm.utils.checks import is_int
 
 
 @dataclass
@@ -38,9 +39,7 @@ class ModelConfig:
 
 def _check_optional_count(name: str, value: Any) -> None:
     """None (the default) or an integer >= 1; 0 is not taken as "default" silently."""
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
-    ):
+    if value is not None and (not is_int(value) or value < 1):
         raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
 
 

@@ -46,7 +46,7 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         """The checkpoint's tokenizer (None if it has none)."""
-        return self.llm_engine.tokenizer
+        return self.llm_engine.get_tokenizer()
 
     def chat(
         self,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json as _json
 import math
-import numbers
 from dataclasses import dataclass, field
+
+from paged_llm.utils.checks import is_int
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -102,9 +103,7 @@ class SamplingParams:
             raise ValueError(f"n must be a positive integer, got {self.n}")
         for name in ("top_k", "max_tokens", "min_tokens"):  # counts: a float fails late
             value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, numbers.Integral)
-            ):
+            if value is not None and not is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not 0 <= self.temperature < math.inf:  # NaN fails too
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -112,10 +111,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is None or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
-            or not -(2**63) <= self.seed < 2**63
-        ):  # fmt: skip
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             # torch generators take 64-bit seeds; sample i of n uses seed + i
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if not 0 <= self.min_p <= 1:
@@ -128,7 +124,7 @@ class SamplingParams:
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
             )
         for token, bias in (self.logit_bias or {}).items():
-            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            if not is_int(token) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(
@@ -137,8 +133,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
-            bad = [t for t in self.allowed_token_ids if isinstance(t, bool)
-                   or not isinstance(t, numbers.Integral) or t < 0]  # fmt: skip
+            bad = [t for t in self.allowed_token_ids if not is_int(t) or t < 0]
             if bad:
                 raise ValueError(f"allowed_token_ids must be token ids (ints >= 0), got {bad[:5]}")
         if self.guided_decoding is not None and not isinstance(
@@ -157,17 +152,14 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0
-            ):
+            if value is not None and (not is_int(value) or value < 0):
                 raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
         k = self.truncate_prompt_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+        if k is not None and (not is_int(k) or k < 1):
             raise ValueError(f"truncate_prompt_tokens must be None or an integer >= 1, got {k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
-               for t in self.stop_token_ids):  # fmt: skip
+        if not all(map(is_int, self.stop_token_ids)):
             raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
 
     @property

@@ -26,6 +26,11 @@ def to_token_ids(prompt: Any, tokenizer: Any) -> tuple[str | None, list[int]]:
     raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None) -> list[int]:
+    """SamplingParams.truncate_prompt_tokens: the last ``keep`` ids (all of them if None)."""
+    return token_ids[-keep:] if keep is not None and len(token_ids) > keep else token_ids
+
+
 def validate_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
     """Raise ValueError for an empty or too long prompt or ids outside the vocabulary."""
     if not token_ids:

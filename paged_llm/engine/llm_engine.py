@@ -19,7 +19,7 @@ from paged_llm.core.scheduler import Scheduler, SchedulerLimits
 from paged_llm.distributed import building_for
 from paged_llm.distributed.launch import start_tensor_parallel
 from paged_llm.distributed.sharding import kv_heads_per_rank
-from paged_llm.engine.inputs import to_token_ids, validate_token_ids
+from paged_llm.engine.inputs import to_token_ids, truncate_prompt, validate_token_ids
 from paged_llm.engine.loading import load_model_and_tokenizer, resolve_device
 from paged_llm.engine.structured_output import StructuredOutputCompiler
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
@@ -231,9 +231,9 @@ class LLMEngine:
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         params.validate()
         text, ids = to_token_ids(prompt, self.tokenizer)
-        keep = params.truncate_prompt_tokens
-        if keep is not None and len(ids) > keep:  # left truncation, before the length check
-            ids = ids[-keep:]
+        kept = truncate_prompt(ids, params.truncate_prompt_tokens)  # before the length check
+        if len(kept) < len(ids):
+            ids = kept
             text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
         validate_token_ids(ids, self.vocab_size, self.max_model_len)
         for name, ids_ in (("stop_token_ids", params.stop_token_ids),

@@ -120,11 +120,8 @@ class Sampler:
     ) -> list[SampleResult]:
         """Choose one token per row."""
         logits = logits.float()
-        for row, req in enumerate(requests):
-            if req.guide is not None or needs_processing(
-                req.sampling_params, req.num_output_tokens
-            ):
-                process_request_rows(logits[row : row + 1], req, [req.output_token_ids])
+        for row, req in enumerate(requests):  # a no-op for requests without constraints
+            process_request_rows(logits[row : row + 1], req, [req.output_token_ids])
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = logits.log_softmax(-1) if want_logprobs else None
@@ -195,21 +192,23 @@ def process_request_rows(
     processed = needs_processing(params, min(len(o) for o in outputs))
     if request.guide is None and not processed:
         return logits
-    raw = logits.clone()
-    before = apply_allowed_token_ids(raw.clone(), params)
+    raw = logits.clone()  # the grammar-only fallback, and the base of the whitelists' one
     if processed:
         _process(logits, request, outputs)
     if request.guide is not None:
         accepted = request.num_output_tokens  # what the guide has seen; the rest is drafts
         allowed = torch.stack([request.guide.allowed(o[accepted:]) for o in outputs])  # [R, V]
         disallowed = ~allowed.to(logits.device)
-        for t in (logits, before, raw):
-            t.masked_fill_(disallowed, float("-inf"))
-    for fallback in (before, raw):  # the next-weaker constraint for rows left empty
-        empty = ~torch.isfinite(logits).any(-1, keepdim=True)  # [R, 1]
-        if not bool(empty.any()):
-            break
-        logits.copy_(torch.where(empty, fallback, logits))
+        logits.masked_fill_(disallowed, float("-inf"))
+        raw.masked_fill_(disallowed, float("-inf"))
+    empty = ~torch.isfinite(logits).any(-1, keepdim=True)  # [R, 1]
+    if bool(empty.any()):  # rare: build the weaker constraints only now
+        whitelists = apply_allowed_token_ids(raw.clone(), params)
+        for fallback in (whitelists, raw):  # the next-weaker constraint for rows left empty
+            logits.copy_(torch.where(empty, fallback, logits))
+            empty = ~torch.isfinite(logits).any(-1, keepdim=True)
+            if not bool(empty.any()):
+                break
     return logits
 
 

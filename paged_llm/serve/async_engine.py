@@ -17,12 +17,13 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_llm.engine.inputs import truncate_prompt
 from paged_llm.engine.llm_engine import LLMEngine
-from paged_llm.outputs import RequestOutput
+from paged_llm.outputs import LogprobEntry, RequestOutput
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.errors import APIError, BadRequest, EngineUnavailable, ServerBusy
 from paged_llm.serve.metrics import EngineGauges, ServerMetrics, engine_gauges
@@ -323,10 +324,11 @@ class AsyncEngine:
         try:
             for index, (sub_id, sub) in enumerate(zip(group.sub_ids, group.subs)):
                 prompt = sub.render(self.engine.tokenizer)
-                num_prompt = len(prompt["prompt_token_ids"])
-                if sub.params.truncate_prompt_tokens is not None:  # the engine cuts it first
-                    num_prompt = min(num_prompt, sub.params.truncate_prompt_tokens)
-                check_fits(num_prompt, sub.params.max_tokens, self.engine.max_model_len)
+                # the engine truncates first, so the kept prompt is what must fit
+                kept = truncate_prompt(
+                    prompt["prompt_token_ids"], sub.params.truncate_prompt_tokens
+                )
+                check_fits(len(kept), sub.params.max_tokens, self.engine.max_model_len)
                 try:
                     self.engine.add_request(sub_id, prompt, sub.params, command.arrival_time)
                 except ValueError as err:
@@ -404,26 +406,29 @@ class AsyncEngine:
             entry.started = True
             self.metrics.record_tokens(len(out.prompt_token_ids), 0)
             if entry.wants_logprobs and out.prompt_logprobs:  # echo: complete by the first token
-                ids = set(out.prompt_token_ids)
-                ids.update(t for entry_ in out.prompt_logprobs if entry_ for t in entry_)
-                strings.update(self._token_strings(ids))
+                strings.update(self._token_strings(out.prompt_logprobs, out.prompt_token_ids))
         for completion in out.outputs:
             seen = entry.num_tokens.get(completion.index, 0)
             self.metrics.record_tokens(0, len(completion.token_ids) - seen)
             if entry.wants_logprobs and completion.logprobs:
-                ids = {t for entry_ in completion.logprobs[seen:] for t in entry_}
-                strings.update(self._token_strings(ids))
+                strings.update(self._token_strings(completion.logprobs[seen:]))
             entry.num_tokens[completion.index] = len(completion.token_ids)
             if completion.finish_reason is not None and completion.index not in entry.finished:
                 entry.finished.add(completion.index)
                 self.metrics.record_finish_reason(completion.finish_reason)
         return strings
 
-    def _token_strings(self, ids: set[int]) -> dict[int, str]:
+    def _token_strings(
+        self, entries: Sequence[LogprobEntry | None], extra_ids: Sequence[int] = ()
+    ) -> dict[int, str]:
+        """The text of every token in ``entries`` (the engine decoded them already, into each
+        Logprob's ``decoded_token``) and of ``extra_ids``, decoding only what is missing."""
+        strings = {t: lp.decoded_token for e in entries if e for t, lp in e.items()
+                   if lp.decoded_token is not None}  # fmt: skip
         tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            return {t: f"token_id:{t}" for t in ids}
-        return {t: tokenizer.decode([t]) for t in ids}
+        for t in {t for e in entries if e for t in e}.union(extra_ids) - strings.keys():
+            strings[t] = f"token_id:{t}" if tokenizer is None else tokenizer.decode([t])
+        return strings
 
     def _snapshot(self) -> None:
         # one immutable object, swapped in whole: /metrics never sees a half-updated state
