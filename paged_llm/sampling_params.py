@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import json as _json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from paged_llm.utils.checks import is_int
 
@@ -61,6 +64,9 @@ class SamplingParams:
     """How to sample one request's output (temperature 0 means greedy)."""
 
     n: int = 1
+    # sample best_of sequences, return the n with the highest cumulative logprob (vLLM V0's
+    # best_of; None means n)
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 disables top-k
@@ -85,6 +91,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's)
+    # vLLM's user logits processors, applied first, per sequence: fn(output_ids, logits) or
+    # fn(prompt_ids, output_ids, logits), logits a [vocab] float32 row; returns the new row
+    logits_processors: list[Callable[..., Any]] | None = None
+    detokenize: bool = True  # False: leave the output text empty (token ids only)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,12 +105,17 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self.bad_words = list(self.bad_words) if self.bad_words else None
+        self.logits_processors = list(self.logits_processors) if self.logits_processors else None
+        if self.best_of is None:
+            self.best_of = self.n
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the first out-of-range field."""
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n}")
+        if not is_int(self.best_of) or self.best_of < self.n:
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         for name in ("top_k", "max_tokens", "min_tokens"):  # counts: a float fails late
             value = getattr(self, name)
             if value is not None and not is_int(value):
@@ -161,9 +176,37 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if not all(map(is_int, self.stop_token_ids)):
             raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
+        for fn in self.logits_processors or []:
+            logits_processor_arity(fn)  # raises for anything but a 2- or 3-argument callable
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (use stop_token_ids instead)")
+
+    @property
+    def tracks_logprobs(self) -> bool:
+        """True when each sampled token's logprob is needed: asked for, or to rank best_of."""
+        return self.logprobs is not None or self.best_of > self.n
 
     @property
     def greedy(self) -> bool:
         """True when sampling is argmax decoding: temperature 0, or so close to it that logits
         divided by it would overflow (vLLM's threshold)."""
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+def logits_processor_arity(fn: Any) -> int:
+    """2 (``fn(output_ids, logits)``) or 3 (``fn(prompt_ids, output_ids, logits)``), as vLLM
+    tells them apart; ValueError for anything else."""
+    if not callable(fn):
+        raise ValueError(f"logits_processors must be callables, got {fn!r}")
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no signature: vLLM's default form
+        return 2
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required_keywords = [p for p in parameters if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    if len(positional) not in (2, 3) or required_keywords:
+        raise ValueError(
+            "a logits processor takes (output_ids, logits) or (prompt_ids, output_ids, "
+            f"logits), got {getattr(fn, '__name__', fn)!r}{inspect.signature(fn)}"
+        )
+    return len(positional)

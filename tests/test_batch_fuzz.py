@@ -1,7 +1,8 @@
 """Random mixes of every sampling option in one batch (grammars, whitelists, bans, penalties,
-stops, logprobs, n, truncation), on engines that chunk, cache prefixes, speculate and preempt:
-a request is either refused when added (ValueError) or finishes, and never fails the batch it
-runs in. (A grammar that excluded every allowed token once stopped the engine this way.)"""
+stops, logprobs, n, best_of, truncation, user logits processors), on engines that chunk, cache
+prefixes, speculate and preempt: a request is either refused when added (ValueError) or
+finishes, and never fails the batch it runs in. (A grammar that excluded every allowed token
+once stopped the engine this way.)"""
 
 from __future__ import annotations
 
@@ -27,10 +28,23 @@ GRAMMARS = [
 PROMPTS = ["def f(x):", "import os\n", "a", "class A:\n    x = 1"]
 VOCAB = 512  # ids beyond the tiny model's vocabulary are refused, which is part of the test
 
+
+def _no_repeat(output_ids, logits):
+    if output_ids:
+        logits[output_ids[-1]] = float("-inf")
+    return logits
+
+
+def _favour_a(prompt_ids, output_ids, logits):
+    logits[prompt_ids[0]] += 5.0
+    return logits
+
+
 _params = st.fixed_dictionaries(
     {"max_tokens": st.integers(1, 10)},
     optional={
         "n": st.integers(1, 3),
+        "best_of": st.integers(1, 4),
         "temperature": st.sampled_from([0.0, 1e-6, 0.7, 1.0, 50.0]),
         "top_p": st.sampled_from([1.0, 0.5, 1e-6]),
         "top_k": st.sampled_from([-1, 1, 5]),
@@ -49,6 +63,8 @@ _params = st.fixed_dictionaries(
         "prompt_logprobs": st.integers(0, 2),
         "truncate_prompt_tokens": st.integers(1, 5),
         "guided_decoding": st.sampled_from(GRAMMARS),
+        "logits_processors": st.sampled_from([[_no_repeat], [_favour_a]]),
+        "detokenize": st.booleans(),
     },
 )  # fmt: skip
 

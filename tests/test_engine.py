@@ -134,6 +134,9 @@ def test_bad_prompts_raise_before_work(llm, prompt, params, match):
         ({"max_tokens": 4.0}, "max_tokens"),
         ({"seed": 2**64}, "seed"),
         ({"seed": 1.5}, "seed"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": 2.0}, "best_of"),
+        ({"detokenize": False, "stop": ["x"]}, "detokenize"),
     ],
 )
 def test_bad_sampling_params_raise(params, match):
@@ -285,6 +288,26 @@ def test_logprobs_are_vllm_logprob_objects():
     assert json.loads(json.dumps(first)) == first.logprob
 
 
+def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llm):
+    """vLLM V0's best_of: sample i uses seed + i either way, so best_of = 4, n = 2 must return
+    the two of the n = 4 samples whose sampled tokens have the highest summed logprob."""
+    prompt = {"prompt_token_ids": PROMPTS[2]}
+    kw = dict(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    every = llm.generate(prompt, SamplingParams(n=4, logprobs=0, **kw), use_tqdm=False)[0]
+    best = llm.generate(prompt, SamplingParams(n=2, best_of=4, **kw), use_tqdm=False)[0]
+    ranked = sorted(every.outputs, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
+    assert len({tuple(c.token_ids) for c in every.outputs}) == 4  # the choice matters
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked]
+    assert [c.index for c in best.outputs] == [0, 1]
+    assert [c.cumulative_logprob for c in best.outputs] == pytest.approx(
+        [c.cumulative_logprob for c in ranked]
+    )
+    assert best.outputs[0].logprobs is None  # ranked without reporting per-token logprobs
+    plain = llm.generate(prompt, SamplingParams(n=2, **kw), use_tqdm=False)[0]
+    assert plain.outputs[0].cumulative_logprob is None
+    assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.kv_usage() == 0.0
+
+
 def test_default_model_generates_text_with_stop_strings():
     llm = LLM("tiny", cpu_kv_cache_gib=0.01)
     first = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=16))[0]
@@ -295,6 +318,11 @@ def test_default_model_generates_text_with_stop_strings():
         out = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=16, stop=stop))
         assert out[0].outputs[0].finish_reason == "stop"
         assert stop not in out[0].outputs[0].text
+    quiet = llm.generate(
+        "def main():", SamplingParams(temperature=0, max_tokens=16, detokenize=False, logprobs=1)
+    )[0].outputs[0]
+    assert quiet.text == "" and quiet.token_ids == first.outputs[0].token_ids
+    assert all(lp.decoded_token is None for entry in quiet.logprobs for lp in entry.values())
 
 
 def test_chat_renders_the_template_and_generates_like_generate():

@@ -1,5 +1,6 @@
-"""Per-request logits changes (min_tokens, logit_bias, repetition / frequency / presence
-penalties): against a plain-Python reference, and end to end against transformers."""
+"""Per-request logits changes (user logits processors, min_tokens, logit_bias, repetition /
+frequency / presence penalties): against a plain-Python reference, and end to end against
+transformers."""
 
 import math
 import random
@@ -251,6 +252,110 @@ def test_bans_that_leave_no_token_give_way_instead_of_failing_the_batch(llm):
     assert outs[1].outputs[0].token_ids == generate(llm, PROMPTS[1:2])[0][:8]
 
 
+# ---- user logits processors (vLLM's SamplingParams.logits_processors) ------------------------
+def no_repeat(output_ids, logits):
+    """Two-argument form: never the same token twice in a row."""
+    if output_ids:
+        logits[output_ids[-1]] = -math.inf
+    return logits
+
+
+def echo_prompt(prompt_ids, output_ids, logits):
+    """Three-argument form: push towards the prompt token at the output's position (a new
+    tensor, not the row changed in place)."""
+    bonus = torch.zeros_like(logits)
+    bonus[prompt_ids[len(output_ids) % len(prompt_ids)]] = 4.0
+    return logits + bonus
+
+
+def hf_greedy_with_processors(model, prompt, n, processors):
+    """Greedy decoding with transformers' forward and the processors called by hand."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            out = ids[len(prompt) :]
+            for fn in processors:
+                logits = fn(list(prompt), out, logits) if fn is echo_prompt else fn(out, logits)
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+def test_user_logits_processors_match_a_transformers_loop(llm, tiny_llama):
+    processors = [echo_prompt, no_repeat]
+    got = generate(llm, PROMPTS, logits_processors=processors)
+    want = [hf_greedy_with_processors(tiny_llama[1], p, 12, processors) for p in PROMPTS]
+    assert got == want
+    assert got != generate(llm, PROMPTS)  # they did change something
+    assert all(a != b for out in got for a, b in zip(out, out[1:]))
+
+
+def test_user_logits_processors_see_each_sequences_own_history(llm):
+    """With n = 3 samples each call gets its own sample's output ids (and copies of them)."""
+    histories: list[list[int]] = []
+
+    def record(output_ids, logits):
+        histories.append(list(output_ids))
+        output_ids.append(-1)  # a processor changing its argument changes nothing
+        return logits
+
+    sp = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=5, ignore_eos=True,
+                        logits_processors=[record])  # fmt: skip
+    out = llm.generate({"prompt_token_ids": PROMPTS[1]}, sp, use_tqdm=False)[0]
+    for c in out.outputs:  # every prefix of every sample was passed exactly as generated
+        for i in range(len(c.token_ids)):
+            assert c.token_ids[:i] in histories
+    assert len(histories) == sum(len(c.token_ids) for c in out.outputs)
+
+
+@pytest.mark.parametrize(
+    "processor,match",
+    [
+        (lambda logits: logits, "logits processor takes"),
+        (lambda a, b, c, d: d, "logits processor takes"),
+        ("not callable", "callables"),
+    ],
+)
+def test_bad_logits_processors_are_refused_up_front(processor, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(logits_processors=[processor])
+
+
+@pytest.mark.parametrize(
+    "result,match",
+    [
+        (lambda out, logits: logits[:-1], "must return a tensor of shape"),
+        (lambda out, logits: logits.tolist(), "must return a tensor"),
+        (lambda out, logits: logits * math.nan, "NaN"),
+    ],
+)
+def test_a_broken_logits_processor_fails_its_generate_and_leaves_the_engine_clean(
+    llm, result, match
+):
+    sp = SamplingParams(temperature=0, max_tokens=4, logits_processors=[result])
+    with pytest.raises(ValueError, match=match):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], sp, use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and engine.kv_usage() == 0.0
+    assert generate(llm, PROMPTS[:2]) == generate(llm, PROMPTS[:2])  # still serves
+
+
+def test_a_processor_that_masks_everything_gives_way(llm):
+    """As for the built-in bans: a row left without any token falls back to the raw logits
+    rather than sampling from nothing, and the batch goes on."""
+
+    def mask_all(output_ids, logits):
+        return torch.full_like(logits, -math.inf)
+
+    sp = SamplingParams(temperature=1.0, seed=0, max_tokens=4, ignore_eos=True,
+                        logits_processors=[mask_all])  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                        [sp, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)],
+                        use_tqdm=False)  # fmt: skip
+    assert len(outs[0].outputs[0].token_ids) == 4
+    assert outs[1].outputs[0].token_ids == generate(llm, PROMPTS[1:2])[0][:4]
+
+
 # ---- any combination of settings: refused up front, or run without touching the batch -------
 finite_or_odd = st.one_of(
     st.floats(-3, 3), st.sampled_from([math.nan, math.inf, -math.inf, 0.0, 1e9])
@@ -271,6 +376,7 @@ counts = st.one_of(st.integers(-2, 300), st.sampled_from([10**6, 2**64, 2.5]))
             "min_tokens": counts,
             "seed": counts,
             "n": st.integers(-1, 3),
+            "best_of": st.integers(-1, 5),
             "logprobs": counts,
             "prompt_logprobs": counts,
             "presence_penalty": finite_or_odd,

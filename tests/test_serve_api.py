@@ -188,6 +188,18 @@ def test_n_choices_and_seed_determinism(client):
     assert [c.text for c in sorted(other.choices, key=lambda c: c.index)] != texts
 
 
+def test_best_of_returns_the_likeliest_of_its_samples(client):
+    """best_of = 3, n = 1: the choice is the one of the three seeded samples (seed + i, as
+    with n = 3) whose tokens have the highest summed logprob."""
+    kw = dict(model=MODEL, prompt="class Parser:", max_tokens=6, seed=21, temperature=1.0,
+              logprobs=0, extra_body={"ignore_eos": True})  # fmt: skip
+    every = client.completions.create(n=3, **kw).choices
+    best = client.completions.create(n=1, best_of=3, **kw).choices
+    total = {c.text: sum(c.logprobs.token_logprobs) for c in every}
+    assert len(total) == 3 and len(best) == 1 and best[0].index == 0
+    assert best[0].text == max(total, key=total.get)
+
+
 def test_parallel_sampling_n3_whole_and_streamed(server, client, tokenizer):
     prompt = "class Parser:"
     kw = dict(model=MODEL, prompt=prompt, max_tokens=6, n=3, seed=7, temperature=1.0)
@@ -296,6 +308,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 300}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": [5, 999999]}, 400, None),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "echo": False}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -722,7 +736,7 @@ _bodies = st.fixed_dictionaries(
         name: _odd_numbers
         for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed",
                      "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "min_tokens", "prompt_logprobs")
+                     "min_tokens", "prompt_logprobs", "best_of")
     }
     | {
         "echo": st.booleans(),

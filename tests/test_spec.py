@@ -354,3 +354,23 @@ def test_each_request_of_a_mixed_batch_gets_what_it_gets_alone(mixed_engines, re
             for ea, em in zip(a.prompt_logprobs[1:], m.prompt_logprobs[1:]):
                 assert ea.keys() == em.keys()
                 assert all(abs(ea[t] - em[t]) < 1e-4 for t in ea)
+
+
+def test_greedy_speculation_is_exact_with_user_logits_processors(engines):
+    """A user processor that depends on the history (no token twice in a row) is called on
+    each verified row with the drafts before it, so both drafters keep the plain tokens."""
+
+    def no_repeat(output_ids, logits):
+        if output_ids:
+            logits[output_ids[-1]] = float("-inf")
+        return logits
+
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                        logits_processors=[no_repeat])  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    before = [llm.llm_engine.spec_stats.num_draft_tokens for llm in engines[1:]]
+    plain, *specd = (ids_of(llm.generate(prompts, sp, use_tqdm=False)) for llm in engines)
+    assert specd == [plain, plain]
+    assert plain != ids_of(engines[0].generate(prompts, greedy(12), use_tqdm=False))
+    after = [llm.llm_engine.spec_stats.num_draft_tokens for llm in engines[1:]]
+    assert all(a > b for a, b in zip(after, before))  # both drafters did propose

@@ -251,9 +251,9 @@ class LLMEngine:
         bad_words = bad_words_token_ids(params.bad_words or [], self.tokenizer)
         guided = params.guided_decoding
         guides = (
-            [self._structured_outputs().guide(guided) for _ in range(params.n)]
+            [self._structured_outputs().guide(guided) for _ in range(params.best_of)]
             if guided
-            else [None] * params.n
+            else [None] * params.best_of
         )
         if guided and params.allowed_token_ids is not None:
             first = guides[0].allowed()  # [V] bool: the grammar's possible first tokens
@@ -264,7 +264,7 @@ class LLMEngine:
                 )
         arrival = self.clock() if arrival_time is None else arrival_time
         members = []
-        for i in range(params.n):
+        for i in range(params.best_of):
             # each sample draws its own random stream; a user seed stays reproducible
             p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
             request = Request(
@@ -274,7 +274,7 @@ class LLMEngine:
                 arrival_time=arrival,
                 eos_token_id=self.eos_token_id,
                 max_model_len=self.max_model_len,
-                group_id=request_id if params.n > 1 else None,
+                group_id=request_id if params.best_of > 1 else None,
                 bad_words_token_ids=bad_words,
                 guide=guides[i],
             )
@@ -354,7 +354,7 @@ class LLMEngine:
         for rid, (first, entries) in prompt_lps.items():
             group = self._seqs[rid][0]  # recomputed after preemption: the same values again
             for entry in entries:
-                self._name_tokens(entry)
+                self._name_tokens(entry, group.members[0].request.sampling_params)
             group.prompt_logprobs[first : first + len(entries)] = entries
         now = self.clock()
         sampled = {rid: r.token_ids for rid, r in results.items()}
@@ -390,7 +390,7 @@ class LLMEngine:
         # logprobs are reported one token per step, so those requests decode plainly
         entries = [
             s for s in out.scheduled
-            if s.num_lookahead and s.samples and s.request.sampling_params.logprobs is None
+            if s.num_lookahead and s.samples and not s.request.sampling_params.tracks_logprobs
         ]  # fmt: skip
         if not entries:
             return {}
@@ -424,23 +424,25 @@ class LLMEngine:
         )  # fmt: skip
 
     def _record_logprobs(self, tracked: _Tracked, result: Any) -> None:
-        if tracked.logprobs is not None and result.logprobs is not None:
-            self._name_tokens(result.logprobs)
+        if result.logprobs is None:  # the sampler computes them when the request tracks them
+            return
+        if tracked.logprobs is not None:
+            self._name_tokens(result.logprobs, tracked.request.sampling_params)
             tracked.logprobs.append(result.logprobs)
-            tracked.cumulative_logprob += result.logprobs[result.token_id]
+        tracked.cumulative_logprob += result.logprobs[result.token_id]
 
-    def _name_tokens(self, entry: LogprobEntry) -> None:
+    def _name_tokens(self, entry: LogprobEntry, params: SamplingParams) -> None:
         """Fill each Logprob's ``decoded_token`` (the token's own text), as vLLM does."""
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             for token_id, logprob in entry.items():
                 logprob.decoded_token = self.tokenizer.decode([token_id])
 
     def _detokenize(self, tracked: _Tracked, now: float) -> None:
         """Update the text; finish the request at a stop string (text cut before it)."""
         req = tracked.request
-        if self.tokenizer is None:
-            return
         p = req.sampling_params
+        if self.tokenizer is None or not p.detokenize:
+            return
         text = self.tokenizer.decode(
             req.output_token_ids, skip_special_tokens=p.skip_special_tokens
         )
@@ -463,7 +465,9 @@ class LLMEngine:
             index=index,
             text=tracked.text,
             token_ids=list(req.output_token_ids),
-            cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
+            cumulative_logprob=(
+                tracked.cumulative_logprob if req.sampling_params.tracks_logprobs else None
+            ),
             logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
             finish_reason=req.status.value if req.is_finished else None,
             stop_reason=req.stop_reason,
@@ -482,11 +486,15 @@ class LLMEngine:
             token_times=list(req.token_times),
             num_preemptions=sum(t.request.num_preemptions for t in group.members),
         )
+        shown = group.members
+        params = req.sampling_params
+        if params.best_of > params.n:  # vLLM V0: the n highest cumulative logprobs so far
+            shown = sorted(shown, key=lambda t: t.cumulative_logprob, reverse=True)[: params.n]
         return RequestOutput(
             request_id=group.request_id,
             prompt=first.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[self._completion(i, t) for i, t in enumerate(group.members)],
+            outputs=[self._completion(i, t) for i, t in enumerate(shown)],
             finished=finished,
             metrics=metrics,
             prompt_logprobs=group.prompt_logprobs,

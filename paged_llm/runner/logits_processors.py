@@ -2,6 +2,8 @@
 
 In the order applied:
 
+0. ``logits_processors``: the user's callables (vLLM's), each row with its own history, on the
+   model's logits before anything else, as vLLM V0 runs them.
 1. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are masked while the
    output is shorter than ``min_tokens``.
 2. ``bad_words``: a word's last token is masked when the output ends with the rest of it (a
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.sampling_params import SamplingParams, logits_processor_arity
 
 
 def min_tokens_ban(params: SamplingParams, eos_token_id: int | None) -> list[int]:
@@ -72,6 +74,7 @@ def needs_processing(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether :func:`process_logits` would change a row (cheap; most requests skip it)."""
     return (
         num_output_tokens < params.min_tokens
+        or bool(params.logits_processors)
         or bool(params.logit_bias)
         or params.allowed_token_ids is not None
         or bool(params.bad_words)
@@ -90,6 +93,9 @@ def process_logits(
     """Apply one request's bans, logit bias and penalties to its rows."""
     if len(outputs) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(outputs)} histories")
+    for fn in params.logits_processors or []:
+        for row, out in enumerate(outputs):
+            logits[row] = apply_user_processor(fn, prompt_token_ids, out, logits[row])
     ban = min_tokens_ban(params, eos_token_id)
     for row, out in enumerate(outputs):
         if len(out) < params.min_tokens and ban:
@@ -106,6 +112,29 @@ def process_logits(
     if has_penalties(params):
         _apply_penalties(logits, params, prompt_token_ids, outputs)
     return logits
+
+
+def apply_user_processor(
+    fn: Any,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    row: torch.Tensor,  # [V] float32
+) -> torch.Tensor:  # [V]
+    """Call one user logits processor on one row (copies of the histories, so it cannot
+    change them); a result that is not a NaN-free [V] tensor is a ValueError naming it."""
+    if logits_processor_arity(fn) == 3:
+        new = fn(list(prompt_token_ids), list(output_token_ids), row)
+    else:
+        new = fn(list(output_token_ids), row)
+    if not isinstance(new, torch.Tensor) or new.shape != row.shape:
+        got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+        raise ValueError(
+            f"logits processor {getattr(fn, '__name__', fn)!r} must return a tensor of shape "
+            f"{tuple(row.shape)}, got {got}"
+        )
+    if bool(torch.isnan(new).any()):
+        raise ValueError(f"logits processor {getattr(fn, '__name__', fn)!r} returned NaN")
+    return new
 
 
 def _apply_penalties(

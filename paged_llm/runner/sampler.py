@@ -108,7 +108,7 @@ class Sampler:
             gen = self._generator(request.request_id, params)
             tokens = verify_sampled(self.probs(logits, params), draft_probs, drafts, gen)
         lp = None
-        if params.logprobs is not None:
+        if params.tracks_logprobs:
             row = logits[len(tokens) - 1].log_softmax(-1)
             lp = self._logprobs(row[None], 0, tokens[-1], params)
         return SampleResult(tokens[-1], lp, tokens, len(drafts), len(tokens) - 1)
@@ -123,7 +123,7 @@ class Sampler:
         for row, req in enumerate(requests):  # a no-op for requests without constraints
             process_request_rows(logits[row : row + 1], req, [req.output_token_ids])
         params = [r.sampling_params for r in requests]
-        want_logprobs = any(p.logprobs is not None for p in params)
+        want_logprobs = any(p.tracks_logprobs for p in params)
         logprobs = logits.log_softmax(-1) if want_logprobs else None
         greedy = logits.argmax(-1).tolist()
         results = []
@@ -147,9 +147,9 @@ class Sampler:
     def _logprobs(
         logprobs: torch.Tensor | None, row: int, token: int, p: SamplingParams
     ) -> LogprobEntry | None:
-        if logprobs is None or p.logprobs is None:
+        if logprobs is None or not p.tracks_logprobs:
             return None
-        return logprob_entries(logprobs[row : row + 1], [token], p.logprobs)[0]
+        return logprob_entries(logprobs[row : row + 1], [token], p.logprobs or 0)[0]
 
 
 def logprob_entries(

@@ -65,6 +65,7 @@ class _GenerationRequest(BaseModel):
     prompt_logprobs: int | None = None  # each prompt token's logprob + this many alternatives
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     use_beam_search: bool = False  # vLLM's; refused (beam search is LLM.beam_search offline)
+    best_of: int | None = None  # sample this many, return the n with the highest logprob sum
 
 
 class CompletionRequest(_GenerationRequest):
@@ -74,7 +75,6 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -149,10 +149,7 @@ def _reject_unsupported(req: _GenerationRequest) -> None:
     """Fields we parse but cannot honour yet: refuse rather than silently ignore them."""
     checks: list[tuple[str, bool]] = []
     if isinstance(req, CompletionRequest):
-        checks += [
-            ("suffix", req.suffix is not None),
-            ("best_of", req.best_of is not None and req.best_of != req.n),
-        ]
+        checks += [("suffix", req.suffix is not None)]
     if isinstance(req, ChatCompletionRequest):
         checks += [("tools", bool(req.tools))]
     checks += [("use_beam_search", req.use_beam_search)]
@@ -172,6 +169,12 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
     _reject_unsupported(req)
     if not 1 <= req.n <= MAX_N:
         raise BadRequest(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+    if req.best_of is not None and not req.n <= req.best_of <= MAX_N:
+        raise BadRequest(
+            f"best_of must be between n ({req.n}) and {MAX_N}, got {req.best_of}", param="best_of"
+        )
+    if req.stream and (req.best_of or req.n) > req.n:  # chunks would change choice mid-stream
+        raise BadRequest("best_of > n is not available when stream is true", param="best_of")
     max_tokens, max_tokens_field = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest):
         if req.max_completion_tokens is not None:
@@ -194,6 +197,7 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
     try:
         return SamplingParams(
             n=req.n,
+            best_of=req.best_of,
             seed=seed,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
