@@ -5,7 +5,7 @@ from paged_llm.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig,
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.llm import LLM
 from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_llm.sampling_params import GuidedDecodingParams, SamplingParams
+from paged_llm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
@@ -14,6 +14,7 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "RequestOutputKind",
     "GuidedDecodingParams",
     "RequestOutput",
     "CompletionOutput",

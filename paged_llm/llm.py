@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -12,7 +13,7 @@ from paged_llm.config import EngineConfig
 from paged_llm.engine.chat import render_chat
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.outputs import RequestOutput
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -103,6 +104,8 @@ class LLM:
         groups = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
+                if isinstance(params, SamplingParams):  # only the end is read (as in vLLM)
+                    params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 groups.append(engine.make_request(f"offline-{i}-{id(self)}", prompt, params))
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import inspect
 import json as _json
 import math
@@ -12,6 +13,14 @@ from typing import Any
 from paged_llm.utils.checks import is_int
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What ``LLMEngine.step()`` returns for a running request (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the last output (for streaming)
+    FINAL_ONLY = 2  # nothing until the request finishes
 
 
 @dataclass
@@ -95,6 +104,7 @@ class SamplingParams:
     # fn(prompt_ids, output_ids, logits), logits a [vocab] float32 row; returns the new row
     logits_processors: list[Callable[..., Any]] | None = None
     detokenize: bool = True  # False: leave the output text empty (token ids only)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -178,6 +188,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
         for fn in self.logits_processors or []:
             logits_processor_arity(fn)  # raises for anything but a 2- or 3-argument callable
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.output_kind is RequestOutputKind.DELTA and self.best_of > self.n:
+            # the best n can change while the request runs; deltas could not follow them
+            raise ValueError("best_of > n needs output_kind CUMULATIVE or FINAL_ONLY")
         if not self.detokenize and self.stop:
             raise ValueError("stop strings need detokenize=True (use stop_token_ids instead)")
 

@@ -92,3 +92,72 @@ def test_a_batch_of_random_requests_finishes(llm, batch):
             assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests() and engine.kv_usage() == 0  # no block leaked
+
+
+# ---- random interleavings of add / step / abort on the engine itself -------------------------
+_add = st.tuples(
+    st.just("add"),
+    st.integers(0, len(PROMPTS) - 1),
+    st.integers(1, 24),
+    st.sampled_from([None, 0, 1]),
+    st.integers(1, 3),
+    st.integers(0, 1),
+)
+_ops = st.lists(
+    st.one_of(_add, _add, st.tuples(st.just("step"), st.integers(1, 4)),
+              st.tuples(st.just("abort"), st.integers(0, 20))),
+    min_size=6,
+    max_size=30,
+)  # fmt: skip
+
+
+def _params_of(max_tokens, seed, n, extra_best):
+    """Greedy when seed is None (n samples of it are all the same), else seeded sampling."""
+    if seed is None:
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True,
+                          n=n, best_of=n + extra_best)  # fmt: skip
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=_ops)
+def test_random_add_step_abort_interleavings(llm, ops):
+    """Requests arrive, run a few steps, and are aborted at random moments (waiting, mid-chunk,
+    before their samples fork, swapped out, mid-speculation). No block leaks, every request
+    not aborted finishes with its n outputs, and a greedy one gets exactly the tokens it gets
+    when it runs alone."""
+    engine = llm.llm_engine
+    added, aborted, final = {}, set(), {}
+
+    def run(steps):
+        for _ in range(steps):
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+
+    for op in ops:
+        if op[0] == "add":
+            _, prompt, max_tokens, seed, n, extra_best = op
+            rid = f"r{len(added)}"
+            params = _params_of(max_tokens, seed, n, extra_best)
+            engine.add_request(rid, PROMPTS[prompt], params)
+            added[rid] = (PROMPTS[prompt], params)
+        elif op[0] == "step":
+            run(op[1])
+        else:
+            live = [rid for rid in added if rid not in final and rid not in aborted]
+            if live:
+                rid = live[op[1] % len(live)]
+                engine.abort_request(rid)
+                aborted.add(rid)
+    while engine.has_unfinished_requests():
+        run(1)
+    assert engine.kv_usage() == 0 and engine.scheduler.kv.num_free_blocks() == engine.num_kv_blocks
+    assert set(final) == set(added) - aborted
+    for rid, out in final.items():
+        prompt, params = added[rid]
+        assert len(out.outputs) == params.n
+        assert all(len(c.token_ids) == params.max_tokens for c in out.outputs)
+        if params.greedy:
+            alone = llm.generate(prompt, params, use_tqdm=False)[0]
+            assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]

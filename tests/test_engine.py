@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from paged_llm import LLM, SamplingParams
+from paged_llm import LLM, RequestOutputKind, SamplingParams
 
 PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(5)]  # lengths 5..25
 
@@ -306,6 +306,49 @@ def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llm):
     plain = llm.generate(prompt, SamplingParams(n=2, **kw), use_tqdm=False)[0]
     assert plain.outputs[0].cumulative_logprob is None
     assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.kv_usage() == 0.0
+
+
+def run_engine(engine, rid, prompt, params):
+    """Every output step() returns for one request."""
+    engine.add_request(rid, prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def test_output_kinds_delta_and_final_only_add_up_to_the_cumulative_output():
+    llm = LLM("tiny", cpu_kv_cache_gib=0.01)
+    engine = llm.llm_engine
+    kw = dict(max_tokens=24, logprobs=2, prompt_logprobs=1, n=3, seed=5, temperature=0.8)
+    free = llm.generate("def main():", SamplingParams(**kw))[0].outputs[0].text
+    kw["stop"] = [free[6:8], "zzz"]  # a stop string the first sample runs into
+    cumulative = run_engine(engine, "c", "def main():", SamplingParams(**kw))
+    want = cumulative[-1]
+    kinds = RequestOutputKind
+    final = run_engine(
+        engine, "f", "def main():", SamplingParams(output_kind=kinds.FINAL_ONLY, **kw)
+    )
+    assert len(final) == 1 and final[0].finished
+    assert [c.token_ids for c in final[0].outputs] == [c.token_ids for c in want.outputs]
+    deltas = run_engine(engine, "d", "def main():", SamplingParams(output_kind=kinds.DELTA, **kw))
+    assert len(deltas) == len(cumulative) and deltas[-1].finished
+    assert deltas[0].prompt_logprobs == want.prompt_logprobs
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    for c in want.outputs:
+        pieces = [p for d in deltas for p in d.outputs if p.index == c.index]
+        assert "".join(p.text for p in pieces) == c.text
+        assert [t for p in pieces for t in p.token_ids] == c.token_ids
+        assert [e for p in pieces for e in p.logprobs] == c.logprobs
+        assert [p.finish_reason for p in pieces].count(None) == len(pieces) - 1  # once, last
+        assert pieces[-1].finish_reason == c.finish_reason
+        assert all(p.token_ids or p.finish_reason for p in pieces)  # no empty updates
+    assert any(c.finish_reason == "stop" for c in want.outputs)
+    # LLM.generate reads only the end, whatever kind it is given
+    full = llm.generate("def main():", SamplingParams(output_kind=kinds.DELTA, **kw))[0]
+    assert [c.text for c in full.outputs] == [c.text for c in want.outputs]
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=1, best_of=2, output_kind=kinds.DELTA)
 
 
 def test_default_model_generates_text_with_stop_strings():

@@ -374,3 +374,30 @@ def test_greedy_speculation_is_exact_with_user_logits_processors(engines):
     assert plain != ids_of(engines[0].generate(prompts, greedy(12), use_tqdm=False))
     after = [llm.llm_engine.spec_stats.num_draft_tokens for llm in engines[1:]]
     assert all(a > b for a, b in zip(after, before))  # both drafters did propose
+
+
+def test_an_aborted_request_leaves_no_draft_state_behind(tiny_llama):
+    """The draft model remembers how much of each request it has computed; an abort must
+    clear that too, or a later request with the same id (LLM.generate reuses its ids) would
+    draft from another request's KV: still exact, but accepting less. With the target as its
+    own draft every draft is accepted, so any stale state shows."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_llama[0])}
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01,
+              speculative_config=spec)  # fmt: skip
+    engine = llm.llm_engine
+    stats = engine.spec_stats
+
+    def accepted_running(prompt):
+        before = stats.num_accepted_tokens
+        engine.add_request("x", {"prompt_token_ids": prompt}, greedy(12))
+        while engine.has_unfinished_requests():
+            engine.step()
+        return stats.num_accepted_tokens - before
+
+    fresh = accepted_running(PROMPTS[4])
+    other = [(7 * i + 100) % 250 for i in range(30)]  # a different prompt, a longer one
+    engine.add_request("x", {"prompt_token_ids": other}, greedy(30))
+    for _ in range(3):  # prefill, then two steps that draft
+        engine.step()
+    engine.abort_request("x")
+    assert fresh > 0 and accepted_running(PROMPTS[4]) == fresh

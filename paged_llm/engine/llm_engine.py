@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from paged_llm.core.scheduler import Scheduler, SchedulerLimits
 from paged_llm.distributed import building_for
 from paged_llm.distributed.launch import start_tensor_parallel
 from paged_llm.distributed.sharding import kv_heads_per_rank
+from paged_llm.engine.deltas import DeltaCursor, stop_holdback
 from paged_llm.engine.inputs import to_token_ids, truncate_prompt, validate_token_ids
 from paged_llm.engine.loading import load_model_and_tokenizer, resolve_device
 from paged_llm.engine.structured_output import StructuredOutputCompiler
@@ -29,7 +30,7 @@ from paged_llm.runner.cuda_graphs import cuda_graph_sizes
 from paged_llm.runner.kv_cache import kv_bytes_per_block
 from paged_llm.runner.logits_processors import bad_words_token_ids
 from paged_llm.runner.model_runner import ModelRunner
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 from paged_llm.spec.metrics import SpecDecodeStats
 from paged_llm.spec.registry import build_drafter
 from paged_llm.utils.registry import build
@@ -47,6 +48,8 @@ class _Tracked:
     text: str = ""
     logprobs: list[LogprobEntry] | None = None
     cumulative_logprob: float = 0.0
+    sent: DeltaCursor = field(default_factory=DeltaCursor)  # RequestOutputKind.DELTA's progress
+    finish_sent: bool = False  # DELTA: its finish reason has been reported
 
 
 @dataclass
@@ -59,6 +62,7 @@ class _Group:
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (and
     # for tokens whose chunk has not run yet)
     prompt_logprobs: list[LogprobEntry | None] | None = None
+    reported: bool = False  # an output was returned (DELTA sends prompt logprobs once)
 
 
 class LLMEngine:
@@ -331,10 +335,8 @@ class LLMEngine:
             if group is None:
                 continue
             for t in group.members:
-                seq_id = t.request.request_id
-                self.scheduler.abort_request(seq_id)
-                self.runner.sampler.forget(seq_id)
-                self._seqs.pop(seq_id, None)
+                self.scheduler.abort_request(t.request.request_id)
+                self._forget(t.request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting, running or swapped."""
@@ -378,8 +380,9 @@ class LLMEngine:
         outputs = []
         for group in touched.values():
             output = self._output(group)
-            outputs.append(output)
-            if output.finished:
+            if output is not None:
+                outputs.append(output)
+            if output is not None and output.finished:
                 self._release(group)
         return outputs
 
@@ -406,10 +409,14 @@ class LLMEngine:
     def _release(self, group: _Group) -> None:
         del self._groups[group.request_id]
         for t in group.members:
-            self._seqs.pop(t.request.request_id, None)
-            self.runner.sampler.forget(t.request.request_id)
-            if self.drafter is not None:
-                self.drafter.forget(t.request.request_id)
+            self._forget(t.request.request_id)
+
+    def _forget(self, seq_id: str) -> None:
+        """Drop a finished or aborted sequence's state outside the scheduler."""
+        self._seqs.pop(seq_id, None)
+        self.runner.sampler.forget(seq_id)
+        if self.drafter is not None:  # else a later request with this id drafts from stale KV
+            self.drafter.forget(seq_id)
 
     def _maybe_log_stats(self, stats: Any, now: float) -> None:
         """vLLM-style periodic status line (with ``log_stats=True``), every 5 s."""
@@ -459,24 +466,45 @@ class LLMEngine:
         tracked.text = text
 
     @staticmethod
-    def _completion(index: int, tracked: _Tracked) -> CompletionOutput:
+    def _completion(index: int, tracked: _Tracked, delta: bool = False) -> CompletionOutput:
+        """One sequence's output: all of it, or (``delta``) what is new since the last one."""
         req = tracked.request
+        text, token_ids, logprobs = tracked.text, list(req.output_token_ids), tracked.logprobs
+        if delta:
+            holdback = stop_holdback(req.sampling_params)
+            text, token_ids, logprobs = tracked.sent.take(
+                text, token_ids, logprobs, req.is_finished, holdback
+            )
         return CompletionOutput(
             index=index,
-            text=tracked.text,
-            token_ids=list(req.output_token_ids),
+            text=text,
+            token_ids=token_ids,
             cumulative_logprob=(
                 tracked.cumulative_logprob if req.sampling_params.tracks_logprobs else None
             ),
-            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
+            logprobs=list(logprobs) if logprobs is not None else None,
             finish_reason=req.status.value if req.is_finished else None,
             stop_reason=req.stop_reason,
         )
 
-    def _output(self, group: _Group) -> RequestOutput:
+    def _delta_completions(self, group: _Group) -> list[CompletionOutput]:
+        """DELTA: the samples with new tokens or text, or whose finish is not reported yet."""
+        completions = []
+        for i, t in enumerate(group.members):
+            c = self._completion(i, t, delta=True)
+            if c.token_ids or c.text or (c.finish_reason is not None and not t.finish_sent):
+                t.finish_sent = c.finish_reason is not None
+                completions.append(c)
+        return completions
+
+    def _output(self, group: _Group) -> RequestOutput | None:
+        """The request's output after this step (None: FINAL_ONLY and still running)."""
         first = group.members[0]
         req = first.request
         finished = not group.unforked and all(t.request.is_finished for t in group.members)
+        kind = req.sampling_params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
         times = [t.request.finished_time for t in group.members if t.request.finished_time]
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,
@@ -486,18 +514,25 @@ class LLMEngine:
             token_times=list(req.token_times),
             num_preemptions=sum(t.request.num_preemptions for t in group.members),
         )
-        shown = group.members
         params = req.sampling_params
-        if params.best_of > params.n:  # vLLM V0: the n highest cumulative logprobs so far
-            shown = sorted(shown, key=lambda t: t.cumulative_logprob, reverse=True)[: params.n]
+        prompt_logprobs = group.prompt_logprobs
+        if kind is RequestOutputKind.DELTA:
+            completions = self._delta_completions(group)
+            prompt_logprobs = None if group.reported else prompt_logprobs
+        else:
+            shown = group.members
+            if params.best_of > params.n:  # vLLM V0: the n highest cumulative logprobs so far
+                shown = sorted(shown, key=lambda t: t.cumulative_logprob, reverse=True)
+            completions = [self._completion(i, t) for i, t in enumerate(shown[: params.n])]
+        group.reported = True
         return RequestOutput(
             request_id=group.request_id,
             prompt=first.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[self._completion(i, t) for i, t in enumerate(shown)],
+            outputs=completions,
             finished=finished,
             metrics=metrics,
-            prompt_logprobs=group.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=req.num_cached_tokens,
         )
 

@@ -1,9 +1,7 @@
 """Engine updates -> OpenAI response JSON: whole responses, streamed chunks, usage, logprobs.
 
-Streaming sends the text that can no longer change: while a request runs, the last
-``len(longest stop string) - 1`` characters are held back (the engine may cut them if a stop
-string completes, as vLLM does), and so is a trailing U+FFFD (a multi-byte character still
-being decoded). The engine's decoded text only grows otherwise, so sent text stays a prefix.
+Streaming sends the text that can no longer change (``engine/deltas.py``: held back while a
+stop string may still complete or a multi-byte character is being decoded).
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_llm.engine.deltas import DeltaCursor, stop_holdback
 from paged_llm.outputs import CompletionOutput, LogprobEntry, RequestOutput
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.async_engine import Update
@@ -35,8 +34,7 @@ class Delta:
 class _Choice:
     params: SamplingParams
     text: str = ""
-    sent_chars: int = 0
-    sent_tokens: int = 0
+    sent: DeltaCursor = field(default_factory=DeltaCursor)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry | None] = field(default_factory=list)
     finish_reason: str | None = None
@@ -47,11 +45,6 @@ class _Choice:
     echo: bool = False
     prompt_only: bool = False
     num_prompt_tokens: int = 0  # of token_ids, when echoed
-
-    @property
-    def holdback(self) -> int:
-        p = self.params
-        return max(map(len, p.stop)) - 1 if p.stop and not p.include_stop_str_in_output else 0
 
 
 class Choices:
@@ -119,22 +112,19 @@ class Choices:
         """The not yet streamed part of one choice that can no longer change."""
         c = self.choices[index]
         first, c.started = not c.started, True
-        end = len(c.text)
-        if c.finish_reason is None:
-            end = max(c.sent_chars, end - c.holdback)
-            while end > c.sent_chars and c.text[end - 1] == "\ufffd":
-                end -= 1
-        delta = Delta(
+        finished = c.finish_reason is not None
+        text, token_ids, logprobs = c.sent.take(
+            c.text, c.token_ids, c.logprobs, finished, stop_holdback(c.params)
+        )
+        return Delta(
             index=index,
-            text=c.text[c.sent_chars : end],
-            logprobs=c.logprobs[c.sent_tokens :],
-            token_ids=c.token_ids[c.sent_tokens :],
+            text=text,
+            logprobs=logprobs or [],
+            token_ids=token_ids,
             first=first,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
         )
-        c.sent_chars, c.sent_tokens = max(c.sent_chars, end), len(c.token_ids)
-        return delta
 
     def usage(self) -> dict[str, int]:
         """OpenAI usage: each prompt counted once, every choice's generated tokens."""
@@ -213,7 +203,7 @@ def completion_chunk(
     rid: str, created: int, model: str, choices: Choices, delta: Delta
 ) -> dict[str, Any]:
     """One streamed ``text_completion`` chunk."""
-    offset = choices.choices[delta.index].sent_chars - len(delta.text)
+    offset = choices.choices[delta.index].sent.sent_chars - len(delta.text)
     return {
         "id": rid,
         "object": "text_completion",
