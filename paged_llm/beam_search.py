@@ -94,9 +94,12 @@ def beam_search(
     live: list[list[Beam]] = []
     done: list[list[BeamSearchSequence]] = []
     num_prompt: list[int] = []
-    for i, prompt in enumerate(prompts):
-        group = engine.make_request(f"beam-{i}", prompt, base)
-        req = group.members[0].request
+    firsts = []
+    for i, prompt in enumerate(prompts):  # every prompt is checked before any is added
+        req = engine.make_request(f"beam-{i}", prompt, base).members[0].request
+        engine.check_group_fits([req] * width, "beam_width")
+        firsts.append(req)
+    for i, req in enumerate(firsts):
         req.group_id = f"beam-{i}"  # a prompt's beams are preempted together
         sched.add_request(req)
         live.append([Beam(req, [], 0.0)])

@@ -140,7 +140,11 @@ def test_random_add_step_abort_interleavings(llm, ops):
             _, prompt, max_tokens, seed, n, extra_best = op
             rid = f"r{len(added)}"
             params = _params_of(max_tokens, seed, n, extra_best)
-            engine.add_request(rid, PROMPTS[prompt], params)
+            try:  # refused: a group too large for the pool (it would preempt itself forever)
+                engine.add_request(rid, PROMPTS[prompt], params)
+            except ValueError as err:
+                assert "KV blocks together" in str(err)
+                continue
             added[rid] = (PROMPTS[prompt], params)
         elif op[0] == "step":
             run(op[1])

@@ -1,5 +1,6 @@
 """Block sharing: parallel sampling, beam search and prefix caching (copy-on-write blocks)."""
 
+import copy
 import logging
 
 import pytest
@@ -36,12 +37,22 @@ def _check(kv: PagedKVCacheManager, live):
     assert kv.pool.num_free == sum(c == 0 for c in refs)
 
 
+def _swap_in_then_one_token_fits(kv, group) -> bool:
+    """Try it on a copy: swap the group in and give each member a slot for one more token."""
+    kv, group = copy.deepcopy((kv, group))
+    try:
+        kv.swap_in(group)
+    except MemoryError:
+        return False
+    return all(kv.allocate_slots(r, 1) for r in group)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     ops=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 30), st.integers(1, 9)), max_size=60)
 )
 def test_fork_append_free_swap_keep_refcounts(ops):
-    kv = PagedKVCacheManager(num_blocks=40, block_size=4, max_model_len=64, num_cpu_blocks=40)
+    kv = PagedKVCacheManager(num_blocks=20, block_size=4, max_model_len=64, num_cpu_blocks=40)
     live: list[Request] = []
     swapped: list[list[Request]] = []
     next_id = 0
@@ -76,8 +87,12 @@ def test_fork_append_free_swap_keep_refcounts(ops):
         elif op == 4:  # swap a group out, or one back in
             if swapped and a % 2:
                 group = swapped.pop()
-                if kv.can_swap_in(group, 1):
+                fits = _swap_in_then_one_token_fits(kv, group)
+                assert kv.can_swap_in(group, 1) == fits  # exact: never promises, never starves
+                if fits:
                     kv.swap_in(group)
+                    assert all(kv.allocate_slots(r, 1) for r in group)
+                    kv.take_block_ops()
                     live += group
                 else:
                     swapped.append(group)
@@ -103,6 +118,31 @@ def test_swap_moves_a_shared_block_once():
     mapping = kv.swap_out([a, b])
     assert len(mapping) == 2  # two shared blocks, copied once each
     assert kv.cpu_pool.num_free == 14 and kv.pool.num_free == 16
+
+
+def test_a_group_that_fills_the_pool_is_swapped_back_in():
+    """Three forks of an 8-token prompt, each with one block of its own: 2 shared + 3 = 5
+    blocks, the whole pool. The next token writes no shared block, so nothing is copied and
+    the group must come back (a margin of one copy per member kept it out forever)."""
+    kv = PagedKVCacheManager(num_blocks=5, block_size=4, max_model_len=16, num_cpu_blocks=8)
+    parent = _req("p", 8)
+    assert kv.allocate_slots(parent, 8)
+    parent.num_computed_tokens = 8
+    group = [parent]
+    for i in range(2):
+        child = _req(f"c{i}", 8)
+        child.num_computed_tokens = 8
+        kv.fork(parent, child)
+        group.append(child)
+    for r in group:  # one own block each: tokens 8..10
+        assert kv.allocate_slots(r, 3)
+        r.output_token_ids += [4, 4, 4]
+        r.num_computed_tokens = 11
+    assert kv.pool.num_free == 0
+    assert kv.swap_out(group) is not None and kv.pool.num_free == 5
+    assert kv.can_swap_in(group, 1)
+    kv.swap_in(group)
+    assert all(kv.allocate_slots(r, 1) for r in group) and kv.pool.num_free == 0
 
 
 # ---- engine ------------------------------------------------------------------------------------
@@ -148,6 +188,31 @@ def test_parallel_sampling_under_preemption(tiny_llama, reference, mode):
         assert all(c.token_ids == ref for c in out.outputs)
 
 
+def test_a_group_that_can_never_fit_together_is_refused_not_preempted_forever(tiny_llama):
+    """Samples and beams are preempted together, so all of them must fit the pool at their
+    longest (found by the add/step/abort fuzz test: a best_of = 4 request outgrew a 24-block
+    pool and was swapped out and back in forever). Groups that fit still finish."""
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, num_gpu_blocks_override=16,
+              preemption_mode="swap", swap_space=0.01)  # fmt: skip
+    logging.getLogger("paged_llm.core.scheduler").setLevel(logging.ERROR)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    # 4 samples of 5 + 30 tokens: 4 x 9 blocks > 16 (no credit for sharing the prompt: after a
+    # preemption by recomputation each sample recomputes its own blocks)
+    for params in (greedy(30, n=4), SamplingParams(best_of=4, max_tokens=30, seed=0)):
+        with pytest.raises(ValueError, match="n/best_of"):
+            llm.generate([prompt, {"prompt_token_ids": PROMPTS[1]}], params)
+    with pytest.raises(ValueError, match="beam_width"):
+        llm.beam_search([{"prompt_token_ids": PROMPTS[1]}, prompt],
+                        BeamSearchParams(beam_width=4, max_tokens=30))  # fmt: skip
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
+    # 2 samples of 25 tokens: 2 x 7 = 14 <= 16; three such groups preempt each other
+    outs = llm.generate([prompt] * 3, greedy(20, n=2))
+    assert engine.scheduler.num_preemptions_total > 0
+    assert all(len(c.token_ids) == 20 for o in outs for c in o.outputs)
+    assert engine.kv_usage() == 0
+
+
 def test_parallel_sampling_without_sharing_policy(tiny_llama, reference):
     llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, num_gpu_blocks_override=64,
               policy="orca_oracle")  # fmt: skip
@@ -184,7 +249,9 @@ def test_beam_search_matches_transformers(tiny_llama, width):
 
 def test_beam_search_under_preemption(tiny_llama):
     path, model = tiny_llama
-    llm = LLM(str(path), block_size=4, max_model_len=64, num_gpu_blocks_override=24)
+    # 28 blocks: the width-3 group of the 25-token prompt may need 3 x 9 (no sharing credit:
+    # a recomputed beam recomputes its own blocks)
+    llm = LLM(str(path), block_size=4, max_model_len=64, num_gpu_blocks_override=28)
     logging.getLogger("paged_llm.core.scheduler").setLevel(logging.ERROR)
     prompts = PROMPTS[2:5]
     outs = llm.beam_search(

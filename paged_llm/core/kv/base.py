@@ -82,6 +82,13 @@ class KVCacheManager(ABC):
     def fits_ever(self, request: Request) -> bool:
         """False when the request could not run even in an empty pool."""
 
+    def group_blocks_needed(self, requests: list[Request]) -> int:
+        """Blocks that sequences preempted together (a request's samples or beams) may need at
+        once: each at its longest length, with no credit for sharing, because after a
+        preemption by recomputation each recomputes its own blocks. A group needing more than
+        the pool would be preempted and resumed (or left waiting) forever."""
+        return sum(self.blocks_for(r.max_total_tokens) for r in requests)
+
     @abstractmethod
     def can_admit(self, request: Request, num_new_tokens: int) -> bool:
         """Admission rule for a waiting request about to compute ``num_new_tokens``."""

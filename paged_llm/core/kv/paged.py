@@ -5,6 +5,7 @@ to a CPU block pool, each shared block once (no torch)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from paged_llm.core.block_pool import BlockPool
@@ -49,6 +50,11 @@ class PagedKVCacheManager(KVCacheManager):
     def fits_ever(self, request: Request) -> bool:
         """The prompt plus one generated token must fit in the whole pool."""
         return self.blocks_for(request.num_prompt_tokens + 1) <= self.num_blocks
+
+    def group_blocks_needed(self, requests: list[Request]) -> int:
+        """The base rule plus the admission watermark, which a group re-admitted after a
+        recomputation must leave free as it admits its last member."""
+        return super().group_blocks_needed(requests) + self.watermark_blocks
 
     def _blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         table = self.block_tables.get(request.request_id, ())
@@ -212,14 +218,19 @@ class PagedKVCacheManager(KVCacheManager):
 
     def can_swap_in(self, requests: list[Request], num_new_tokens: int) -> bool:
         """True when the swapped blocks and the next tokens' blocks fit on the device."""
-        unique = {b for r in requests for b in self.cpu_block_tables.get(r.request_id, ())}
-        extra = sum(
-            max(0, self.blocks_for(r.num_computed_tokens + num_new_tokens)
-                - len(self.cpu_block_tables.get(r.request_id, ())))
-            for r in requests
-        )  # fmt: skip
-        # worst case every shared block is copied on the first write
-        return len(unique) + extra + len(requests) <= self.pool.num_free
+        tables = [self.cpu_block_tables.get(r.request_id, ()) for r in requests]
+        holders = Counter(b for table in tables for b in table)
+        need = len(holders)  # each shared block comes back once
+        writers: Counter[int] = Counter()
+        for r, table in zip(requests, tables):
+            end = self.blocks_for(r.num_computed_tokens + num_new_tokens)
+            need += max(0, end - len(table))
+            writers.update(table[r.num_computed_tokens // self.block_size : end])
+        # k writers of a block that h sequences share copy it min(k, h - 1) times (the last
+        # holder writes in place); counting exactly matters, because a group that fills the
+        # whole pool must still come back when it is alone
+        need += sum(min(k, holders[b] - 1) for b, k in writers.items())
+        return need <= self.pool.num_free
 
     def swap_in(self, requests: list[Request]) -> list[tuple[int, int]]:
         """Move the requests' swapped blocks back to the device, each shared block once."""

@@ -39,6 +39,10 @@ class ReservationKVCacheManager(KVCacheManager):
         need = self.blocks_for(self.reserved_tokens(request))
         return need <= (1 << self.buddy.max_order) and need <= self.num_blocks
 
+    def group_blocks_needed(self, requests: list[Request]) -> int:
+        """Every member's whole reservation (a group is admitted whole)."""
+        return sum(self.blocks_for(self.reserved_tokens(r)) for r in requests)
+
     def can_admit(self, request: Request, num_new_tokens: int) -> bool:
         """Admit only when the whole reservation fits in one free run."""
         if request.request_id in self.block_tables:
