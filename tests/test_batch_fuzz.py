@@ -15,6 +15,9 @@ from paged_llm import LLM, GuidedDecodingParams, SamplingParams
 ENGINES = {
     "chunked+prefix": dict(block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=16,
                            enable_prefix_caching=True, cpu_kv_cache_gib=0.02),
+    "recompute+chunked+prefix": dict(block_size=4, num_gpu_blocks_override=24, max_model_len=96,
+                                     preemption_mode="recompute", enable_chunked_prefill=True,
+                                     max_num_batched_tokens=16, enable_prefix_caching=True),
     "ngram+swap": dict(block_size=4, num_gpu_blocks_override=24, max_model_len=96,
                        preemption_mode="swap",
                        speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
@@ -154,8 +157,14 @@ def test_random_add_step_abort_interleavings(llm, ops):
                 rid = live[op[1] % len(live)]
                 engine.abort_request(rid)
                 aborted.add(rid)
-    while engine.has_unfinished_requests():
+    for _ in range(2000):  # a livelock fails here instead of hanging the suite
+        if not engine.has_unfinished_requests():
+            break
         run(1)
+    else:
+        for rid in list(added):  # leave the shared engine empty for the next example
+            engine.abort_request(rid)
+        raise AssertionError(f"requests still unfinished after 2000 steps: {ops}")
     assert engine.kv_usage() == 0 and engine.scheduler.kv.num_free_blocks() == engine.num_kv_blocks
     assert set(final) == set(added) - aborted
     for rid, out in final.items():

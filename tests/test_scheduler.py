@@ -214,6 +214,28 @@ def test_static_batching_waits_for_whole_batch():
     assert admitted_later and admitted_later[0][0] >= 13
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_group_larger_than_one_steps_budget_is_still_admitted(chunked):
+    """A group waits whole (after a preemption by recomputation each member recomputes its
+    whole sequence). If its members' tokens exceed one step's budget, the members the budget
+    cannot take this step start in the next ones; waiting for a step that takes them all
+    waited forever (found by the engine's add/step/abort fuzz test)."""
+    budget = 16 if chunked else MAX_LEN  # unchunked, one prompt must fit a step
+    s = make_scheduler("paged", num_blocks=48, chunked=chunked, budget=budget)
+    group = [make_request(f"g{i}", budget - 4, 4) for i in range(3)]
+    for req in group:
+        req.group_id = "g"
+        s.add_request(req)
+    for step in range(30):
+        out = s.schedule(step)
+        s.update_from_output(out, {x.request.request_id: [5] for x in out.scheduled}, step)
+        assert out.num_batched_tokens <= budget
+        check_invariants(s)
+        if not s.has_unfinished():
+            break
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in group)
+
+
 def test_abort_releases_everything():
     s = make_scheduler("paged", num_blocks=32)
     for i in range(3):

@@ -288,8 +288,8 @@ class Scheduler:
             group = self.swapped[0]
             if len(self.running) + len(group) > self.limits.max_num_seqs:
                 break
-            counts = [self._num_new_tokens(r, budget) for r in group]
-            if 0 in counts or sum(counts) > budget or not self.kv.can_swap_in(group, max(counts)):
+            counts = self._group_token_counts(group, budget)
+            if counts is None or not self.kv.can_swap_in(group, max(counts)):
                 break
             out.swap_in.extend(self.kv.swap_in(group))
             self.swapped.popleft()
@@ -298,9 +298,21 @@ class Scheduler:
                 assert ok, "can_swap_in promised room for the swapped blocks and the new tokens"
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
+                if n:
+                    out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
                 budget -= n
         return budget
+
+    def _group_token_counts(self, group: list[Request], budget: int) -> list[int] | None:
+        """Tokens each member of a group computes this step, sharing the budget in order; None
+        when the first gets none. Later members may get 0 and go on as running requests in
+        the next steps: the group's prompts (after a recomputation, each member's whole
+        sequence) can need more tokens than one step's budget, and a group that waited for a
+        step that could take all of them would wait forever."""
+        counts: list[int] = []
+        for req in group:
+            counts.append(self._num_new_tokens(req, budget - sum(counts)))
+        return counts if counts[0] > 0 else None
 
     def _may_admit(self) -> bool:
         if not self.kv.static_batching:
@@ -330,18 +342,23 @@ class Scheduler:
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now
                 self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
+                if n:
+                    out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
                 budget -= n
         if self.kv.static_batching and not self.waiting:
             self._batch_open = False
 
     def _admit(self, group: list[Request], budget: int) -> list[int] | None:
-        """Give every member its slots for this step, or roll back and return None."""
+        """Give every member its slots for this step (a later member may get 0 tokens, see
+        ``_group_token_counts``), or roll back and return None."""
         counts: list[int] = []
         for req in group:
             self.kv.prepare_admission(req)
             n = self._num_new_tokens(req, budget - sum(counts))
-            ok = n > 0 and self.kv.can_admit(req, n) and self.kv.allocate_slots(req, n)
+            may_wait = bool(counts)  # members after the first may start in a later step
+            ok = (
+                (n > 0 or may_wait) and self.kv.can_admit(req, n) and self.kv.allocate_slots(req, n)
+            )
             counts.append(n)
             if not ok:
                 for r in group[: len(counts)]:
