@@ -392,9 +392,10 @@ class LLMEngine:
         outputs = []
         for group in touched.values():
             output = self._output(group)
-            if output is not None:
-                outputs.append(output)
-            if output is not None and output.finished:
+            if output is None:  # FINAL_ONLY, still running
+                continue
+            outputs.append(output)
+            if output.finished:
                 self._release(group)
         return outputs
 
