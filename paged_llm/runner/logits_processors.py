@@ -94,8 +94,9 @@ def process_logits(
     if len(outputs) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(outputs)} histories")
     for fn in params.logits_processors or []:
+        arity = logits_processor_arity(fn)  # inspects the signature: once per call, not per row
         for row, out in enumerate(outputs):
-            logits[row] = apply_user_processor(fn, prompt_token_ids, out, logits[row])
+            logits[row] = apply_user_processor(fn, arity, prompt_token_ids, out, logits[row])
     ban = min_tokens_ban(params, eos_token_id)
     for row, out in enumerate(outputs):
         if len(out) < params.min_tokens and ban:
@@ -116,24 +117,25 @@ def process_logits(
 
 def apply_user_processor(
     fn: Any,
+    arity: int,  # logits_processor_arity(fn)
     prompt_token_ids: Sequence[int],
     output_token_ids: Sequence[int],
     row: torch.Tensor,  # [V] float32
 ) -> torch.Tensor:  # [V]
     """Call one user logits processor on one row (copies of the histories, so it cannot
     change them); a result that is not a NaN-free [V] tensor is a ValueError naming it."""
-    if logits_processor_arity(fn) == 3:
+    if arity == 3:
         new = fn(list(prompt_token_ids), list(output_token_ids), row)
     else:
         new = fn(list(output_token_ids), row)
+    name = getattr(fn, "__name__", fn)
     if not isinstance(new, torch.Tensor) or new.shape != row.shape:
         got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
         raise ValueError(
-            f"logits processor {getattr(fn, '__name__', fn)!r} must return a tensor of shape "
-            f"{tuple(row.shape)}, got {got}"
+            f"logits processor {name!r} must return a tensor of shape {tuple(row.shape)}, got {got}"
         )
     if bool(torch.isnan(new).any()):
-        raise ValueError(f"logits processor {getattr(fn, '__name__', fn)!r} returned NaN")
+        raise ValueError(f"logits processor {name!r} returned NaN")
     return new
 
 
