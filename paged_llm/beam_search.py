@@ -97,7 +97,7 @@ def beam_search(
     firsts = []
     for i, prompt in enumerate(prompts):  # every prompt is checked before any is added
         req = engine.make_request(f"beam-{i}", prompt, base).members[0].request
-        engine.check_group_fits([req] * width, "beam_width")
+        sched.check_group_fits([req] * width, "beam_width")
         firsts.append(req)
     for i, req in enumerate(firsts):
         req.group_id = f"beam-{i}"  # a prompt's beams are preempted together

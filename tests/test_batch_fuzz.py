@@ -19,7 +19,7 @@ ENGINES = {
                                      preemption_mode="recompute", enable_chunked_prefill=True,
                                      max_num_batched_tokens=16, enable_prefix_caching=True),
     "ngram+swap": dict(block_size=4, num_gpu_blocks_override=24, max_model_len=96,
-                       preemption_mode="swap",
+                       preemption_mode="swap", max_num_seqs=3,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
 }  # fmt: skip
 GRAMMARS = [
@@ -143,10 +143,10 @@ def test_random_add_step_abort_interleavings(llm, ops):
             _, prompt, max_tokens, seed, n, extra_best = op
             rid = f"r{len(added)}"
             params = _params_of(max_tokens, seed, n, extra_best)
-            try:  # refused: a group too large for the pool (it would preempt itself forever)
-                engine.add_request(rid, PROMPTS[prompt], params)
+            try:  # refused: a group too large for the pool or for max_num_seqs (it would
+                engine.add_request(rid, PROMPTS[prompt], params)  # preempt itself forever)
             except ValueError as err:
-                assert "KV blocks together" in str(err)
+                assert "KV blocks together" in str(err) or "max_num_seqs" in str(err)
                 continue
             added[rid] = (PROMPTS[prompt], params)
         elif op[0] == "step":

@@ -115,12 +115,13 @@ def test_measured_beam_parents_replay_the_recorded_ranks():
 
 
 def test_beam_groups_survive_preemption_by_swap_and_recompute():
-    """A pool too small for all beam groups at once: groups are preempted (swapped or
+    """A pool too small for all beam groups at once (but for each group, 4 x 12 blocks with no
+    sharing, see Scheduler.check_group_fits): groups are preempted (swapped or
     recomputed) and still finish with the right number of tokens."""
     reqs = [TimedRequest(f"r{i}", 100, 80, 0.0, beam_width=4) for i in range(8)]
     for mode in ("swap", "recompute"):
         s = ServingSettings(
-            num_gpu_blocks=40, max_model_len=256, max_num_seqs=2048, preemption_mode=mode
+            num_gpu_blocks=52, max_model_len=256, max_num_seqs=2048, preemption_mode=mode
         )
         trace = run(workload(*reqs), settings=s)
         m = serving_metrics(trace)

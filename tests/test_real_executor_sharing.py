@@ -68,9 +68,10 @@ def test_beam_search_forks_beams_and_shares_their_history():
 
 
 def test_beam_groups_survive_swapping_out():
-    """A pool too small for every beam group: groups are swapped out and back, and finish."""
+    """A pool too small for every beam group (but for each: 4 x 4 blocks, see
+    Scheduler.check_group_fits): groups are swapped out and back, and finish."""
     reqs = [TimedRequest(f"r{i}", 30, 20, 0.0, beam_width=4) for i in range(4)]
-    s = SETTINGS.with_overrides(num_gpu_blocks=12, preemption_mode="swap", swap_space_gib=0.01)
+    s = SETTINGS.with_overrides(num_gpu_blocks=16, preemption_mode="swap", swap_space_gib=0.01)
     trace = run(workload(*reqs), settings=s)
     check_finished(trace, 4)
     assert serving_metrics(trace)["num_preemptions"] > 0

@@ -213,6 +213,25 @@ def test_a_group_that_can_never_fit_together_is_refused_not_preempted_forever(ti
     assert engine.kv_usage() == 0
 
 
+@pytest.mark.parametrize("policy", ["paged", "orca_oracle"])
+def test_a_group_larger_than_max_num_seqs_is_refused(tiny_llama, reference, policy):
+    """A group is admitted whole, so more samples or beams than max_num_seqs would wait (or be
+    preempted) forever (found by the add/step/abort fuzz test with max_num_seqs = 2 and n = 3,
+    whose forked samples were preempted 150 times and never finished)."""
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, num_gpu_blocks_override=64,
+              max_num_seqs=2, policy=policy)  # fmt: skip
+    prompt = {"prompt_token_ids": PROMPTS[2]}
+    for params in (greedy(12, n=3), SamplingParams(n=2, best_of=3, max_tokens=12, seed=0)):
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            llm.generate([prompt, prompt], params)
+    if policy == "paged":
+        with pytest.raises(ValueError, match="beam_width.*max_num_seqs"):
+            llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=12))
+    assert not llm.llm_engine.has_unfinished_requests()
+    outs = llm.generate([prompt] * 3, greedy(12, n=2))  # groups of 2 take turns
+    assert all(c.token_ids == reference[2] for o in outs for c in o.outputs)
+
+
 def test_parallel_sampling_without_sharing_policy(tiny_llama, reference):
     llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, num_gpu_blocks_override=64,
               policy="orca_oracle")  # fmt: skip

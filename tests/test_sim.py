@@ -165,6 +165,20 @@ def test_preemption_by_recompute_and_swap_finishes_everything():
         assert serving_metrics(trace)["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("field, value", [("n", 3), ("beam_width", 3)])
+def test_a_group_that_could_never_run_together_is_refused_before_the_run(field, value):
+    """As the engine refuses such a request when it is added: more sequences than max_num_seqs,
+    or more blocks than the pool at their longest, would be preempted forever."""
+    spec = dict(request_rate=5.0, num_requests=4, duration_s=None, seed=1, max_total_len=512)
+    wl = build_workload(WorkloadSpec(**spec, **{field: value}))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SimulatedExecutor().run(wl, "paged", ServingSettings(num_gpu_blocks=200, max_num_seqs=2))
+    with pytest.raises(ValueError, match="KV blocks together"):  # 3 x 32 blocks > 64
+        SimulatedExecutor().run(wl, "paged", ServingSettings(num_gpu_blocks=64, max_model_len=512))
+    trace = SimulatedExecutor().run(wl, "paged", ServingSettings(num_gpu_blocks=200))
+    assert all(r.finished for r in trace.requests)
+
+
 def test_real_executor_tiny_model():
     from paged_llm.sim.real_executor import RealExecutor
 

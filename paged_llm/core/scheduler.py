@@ -137,6 +137,25 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def check_group_fits(self, requests: list[Request], what: str) -> None:
+        """ValueError when sequences scheduled and preempted together could never all run: more
+        of them than ``max_num_seqs``, or more blocks than the pool."""
+        max_seqs = self.limits.max_num_seqs
+        if len(requests) > max_seqs:
+            # a group is admitted whole, so it would wait (or be preempted) forever
+            raise ValueError(
+                f"this request has {len(requests)} sequences ({what}) that run together, more "
+                f"than max_num_seqs ({max_seqs}); lower {what} or raise max_num_seqs"
+            )
+        need = self.kv.group_blocks_needed(requests)
+        if len(requests) > 1 and need > self.kv.num_blocks:
+            raise ValueError(
+                f"the {len(requests)} sequences of this request ({what}) need up to {need} KV "
+                f"blocks together at {requests[0].max_total_tokens} tokens each, but the pool "
+                f"has {self.kv.num_blocks}; lower max_tokens or {what}, or enlarge "
+                "the KV cache"
+            )
+
     def abort_request(self, request_id: str) -> Request | None:
         """Remove a request wherever it is and release its blocks."""
         req = self.requests.get(request_id)

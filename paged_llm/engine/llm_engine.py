@@ -283,20 +283,9 @@ class LLMEngine:
                 guide=guides[i],
             )
             members.append(_Tracked(request, text, logprobs=[] if p.logprobs is not None else None))
-        self.check_group_fits([t.request for t in members], "n/best_of")
+        self.scheduler.check_group_fits([t.request for t in members], "n/best_of")
         prompt_lps = None if params.prompt_logprobs is None else [None] * len(ids)
         return _Group(request_id, members, unforked=[], prompt_logprobs=prompt_lps)
-
-    def check_group_fits(self, requests: list[Request], what: str) -> None:
-        """ValueError when sequences preempted together could never all finish in the pool."""
-        need = self.scheduler.kv.group_blocks_needed(requests)
-        if len(requests) > 1 and need > self.scheduler.kv.num_blocks:
-            raise ValueError(
-                f"the {len(requests)} sequences of this request ({what}) need up to {need} KV "
-                f"blocks together at {requests[0].max_total_tokens} tokens each, but the pool "
-                f"has {self.scheduler.kv.num_blocks}; lower max_tokens or {what}, or enlarge "
-                "the KV cache"
-            )
 
     def add_request(
         self,

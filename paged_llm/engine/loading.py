@@ -53,12 +53,19 @@ def load_model_and_tokenizer(
     return model, hf_config, tokenizer
 
 
-def _load(mc: ModelConfig, device: torch.device) -> tuple[nn.Module, Any, Any | None]:
-    """Load a checkpoint directory, the tiny default, or a random-weight shape preset."""
-    name = str(mc.model)
+def checkpoint_path(name: str) -> Path:
+    """The directory that ``name`` names: itself, or the tiny default materialised in the cache
+    (it may not exist: then ``name`` is a shape preset or a mistake)."""
     path = Path(name).expanduser()
     if not path.exists() and name.lower() == presets.DEFAULT_PRESET:
         path = presets.default_model_dir()
+    return path
+
+
+def _load(mc: ModelConfig, device: torch.device) -> tuple[nn.Module, Any, Any | None]:
+    """Load a checkpoint directory, the tiny default, or a random-weight shape preset."""
+    name = str(mc.model)
+    path = checkpoint_path(name)
     if path.exists():
         from paged_llm.models.loader import load_config
 

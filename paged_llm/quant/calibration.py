@@ -129,7 +129,7 @@ def default_calibration(
     train_files, _ = split_files(CorpusSpec())
     ids: list[int] = []
     for text in read_texts(train_files):  # hashed order: a mix of modules, deterministic
-        ids.extend(tokenizer(text)["input_ids"])
+        ids.extend(tokenizer(text, verbose=False)["input_ids"])  # no "too long" warning: cut below
         if len(ids) > 4 * num_samples * seq_len:
             break
     return calibration_windows(np.asarray(ids), num_samples, seq_len, seed)

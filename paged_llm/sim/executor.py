@@ -17,7 +17,7 @@ from paged_llm.core.scheduler import SchedulerOutput
 from paged_llm.metrics.serving import IterationRecord, RequestRecord, RunTrace
 from paged_llm.sim.calibration import calibrate
 from paged_llm.sim.cost_model import RooflineCostModel, StepShape
-from paged_llm.sim.groups import SequenceGroup, SharingStats, prompt_ids
+from paged_llm.sim.groups import SequenceGroup, SharingStats, check_groups_fit, prompt_ids
 from paged_llm.sim.hardware import GPUSpec, get_hardware
 from paged_llm.sim.model_shapes import ModelShape, get_model_shape
 from paged_llm.sim.settings import ServingSettings, build_scheduler
@@ -149,6 +149,7 @@ class SimulatedExecutor:
         stats = SharingStats() if sharing and (shaped or distinct) else None
         rng = random.Random(workload.meta.get("seed", 0))  # beam parents
         parents = workload.meta.get("beam_parents", "uniform")
+        check_groups_fit(workload, scheduler, settings.max_model_len)
         groups: dict[str, SequenceGroup] = {}  # request id -> its unfinished sequence group
         owner: dict[str, SequenceGroup] = {}  # sequence id -> its group
         pending = deque(sorted(workload.requests, key=lambda r: r.arrival_time))

@@ -34,7 +34,7 @@ from paged_llm.core.request import Request, RequestStatus
 from paged_llm.core.scheduler import Scheduler
 from paged_llm.metrics.serving import RequestRecord
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.workloads.arrivals import TimedRequest
+from paged_llm.workloads.arrivals import TimedRequest, Workload
 
 PARENT_RANKS_FILE = Path(__file__).parent / "data" / "beam_parent_ranks.json"
 
@@ -64,6 +64,23 @@ def prompt_ids(tr: TimedRequest, index: int, distinct: bool) -> list[int]:
         return [0] * tr.input_len
     own = 2 + index  # ids 0 and 1 are the output filler and the prefix
     return [1] * tr.prefix_len + [own] * (tr.input_len - tr.prefix_len)
+
+
+def check_groups_fit(workload: Workload, scheduler: Scheduler, max_model_len: int) -> None:
+    """Refuse, before the run, a workload with a group (n samples or beams) that could never
+    run together under this policy, as the engine refuses such a request when it is added;
+    the simulation would otherwise preempt it forever."""
+    seen = set()
+    for tr in workload.requests:
+        width = max(tr.n, tr.beam_width)
+        key = (tr.input_len + tr.output_len, width)
+        if width == 1 or key in seen:
+            continue
+        seen.add(key)
+        params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
+        req = Request(tr.request_id, [0] * tr.input_len, params, max_model_len=max_model_len)
+        what = "beam_width" if tr.beam_width > 1 else "n"
+        scheduler.check_group_fits([req] * width, what)  # all members are alike in length
 
 
 class SequenceGroup:

@@ -15,7 +15,7 @@ from paged_llm.beam_search import Beam, BeamSearchParams, advance_beams, beam_re
 from paged_llm.metrics.serving import IterationRecord, RequestRecord, RunTrace
 from paged_llm.outputs import RequestMetrics
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.sim.groups import SharingStats
+from paged_llm.sim.groups import SharingStats, check_groups_fit
 from paged_llm.sim.settings import ServingSettings
 from paged_llm.workloads.arrivals import TimedRequest, Workload, prompt_token_ids
 
@@ -105,6 +105,7 @@ class RealExecutor:
         self, workload: Workload, policy: Any, settings: ServingSettings, stop_time: float | None
     ) -> RunTrace:
         engine = self.engine(policy, settings)
+        check_groups_fit(workload, engine.scheduler, settings.max_model_len)
         vocab = engine.vocab_size
         kv = engine.scheduler.kv
         # With a shared prefix or a prefix cache, prompts share exactly the prefix (as simulated)

@@ -31,11 +31,12 @@ class DraftModelDrafter:
 
     def load(self, engine: Any) -> None:
         """Load the draft model on the target's device and check the vocabularies agree."""
+        from paged_llm.engine.loading import checkpoint_path
         from paged_llm.models.loader import kv_cache_shape_info, load_model
 
         # Its linear layers stay on torch's default (MKL): a draft's weights fit in cache, where
         # MKL's lower per-call cost beats oneDNN up to 64 rows (experiments/cpu_matmul.py).
-        self.model, cfg = load_model(self.model_path, engine.dtype, engine.device)
+        self.model, cfg = load_model(checkpoint_path(self.model_path), engine.dtype, engine.device)
         if cfg.vocab_size != engine.vocab_size:
             raise ValueError(
                 f"draft model vocabulary ({cfg.vocab_size}) differs from the target's "
