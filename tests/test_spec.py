@@ -143,6 +143,16 @@ def test_self_draft_accepts_everything(tiny_llama, reference):
     assert llm.llm_engine.spec_stats.acceptance_rate == 1.0
 
 
+def test_a_draft_is_named_like_the_target():
+    """The name 'tiny' gives the built-in default as a draft too (it was read as a directory)."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": "tiny"}
+    llm = LLM("tiny", max_model_len=64, cpu_kv_cache_gib=0.01, speculative_config=spec)
+    plain = LLM("tiny", max_model_len=64, cpu_kv_cache_gib=0.01)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    assert ids_of(llm.generate(prompts, greedy(8))) == ids_of(plain.generate(prompts, greedy(8)))
+    assert llm.llm_engine.spec_stats.acceptance_rate == 1.0
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_under_preemption(tiny_llama, draft_dir, reference, mode, method):
