@@ -80,3 +80,69 @@ def test_buddy_runs_are_aligned_disjoint_and_coalesce(num_blocks, max_order, ops
     assert buddy.num_free_blocks == initial_free
     # after freeing everything, the largest run is whole again
     assert buddy.largest_free_run() == min(1 << max_order, 1 << (num_blocks.bit_length() - 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    policy=st.sampled_from(["orca_max", "orca_pow2", "orca_oracle", "static", "paged"]),
+    num_blocks=st.integers(1, 200),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    max_model_len=st.integers(1, 256),
+    prompt_len=st.integers(1, 256),
+    max_tokens=st.integers(1, 256),
+)
+def test_fits_ever_means_it_runs_in_an_empty_pool(
+    policy, num_blocks, block_size, max_model_len, prompt_len, max_tokens
+):
+    """A request the policy accepts can get the slots of its longest length in an empty pool,
+    and one it refuses cannot (a 48-block pool has no 64-block buddy run: Orca (Max) once
+    accepted a request there that then waited forever)."""
+    from paged_llm.core.kv import POLICIES
+    from paged_llm.core.request import Request
+    from paged_llm.sampling_params import SamplingParams
+    from paged_llm.utils.registry import build
+
+    if prompt_len + max_tokens > max_model_len:
+        return
+    kv = build("policy", policy, POLICIES, num_blocks=num_blocks, block_size=block_size,
+               max_model_len=max_model_len)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    req = Request("r", [0] * prompt_len, params, max_model_len=max_model_len)
+    assert kv.fits_ever(req) == kv.allocate_slots(req, req.max_total_tokens)  # its longest
+    assert kv.max_request_slots <= kv.num_slots
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    policy=st.sampled_from(["orca_max", "orca_pow2", "orca_oracle", "static", "paged"]),
+    num_blocks=st.integers(1, 100),
+    block_size=st.sampled_from([1, 4, 16]),
+    max_model_len=st.integers(16, 256),
+    prompt_len=st.integers(1, 64),
+    max_tokens=st.integers(1, 64),
+    width=st.integers(2, 6),
+)
+def test_group_fits_ever_means_its_members_run_together_in_an_empty_pool(
+    policy, num_blocks, block_size, max_model_len, prompt_len, max_tokens, width
+):
+    """Samples or beams run together: a group the policy accepts can hold all its members at
+    their longest in an empty pool (exactly so for reservations, whose runs must pack: an
+    11-block pool holds two 4-block runs, not three; the paged policy also keeps its
+    watermark free)."""
+    from paged_llm.core.kv import POLICIES
+    from paged_llm.core.request import Request
+    from paged_llm.sampling_params import SamplingParams
+    from paged_llm.utils.registry import build
+
+    if prompt_len + max_tokens > max_model_len:
+        return
+    kv = build("policy", policy, POLICIES, num_blocks=num_blocks, block_size=block_size,
+               max_model_len=max_model_len)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    group = [
+        Request(f"r{i}", [0] * prompt_len, params, max_model_len=max_model_len)
+        for i in range(width)
+    ]
+    fits = kv.group_fits_ever(group)
+    all_run = all(kv.allocate_slots(r, r.max_total_tokens) for r in group)
+    assert fits == all_run if policy != "paged" else (not fits or all_run)

@@ -151,6 +151,22 @@ def test_pool_smaller_than_max_model_len_is_an_error():
         make_scheduler("paged", num_blocks=8, block_size=4)
 
 
+@pytest.mark.parametrize("policy", ["orca_max", "orca_pow2", "orca_oracle", "static"])
+def test_a_pool_without_a_run_for_one_max_length_reservation_is_an_error(policy):
+    """A 48-token reservation is 24 blocks of 2, taken as a 32-block buddy run. A 30-block pool
+    (runs of 16 + 8 + 4 + 2) holds 60 slots but no such run; Orca (Max) once accepted requests
+    there that then waited forever. 32 and 40 (32 + 8) blocks do hold one."""
+    kv_cls = import_target(POLICIES[policy])
+    limits = SchedulerLimits(max_num_batched_tokens=64)
+    for num_blocks, ok in ((30, False), (31, False), (32, True), (40, True)):
+        kv = kv_cls(num_blocks=num_blocks, block_size=2, max_model_len=48)
+        if ok:
+            Scheduler(kv, limits)
+        else:
+            with pytest.raises(ValueError, match="largest run"):
+                Scheduler(kv, limits)
+
+
 def test_paged_preempts_most_recent_and_recompute_resets_progress():
     s = make_scheduler("paged", "recompute", num_blocks=16, block_size=4, max_num_seqs=8)
     for i in range(4):

@@ -25,6 +25,8 @@ class BuddyAllocator:
             while num_blocks - start >= (1 << order):
                 self._free[order].add(start)
                 start += 1 << order
+        # the largest run the empty pool offers: 2**max_order only if the pool holds one
+        self.max_run = 1 << min(max_order, num_blocks.bit_length() - 1)
 
     @property
     def num_free_blocks(self) -> int:

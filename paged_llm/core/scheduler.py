@@ -114,6 +114,13 @@ class Scheduler:
                 f"the KV pool holds {kv.num_slots} tokens, fewer than max_model_len "
                 f"({kv.max_model_len}); enlarge the cache or lower max_model_len"
             )
+        if kv.max_request_slots < kv.max_model_len:  # a reservation is one buddy run
+            raise ValueError(
+                f"policy '{kv.name}' reserves one power-of-two run of blocks per request, and "
+                f"the largest run of this {kv.num_blocks}-block pool holds "
+                f"{kv.max_request_slots} tokens, fewer than max_model_len ({kv.max_model_len}); "
+                "use a power-of-two number of blocks, enlarge the cache or lower max_model_len"
+            )
         self.kv = kv
         self.limits = limits
         self.track_memory = track_memory
@@ -147,13 +154,12 @@ class Scheduler:
                 f"this request has {len(requests)} sequences ({what}) that run together, more "
                 f"than max_num_seqs ({max_seqs}); lower {what} or raise max_num_seqs"
             )
-        need = self.kv.group_blocks_needed(requests)
-        if len(requests) > 1 and need > self.kv.num_blocks:
+        if len(requests) > 1 and not self.kv.group_fits_ever(requests):
             raise ValueError(
-                f"the {len(requests)} sequences of this request ({what}) need up to {need} KV "
-                f"blocks together at {requests[0].max_total_tokens} tokens each, but the pool "
-                f"has {self.kv.num_blocks}; lower max_tokens or {what}, or enlarge "
-                "the KV cache"
+                f"the {len(requests)} sequences of this request ({what}) need up to "
+                f"{self.kv.group_blocks_needed(requests)} KV blocks together (policy "
+                f"'{self.kv.name}'), more than the pool of {self.kv.num_blocks} blocks can hold; "
+                f"lower max_tokens or {what}, or enlarge the KV cache"
             )
 
     def abort_request(self, request_id: str) -> Request | None:

@@ -66,6 +66,12 @@ class KVCacheManager(ABC):
         """Pool size in token slots."""
         return self.num_blocks * self.block_size
 
+    @property
+    def max_request_slots(self) -> int:
+        """The most token slots one request can ever hold (all of the pool, unless the policy
+        needs contiguous runs)."""
+        return self.num_slots
+
     def get_block_table(self, request: Request) -> list[int]:
         """Physical block ids of the request, in logical order."""
         return self.block_tables.get(request.request_id, [])
@@ -88,6 +94,10 @@ class KVCacheManager(ABC):
         preemption by recomputation each recomputes its own blocks. A group needing more than
         the pool would be preempted and resumed (or left waiting) forever."""
         return sum(self.blocks_for(r.max_total_tokens) for r in requests)
+
+    def group_fits_ever(self, requests: list[Request]) -> bool:
+        """The group could run together in the empty pool."""
+        return self.group_blocks_needed(requests) <= self.num_blocks
 
     @abstractmethod
     def can_admit(self, request: Request, num_new_tokens: int) -> bool:

@@ -48,8 +48,9 @@ class PagedKVCacheManager(KVCacheManager):
         return self.pool.num_free
 
     def fits_ever(self, request: Request) -> bool:
-        """The prompt plus one generated token must fit in the whole pool."""
-        return self.blocks_for(request.num_prompt_tokens + 1) <= self.num_blocks
+        """The request at its longest must fit in the whole pool (alone, it would otherwise
+        preempt itself forever)."""
+        return self.blocks_for(request.max_total_tokens) <= self.num_blocks
 
     def group_blocks_needed(self, requests: list[Request]) -> int:
         """The base rule plus the admission watermark, which a group re-admitted after a

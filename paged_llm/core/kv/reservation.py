@@ -34,14 +34,30 @@ class ReservationKVCacheManager(KVCacheManager):
         """Blocks in free buddy runs."""
         return self.buddy.num_free_blocks
 
+    @property
+    def max_request_slots(self) -> int:
+        """One request's reservation is one buddy run: at most the largest the empty pool has."""
+        return self.buddy.max_run * self.block_size
+
     def fits_ever(self, request: Request) -> bool:
-        """The reservation must fit in the largest run the empty pool offers."""
+        """The reservation, rounded up to a power-of-two run, must fit in the largest run the
+        empty pool offers (a 48-block pool offers 32, not 64)."""
         need = self.blocks_for(self.reserved_tokens(request))
-        return need <= (1 << self.buddy.max_order) and need <= self.num_blocks
+        return 1 << ceil_log2(need) <= self.buddy.max_run
+
+    def _run_sizes(self, requests: list[Request]) -> list[int]:
+        return [1 << ceil_log2(self.blocks_for(self.reserved_tokens(r))) for r in requests]
 
     def group_blocks_needed(self, requests: list[Request]) -> int:
-        """Every member's whole reservation (a group is admitted whole)."""
-        return sum(self.blocks_for(self.reserved_tokens(r)) for r in requests)
+        """Every member's whole reservation, as the power-of-two run it takes (a group is
+        admitted whole)."""
+        return sum(self._run_sizes(requests))
+
+    def group_fits_ever(self, requests: list[Request]) -> bool:
+        """The members' runs can all be carved out of the empty pool at once (an 11-block pool
+        holds two 4-block runs, not three). Largest first, as power-of-two runs pack best."""
+        empty = BuddyAllocator(self.num_blocks, self.buddy.max_order)
+        return all(empty.allocate(n) for n in sorted(self._run_sizes(requests), reverse=True))
 
     def can_admit(self, request: Request, num_new_tokens: int) -> bool:
         """Admit only when the whole reservation fits in one free run."""
