@@ -1,8 +1,8 @@
 """Random mixes of every sampling option in one batch (grammars, whitelists, bans, penalties,
 stops, logprobs, n, best_of, truncation, user logits processors), on engines that chunk, cache
-prefixes, speculate and preempt: a request is either refused when added (ValueError) or
-finishes, and never fails the batch it runs in. (A grammar that excluded every allowed token
-once stopped the engine this way.)"""
+prefixes, speculate (n-grams, a draft model), preempt, or reserve buddy runs (Orca, static): a
+request is either refused when added (ValueError) or finishes, and never fails the batch it runs
+in. (A grammar that excluded every allowed token once stopped the engine this way.)"""
 
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ ENGINES = {
     "ngram+swap": dict(block_size=4, num_gpu_blocks_override=24, max_model_len=96,
                        preemption_mode="swap", max_num_seqs=3,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    "draft+prefix": dict(block_size=4, num_gpu_blocks_override=24, max_model_len=96,
+                         enable_prefix_caching=True,
+                         speculative_config={"method": "draft_model", "model": "tiny",
+                                             "num_speculative_tokens": 2}),
+    # a 27-block pool is buddy runs of 16 + 8 + 2 + 1: groups whose runs cannot pack are refused
+    "orca_pow2+chunked": dict(block_size=4, num_gpu_blocks_override=27, max_model_len=64,
+                              policy="orca_pow2", enable_chunked_prefill=True,
+                              max_num_batched_tokens=5, max_num_seqs=4),
+    "static+fp8_kv": dict(block_size=2, num_gpu_blocks_override=40, max_model_len=48,
+                          policy="static", max_num_seqs=3, kv_cache_dtype="fp8"),
 }  # fmt: skip
 GRAMMARS = [
     GuidedDecodingParams(regex="[ab]{2}"),
