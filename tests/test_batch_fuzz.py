@@ -139,6 +139,56 @@ def test_random_add_step_abort_interleavings(llm, ops):
     before their samples fork, swapped out, mid-speculation). No block leaks, every request
     not aborted finishes with its n outputs, and a greedy one gets exactly the tokens it gets
     when it runs alone."""
+    run_interleaving(llm, ops)
+
+
+@st.composite
+def engine_configs(draw):
+    """Any engine the LLM constructor accepts over the tiny model: block size, pool size, token
+    budget, sequence limit, policy, preemption, prefix caching, KV dtype, speculation."""
+    block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    max_model_len = draw(st.sampled_from([48, 64, 96]))
+    policy = draw(st.sampled_from(["paged", "paged", "orca_max", "orca_pow2", "orca_oracle",
+                                   "static"]))  # fmt: skip
+    cfg = dict(
+        block_size=block_size, max_model_len=max_model_len, policy=policy,
+        num_gpu_blocks_override=-(-max_model_len // block_size) + draw(st.integers(0, 32)),
+        max_num_seqs=draw(st.sampled_from([1, 2, 3, 8, 256])),
+    )  # fmt: skip
+    if draw(st.booleans()):
+        cfg.update(enable_chunked_prefill=True,
+                   max_num_batched_tokens=draw(st.sampled_from([1, 2, 5, 16, 64])))  # fmt: skip
+    if policy == "paged":
+        cfg["preemption_mode"] = draw(st.sampled_from(["recompute", "swap"]))
+        cfg["swap_space"] = draw(st.sampled_from([1.0, 0.0001]))  # 0.0001 GiB: swap space runs out
+        cfg["enable_prefix_caching"] = draw(st.booleans())
+    cfg["kv_cache_dtype"] = draw(st.sampled_from(["auto", "auto", "int8", "fp8"]))
+    method = draw(st.sampled_from([None, None, "ngram", "draft_model"]))
+    if method:
+        k = draw(st.integers(1, 4))
+        cfg["speculative_config"] = {"method": method, "num_speculative_tokens": k}
+        if method == "draft_model":
+            cfg["speculative_config"]["model"] = "tiny"
+    return cfg
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cfg=engine_configs(), ops=_ops)
+def test_random_engine_configurations(cfg, ops):
+    """The same interleavings on a random engine: a configuration is refused when built
+    (ValueError) or serves every request (this found Orca accepting requests that waited
+    forever for a buddy run a 48-block pool does not have)."""
+    try:
+        llm = LLM("tiny", **cfg)
+    except ValueError:
+        return
+    run_interleaving(llm, ops)
+
+
+def run_interleaving(llm, ops):
+    """Apply add / step / abort ops to the engine, drain it, and check what every test of
+    this kind checks (see test_random_add_step_abort_interleavings)."""
     engine = llm.llm_engine
     added, aborted, final = {}, set(), {}
 

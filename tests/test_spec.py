@@ -274,6 +274,9 @@ def test_bad_speculative_config(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="unknown speculative method"):
         LLM(str(tiny_llama[0]), speculative_config={"method": "medusa",
             "num_speculative_tokens": 2}, cpu_kv_cache_gib=0.01)  # fmt: skip
+    with pytest.raises(ValueError, match="'ngram' does not take these options.*'model'"):
+        LLM(str(tiny_llama[0]), speculative_config={"method": "ngram", "model": "tiny",
+            "num_speculative_tokens": 2}, cpu_kv_cache_gib=0.01)  # fmt: skip
     other = save_llama(tmp_path / "v", vocab=128)
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(tiny_llama[0]), cpu_kv_cache_gib=0.01, speculative_config={

@@ -128,13 +128,10 @@ class LLMEngine:
         if sc.preemption_mode == "swap":
             num_cpu_blocks = int(cc.swap_space * 2**30 // block_bytes)
         extra = {"enable_prefix_caching": True} if cc.enable_prefix_caching else {}
-        try:
-            kv = build(
-                "policy", sc.policy, POLICIES, num_blocks=num_blocks, block_size=cc.block_size,
-                max_model_len=self.max_model_len, num_cpu_blocks=num_cpu_blocks, **extra,
-            )  # fmt: skip
-        except TypeError as err:
-            raise ValueError(f"policy {sc.policy!r} does not take these options: {err}") from err
+        kv = build(
+            "policy", sc.policy, POLICIES, num_blocks=num_blocks, block_size=cc.block_size,
+            max_model_len=self.max_model_len, num_cpu_blocks=num_cpu_blocks, **extra,
+        )  # fmt: skip
         if self.backend.requires_contiguous_blocks and not kv.contiguous_blocks:
             raise ValueError(
                 f"attention backend '{self.backend.name}' needs contiguous per-request caches; "

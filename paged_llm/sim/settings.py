@@ -8,7 +8,7 @@ from typing import Any
 
 from paged_llm.core.kv import POLICIES
 from paged_llm.core.scheduler import Scheduler, SchedulerLimits
-from paged_llm.utils.registry import build
+from paged_llm.utils.registry import UnsupportedOptions, build
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def build_scheduler(
             "policy", policy, POLICIES, num_blocks=num_blocks, block_size=settings.block_size,
             max_model_len=settings.max_model_len, num_cpu_blocks=num_cpu_blocks, **extra,
         )  # fmt: skip
-    except TypeError as err:
+    except UnsupportedOptions as err:
         if not extra:
             raise
         raise ValueError(f"policy {policy!r} cannot cache prefixes: {err}") from err

@@ -4,6 +4,7 @@ and Hydra configs (``_target_: paged_llm...``) select the same classes."""
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,14 +26,32 @@ def resolve(kind: str, name: str, table: dict[str, str]) -> Any:
     raise ValueError(f"unknown {kind} '{name}'; choose one of {sorted(table)}")
 
 
+class UnsupportedOptions(ValueError):
+    """A swappable part was given options its constructor does not take."""
+
+
+def _construct(kind: str, name: str, cls: Any, params: dict[str, Any]) -> Any:
+    """``cls(**params)``, with options it does not take reported as a ValueError naming the
+    part (checked against its signature first, so a TypeError from inside it stays one)."""
+    try:
+        inspect.signature(cls).bind(**params)
+    except TypeError as err:
+        raise UnsupportedOptions(f"{kind} '{name}' does not take these options: {err}") from None
+    except ValueError:
+        pass  # no inspectable signature: let the call decide
+    return cls(**params)
+
+
 def build(kind: str, spec: Any, table: dict[str, str], **kwargs: Any) -> Any:
     """Build a swappable part from a name, a dotted path, a ``{_target_: ...}`` mapping (as
     Hydra configs write it) or return ``spec`` itself when it is already an object."""
     if isinstance(spec, str):
-        return resolve(kind, spec, table)(**kwargs)
+        return _construct(kind, spec, resolve(kind, spec, table), kwargs)
     if isinstance(spec, Mapping):
         if "_target_" not in spec:
             raise ValueError(f"{kind} config needs a '_target_' key, got {dict(spec)}")
         params = {k: v for k, v in spec.items() if k != "_target_"}
-        return import_target(spec["_target_"])(**params, **kwargs)
+        return _construct(
+            kind, spec["_target_"], import_target(spec["_target_"]), {**params, **kwargs}
+        )
     return spec
