@@ -175,20 +175,29 @@ def engine_configs(draw):
 @pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(cfg=engine_configs(), ops=_ops)
-def test_random_engine_configurations(cfg, ops):
+def test_random_engine_configurations(default_llm, cfg, ops):
     """The same interleavings on a random engine: a configuration is refused when built
     (ValueError) or serves every request (this found Orca accepting requests that waited
-    forever for a buddy run a 48-block pool does not have)."""
+    forever for a buddy run a 48-block pool does not have). With a float KV cache, greedy
+    requests, and seeded ones without speculation, get exactly what the default engine gives
+    them: paging, policies, chunking, caching and preemption change no token."""
     try:
         llm = LLM("tiny", **cfg)
     except ValueError:
         return
-    run_interleaving(llm, ops)
+    exact = cfg["kv_cache_dtype"] == "auto"
+    run_interleaving(llm, ops, reference=default_llm if exact else None)
 
 
-def run_interleaving(llm, ops):
+@pytest.fixture(scope="module")
+def default_llm():
+    return LLM("tiny", max_model_len=96)
+
+
+def run_interleaving(llm, ops, reference=None):
     """Apply add / step / abort ops to the engine, drain it, and check what every test of
-    this kind checks (see test_random_add_step_abort_interleavings)."""
+    this kind checks (see test_random_add_step_abort_interleavings); with ``reference``, also
+    that the outputs it must reproduce exactly are its outputs."""
     engine = llm.llm_engine
     added, aborted, final = {}, set(), {}
 
@@ -231,6 +240,11 @@ def run_interleaving(llm, ops):
         prompt, params = added[rid]
         assert len(out.outputs) == params.n
         assert all(len(c.token_ids) == params.max_tokens for c in out.outputs)
+        got = [c.token_ids for c in out.outputs]
         if params.greedy:
             alone = llm.generate(prompt, params, use_tqdm=False)[0]
-            assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
+            assert got == [c.token_ids for c in alone.outputs]
+        # speculation samples from the target's distribution, but not the same draws
+        if reference is not None and (params.greedy or engine.drafter is None):
+            want = reference.generate(prompt, params, use_tqdm=False)[0]
+            assert got == [c.token_ids for c in want.outputs]
