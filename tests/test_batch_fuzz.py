@@ -145,7 +145,8 @@ def test_random_add_step_abort_interleavings(llm, ops):
 @st.composite
 def engine_configs(draw):
     """Any engine the LLM constructor accepts over the tiny model: block size, pool size, token
-    budget, sequence limit, policy, preemption, prefix caching, KV dtype, speculation."""
+    budget, sequence limit, policy, preemption, prefix caching, KV dtype, attention backend
+    (the CPU default, torch, contiguous), speculation."""
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     max_model_len = draw(st.sampled_from([48, 64, 96]))
     policy = draw(st.sampled_from(["paged", "paged", "orca_max", "orca_pow2", "orca_oracle",
@@ -163,6 +164,8 @@ def engine_configs(draw):
         cfg["swap_space"] = draw(st.sampled_from([1.0, 0.0001]))  # 0.0001 GiB: swap space runs out
         cfg["enable_prefix_caching"] = draw(st.booleans())
     cfg["kv_cache_dtype"] = draw(st.sampled_from(["auto", "auto", "int8", "fp8"]))
+    backends = ["auto", "torch"] + (["contiguous"] if policy != "paged" else [])
+    cfg["attention_backend"] = draw(st.sampled_from(backends))
     method = draw(st.sampled_from([None, None, "ngram", "draft_model"]))
     if method:
         k = draw(st.integers(1, 4))
