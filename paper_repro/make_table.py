@@ -376,7 +376,7 @@ def collect(dirs: list[Path]) -> list[tuple[str, Path]]:
     roots = [ROOT / "outputs" / "paper_repro", ROOT / "multirun" / "paper_repro"]
     out = []
     for name in FIGURES:
-        sub = [r / name for r in roots] + ([roots[0] / "fig12_real"] if name == "fig12" else [])
+        sub = [r / name for r in roots] + [roots[0] / f"{name}_real"]  # e.g. fig16_real
         for path in {latest([s], name) for s in sub} - {None}:
             out.append((name, path))
     return out

@@ -11,7 +11,7 @@ from paged_llm.sim.executor import SimulatedExecutor
 from paged_llm.sim.real_executor import RealExecutor
 from paged_llm.sim.settings import ServingSettings
 from paged_llm.workloads.arrivals import TimedRequest, Workload
-from paper_repro import fig14
+from paper_repro import fig14, fig16
 from paper_repro.common import compose
 
 SETTINGS = ServingSettings(num_gpu_blocks=64, max_model_len=128, max_num_batched_tokens=256)
@@ -109,4 +109,18 @@ def test_fig14_real_smoke(tmp_path):
         paged, orca = d[s]["paged"]["points"][0], d[s]["orca_oracle"]["points"][0]
         assert paged["completed"] == orca["completed"] == 3
         assert paged["sharing_saving"] > 0 and orca["sharing_saving"] is None
+        assert d[s]["paged"]["max_sustained_rate"] > 0
+
+
+def test_fig16_real_smoke(tmp_path):
+    """fig16_real at smoke size: real prefix caching behind both prefixes, 6 requests."""
+    over = ["workload.num_requests=6", "rates.one_shot={paged:[200],orca_oracle:[200]}",
+            "rates.five_shot={paged:[150],orca_oracle:[150]}"]  # fmt: skip
+    fig16.run(compose("fig16_real", over), tmp_path)
+    d = json.loads((tmp_path / "fig16.json").read_text())
+    assert d["run_info"]["mode"] == "real" and d["run_info"]["hardware"].startswith("real tiny")
+    for s in ("one_shot", "five_shot"):
+        paged, orca = d[s]["paged"]["points"][-1], d[s]["orca_oracle"]["points"][-1]
+        assert paged["completed"] == orca["completed"] == 6
+        assert paged["prefix_cache_hit_rate"] > 0.5  # all but the first request's prefix blocks
         assert d[s]["paged"]["max_sustained_rate"] > 0
