@@ -299,6 +299,27 @@ def test_prefix_caching_gives_identical_outputs(tiny_llama, reference, mode):
     assert kv.prefix_hits > 0 and 0 < kv.prefix_cache_hit_rate() <= 1
 
 
+def test_a_block_half_computed_by_a_chunk_is_not_cached(tiny_llama, reference):
+    """Chunked prefill can stop inside a block, which must not enter the prefix cache before
+    it is full (found by the random-engine fuzz test: a request aborted after one 1-token
+    chunk left its first block registered, and the next request with the same prompt read the
+    block's unwritten slot and produced another token)."""
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, num_gpu_blocks_override=32,
+              enable_chunked_prefill=True, max_num_batched_tokens=3,
+              enable_prefix_caching=True)  # fmt: skip
+    engine, prompt = llm.llm_engine, {"prompt_token_ids": PROMPTS[2]}
+    kv = engine.scheduler.kv
+    engine.add_request("cut", prompt, greedy(12))
+    engine.step()  # a 3-token chunk: block 0 holds 3 of its 4 tokens
+    first = kv.block_tables["cut"][0]
+    assert engine.scheduler.requests["cut"].num_computed_tokens == 3
+    assert not kv.pool.is_cached(first)
+    engine.step()  # 6 tokens: block 0 is full now, block 1 is not
+    assert kv.pool.is_cached(first) and not kv.pool.is_cached(kv.block_tables["cut"][1])
+    engine.abort_request("cut")
+    assert ids_of(llm.generate(prompt, greedy(12))) == [reference[2]]
+
+
 def test_fully_cached_prompt_still_computes_a_token(tiny_llama):
     llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01,
               enable_prefix_caching=True)  # fmt: skip

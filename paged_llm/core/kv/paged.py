@@ -145,7 +145,9 @@ class PagedKVCacheManager(KVCacheManager):
             i = len(hashes)
             prev = hashes[-1] if hashes else None
             hashes.append(hash((prev, tuple(tokens[i * bs : (i + 1) * bs]))))
-        return hashes
+        # the list may run further (admission hashes the whole prompt): only the asked-for blocks,
+        # or a block half-computed by a chunk would be registered as full
+        return hashes[: num_tokens // bs]
 
     def prepare_admission(self, request: Request) -> None:
         """Share cached blocks of the longest cached prefix; one token at least is left to run."""
