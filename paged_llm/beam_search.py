@@ -74,6 +74,20 @@ def _score(seq: BeamSearchSequence, num_prompt: int, length_penalty: float) -> f
     return seq.cum_logprob / max(1, len(seq.tokens) - num_prompt) ** length_penalty
 
 
+def check_beam_engine(engine: LLMEngine) -> None:
+    """ValueError for an engine beam search cannot run on: one whose policy cannot share blocks,
+    or one that speculates (its scheduler gives every decode draft slots, which beam steps
+    never fill; such a search once never finished)."""
+    kv = engine.scheduler.kv
+    if not kv.supports_sharing:
+        raise ValueError(f"beam search needs a block-sharing policy, not '{kv.name}'")
+    if engine.drafter is not None:
+        raise ValueError(
+            "beam search does not use speculative decoding; build the LLM "
+            "without speculative_config for it"
+        )
+
+
 def beam_search(
     engine: LLMEngine,
     prompts: list[Any],
@@ -85,9 +99,8 @@ def beam_search(
 
     ``on_step(engine)`` runs after every engine step (e.g. to read the KV manager's sharing);
     ``on_fork(num_parents, child_rank, parent_rank)`` for every new beam (ranks: 0 = best)."""
+    check_beam_engine(engine)
     sched = engine.scheduler
-    if not sched.kv.supports_sharing:
-        raise ValueError(f"beam search needs a block-sharing policy, not '{sched.kv.name}'")
     width = params.beam_width
     ids = itertools.count()
     base = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True)

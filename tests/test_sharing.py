@@ -266,6 +266,16 @@ def test_beam_search_matches_transformers(tiny_llama, width):
     assert llm.llm_engine.kv_usage() == 0  # every beam's blocks were released
 
 
+def test_beam_search_refuses_a_speculating_engine(tiny_llama):
+    """Its scheduler gives every decode draft slots that beam steps never fill: such a beam
+    search once ran forever (found by a random-engine beam-search fuzz run)."""
+    llm = LLM(str(tiny_llama[0]), block_size=8, max_model_len=48, cpu_kv_cache_gib=0.01,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 1})  # fmt: skip
+    with pytest.raises(ValueError, match="speculative decoding"):
+        llm.beam_search([{"prompt_token_ids": PROMPTS[3]}], BeamSearchParams(2, 4))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_beam_search_under_preemption(tiny_llama):
     path, model = tiny_llama
     # 28 blocks: the width-3 group of the 25-token prompt may need 3 x 9 (no sharing credit:

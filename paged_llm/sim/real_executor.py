@@ -11,7 +11,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_llm.beam_search import Beam, BeamSearchParams, advance_beams, beam_ready
+from paged_llm.beam_search import (
+    Beam,
+    BeamSearchParams,
+    advance_beams,
+    beam_ready,
+    check_beam_engine,
+)
 from paged_llm.metrics.serving import IterationRecord, RequestRecord, RunTrace
 from paged_llm.outputs import RequestMetrics
 from paged_llm.sampling_params import SamplingParams
@@ -308,7 +314,10 @@ def _driver(engine: Any, requests: list[TimedRequest]) -> _Sampled | _BeamSearch
             "the real executor runs beam-search requests and sampled requests in separate "
             "runs, not mixed in one workload"
         )
-    return _BeamSearches(engine) if True in beams else _Sampled(engine)
+    if True in beams:
+        check_beam_engine(engine)
+        return _BeamSearches(engine)
+    return _Sampled(engine)
 
 
 def _sampling_params(tr: TimedRequest) -> SamplingParams:
