@@ -5,6 +5,10 @@ from hypothesis import strategies as st
 
 from paged_llm.core.block_pool import BlockPool
 from paged_llm.core.buddy import BuddyAllocator
+from paged_llm.core.kv import POLICIES
+from paged_llm.core.request import Request
+from paged_llm.sampling_params import SamplingParams
+from paged_llm.utils.registry import build
 
 
 @settings(max_examples=300, deadline=None)
@@ -97,17 +101,10 @@ def test_fits_ever_means_it_runs_in_an_empty_pool(
     """A request the policy accepts can get the slots of its longest length in an empty pool,
     and one it refuses cannot (a 48-block pool has no 64-block buddy run: Orca (Max) once
     accepted a request there that then waited forever)."""
-    from paged_llm.core.kv import POLICIES
-    from paged_llm.core.request import Request
-    from paged_llm.sampling_params import SamplingParams
-    from paged_llm.utils.registry import build
-
     if prompt_len + max_tokens > max_model_len:
         return
-    kv = build("policy", policy, POLICIES, num_blocks=num_blocks, block_size=block_size,
-               max_model_len=max_model_len)  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    req = Request("r", [0] * prompt_len, params, max_model_len=max_model_len)
+    kv, [req] = _empty_kv_and_requests(policy, num_blocks, block_size, max_model_len,
+                                       prompt_len, max_tokens, 1)  # fmt: skip
     assert kv.fits_ever(req) == kv.allocate_slots(req, req.max_total_tokens)  # its longest
     assert kv.max_request_slots <= kv.num_slots
 
@@ -129,20 +126,24 @@ def test_group_fits_ever_means_its_members_run_together_in_an_empty_pool(
     their longest in an empty pool (exactly so for reservations, whose runs must pack: an
     11-block pool holds two 4-block runs, not three; the paged policy also keeps its
     watermark free)."""
-    from paged_llm.core.kv import POLICIES
-    from paged_llm.core.request import Request
-    from paged_llm.sampling_params import SamplingParams
-    from paged_llm.utils.registry import build
-
     if prompt_len + max_tokens > max_model_len:
         return
-    kv = build("policy", policy, POLICIES, num_blocks=num_blocks, block_size=block_size,
-               max_model_len=max_model_len)  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    group = [
-        Request(f"r{i}", [0] * prompt_len, params, max_model_len=max_model_len)
-        for i in range(width)
-    ]
+    kv, group = _empty_kv_and_requests(policy, num_blocks, block_size, max_model_len,
+                                       prompt_len, max_tokens, width)  # fmt: skip
     fits = kv.group_fits_ever(group)
     all_run = all(kv.allocate_slots(r, r.max_total_tokens) for r in group)
     assert fits == all_run if policy != "paged" else (not fits or all_run)
+
+
+def _empty_kv_and_requests(
+    policy, num_blocks, block_size, max_model_len, prompt_len, max_tokens, count
+):
+    """A fresh KV manager of ``policy`` and ``count`` alike greedy requests for it."""
+    kv = build("policy", policy, POLICIES, num_blocks=num_blocks, block_size=block_size,
+               max_model_len=max_model_len)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    requests = [
+        Request(f"r{i}", [0] * prompt_len, params, max_model_len=max_model_len)
+        for i in range(count)
+    ]
+    return kv, requests

@@ -66,23 +66,6 @@ def prompt_ids(tr: TimedRequest, index: int, distinct: bool) -> list[int]:
     return [1] * tr.prefix_len + [own] * (tr.input_len - tr.prefix_len)
 
 
-def check_groups_fit(workload: Workload, scheduler: Scheduler, max_model_len: int) -> None:
-    """Refuse, before the run, a workload with a group (n samples or beams) that could never
-    run together under this policy, as the engine refuses such a request when it is added;
-    the simulation would otherwise preempt it forever."""
-    seen = set()
-    for tr in workload.requests:
-        width = max(tr.n, tr.beam_width)
-        key = (tr.input_len + tr.output_len, width)
-        if width == 1 or key in seen:
-            continue
-        seen.add(key)
-        params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
-        req = Request(tr.request_id, [0] * tr.input_len, params, max_model_len=max_model_len)
-        what = "beam_width" if tr.beam_width > 1 else "n"
-        scheduler.check_group_fits([req] * width, what)  # all members are alike in length
-
-
 class SequenceGroup:
     """One request of the workload and the sequences that serve it."""
 
@@ -254,3 +237,18 @@ class SharingStats:
             "block_seconds_shared": self.block_seconds_shared,
             "block_seconds_unshared": u,
         }
+
+
+def check_groups_fit(workload: Workload, scheduler: Scheduler, max_model_len: int) -> None:
+    """Refuse, before the run, a workload with a group (n samples or beams) that could never
+    run together under this policy, as the engine refuses such a request when it is added;
+    the simulation would otherwise preempt it forever."""
+    seen = set()
+    for tr in workload.requests:
+        key = (tr.input_len, tr.output_len, tr.n, tr.beam_width)
+        if key in seen or (tr.n == 1 and tr.beam_width == 1):
+            continue
+        seen.add(key)
+        # sharing=False: every member is built at once (the sequences a recomputation restarts)
+        g = SequenceGroup(tr, [0] * tr.input_len, max_model_len, False, random.Random(0))
+        scheduler.check_group_fits(g.live, "beam_width" if tr.beam_width > 1 else "n")

@@ -42,10 +42,10 @@ class ReservationKVCacheManager(KVCacheManager):
     def fits_ever(self, request: Request) -> bool:
         """The reservation, rounded up to a power-of-two run, must fit in the largest run the
         empty pool offers (a 48-block pool offers 32, not 64)."""
-        need = self.blocks_for(self.reserved_tokens(request))
-        return 1 << ceil_log2(need) <= self.buddy.max_run
+        return self._run_sizes([request])[0] <= self.buddy.max_run
 
     def _run_sizes(self, requests: list[Request]) -> list[int]:
+        """The power-of-two buddy run each request's reservation takes, in blocks."""
         return [1 << ceil_log2(self.blocks_for(self.reserved_tokens(r))) for r in requests]
 
     def group_blocks_needed(self, requests: list[Request]) -> int:
