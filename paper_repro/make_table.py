@@ -377,8 +377,8 @@ def collect(dirs: list[Path]) -> list[tuple[str, Path]]:
     out = []
     for name in FIGURES:
         sub = [r / name for r in roots] + [roots[0] / f"{name}_real"]  # e.g. fig16_real
-        for path in {latest([s], name) for s in sub} - {None}:
-            out.append((name, path))
+        found = (latest([s], name) for s in sub)  # simulated, multirun, then real
+        out += [(name, path) for path in dict.fromkeys(p for p in found if p is not None)]
     return out
 
 
