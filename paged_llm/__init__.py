@@ -1,13 +1,32 @@
-"""paged-llm: a readable research implementation of vLLM and PagedAttention."""
+"""paged-llm: a readable research implementation of vLLM and PagedAttention.
 
-from paged_llm.beam_search import BeamSearchOutput, BeamSearchParams
-from paged_llm.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
-from paged_llm.engine.llm_engine import LLMEngine
-from paged_llm.llm import LLM
-from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_llm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+The public names are imported on first use (PEP 562), so the plain-Python bookkeeping
+(``paged_llm.core``: blocks, allocators, scheduler) and the simulator import without torch.
+"""
 
-__all__ = [
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "LLM": "paged_llm.llm",
+    "BeamSearchParams": "paged_llm.beam_search",
+    "BeamSearchOutput": "paged_llm.beam_search",
+    "LLMEngine": "paged_llm.engine.llm_engine",
+    "EngineArgs": "paged_llm.config",
+    "SamplingParams": "paged_llm.sampling_params",
+    "RequestOutputKind": "paged_llm.sampling_params",
+    "GuidedDecodingParams": "paged_llm.sampling_params",
+    "RequestOutput": "paged_llm.outputs",
+    "CompletionOutput": "paged_llm.outputs",
+    "Logprob": "paged_llm.outputs",
+    "EngineConfig": "paged_llm.config",
+    "ModelConfig": "paged_llm.config",
+    "CacheConfig": "paged_llm.config",
+    "SchedulerConfig": "paged_llm.config",
+}
+__all__ = [  # the names of _EXPORTS, spelled out so linters and IDEs see them
     "LLM",
     "BeamSearchParams",
     "BeamSearchOutput",
@@ -24,3 +43,32 @@ __all__ = [
     "CacheConfig",
     "SchedulerConfig",
 ]
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from paged_llm.beam_search import BeamSearchOutput, BeamSearchParams
+    from paged_llm.config import (
+        CacheConfig,
+        EngineArgs,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+    )
+    from paged_llm.engine.llm_engine import LLMEngine
+    from paged_llm.llm import LLM
+    from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
+    from paged_llm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module the first time it is asked for."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paged_llm' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    """Module attributes plus the lazily imported public names."""
+    return sorted(set(globals()) | set(__all__))

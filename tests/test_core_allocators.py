@@ -1,5 +1,6 @@
 """Property tests of the plain-Python allocators: block pool and buddy allocator."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,17 +40,11 @@ def test_block_pool_never_leaks_or_double_frees(num_blocks, ops):
 def test_block_pool_rejects_over_allocation_and_double_free():
     pool = BlockPool(2)
     blocks = pool.allocate(2)
-    try:
+    with pytest.raises(MemoryError):
         pool.allocate(1)
-        raise AssertionError("expected MemoryError")
-    except MemoryError:
-        pass
     pool.release(blocks)
-    try:
+    with pytest.raises(RuntimeError):
         pool.release(blocks)
-        raise AssertionError("expected RuntimeError")
-    except RuntimeError:
-        pass
 
 
 @settings(max_examples=300, deadline=None)
