@@ -24,6 +24,7 @@ import contextlib
 import json
 import math
 import os
+import platform
 import random
 import time
 from dataclasses import dataclass, field
@@ -283,6 +284,15 @@ async def _server_max_model_len(client: Any, base_url: str, headers: dict[str, s
     return None
 
 
+async def _server_version(client: Any, base_url: str, headers: dict[str, str]) -> Any:
+    """The server's /version (paged-llm's names its hardware); None where it has none."""
+    with contextlib.suppress(Exception):
+        resp = await client.get(f"{base_url}/version", headers=headers)
+        resp.raise_for_status()
+        return resp.json()
+    return None
+
+
 async def _wait_ready(client: Any, url: str, headers: dict, body: dict, timeout: float) -> None:
     """Send a test request until one succeeds (bounded by timeout)."""
     deadline = time.monotonic() + timeout
@@ -338,8 +348,11 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(r, at, t0) for r, at in zip(requests, times)))
         duration = time.perf_counter() - t0
+        server = await _server_version(client, base_url, headers)
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     result = _header(args, tokenizer)
+    # provenance: real requests against a live server; its hardware is the one measured
+    result.update(mode="real", server=server, client_hardware=client_hardware())
     result.update(
         calculate_metrics(results, duration, percentiles, args.percentile_metrics.split(","))
     )
@@ -363,6 +376,13 @@ def _load_tokenizer(path: str | None) -> Any:
     if not Path(path).expanduser().is_dir():
         raise ValueError(f"--tokenizer must be a local directory (nothing is downloaded): {path}")
     return AutoTokenizer.from_pretrained(str(Path(path).expanduser()), local_files_only=True)
+
+
+def client_hardware() -> dict[str, Any]:
+    """The machine sending the requests (without importing torch)."""
+    from paged_llm.metrics.run_info import cpu_name
+
+    return {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "host": platform.node()}
 
 
 def _header(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:

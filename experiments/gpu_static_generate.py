@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = run_hf_static(model, work, plan.hf_batch_size, Deadline.after(args.seconds))
     result.pop("outputs", None)
     doc = {
+        "mode": "real",  # transformers' generate really ran; "measured" says whether on a GPU
         "measured": device.type == "cuda",
         "command": "python -m experiments.gpu_static_generate " + " ".join(argv or []),
         "device": device_info(device),

@@ -186,7 +186,7 @@ def test_static_generate_smoke_writes_json_and_profile(tmp_path):
     from experiments import gpu_static_generate
 
     doc = gpu_static_generate.main(["--smoke", "--out", str(tmp_path), "--seconds", "30"])
-    assert doc["measured"] is False and doc["device"]["type"] == "cpu"
+    assert doc["mode"] == "real" and doc["measured"] is False and doc["device"]["type"] == "cpu"
     run = doc["hf_generate"]
     assert run["requests"] > 0 and run["output_tokens_per_s"] > 0
     assert json.loads((tmp_path / "static_generate.json").read_text())["hf_generate"] == json.loads(

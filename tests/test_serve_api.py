@@ -126,7 +126,8 @@ def test_health_models_and_version(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] == 256
-    assert httpx.get(server.url + "/version").json()["version"]
+    version = httpx.get(server.url + "/version").json()
+    assert version["version"] and version["hardware"]["device"] == "cpu"
 
 
 def test_completion_usage_and_length(client, tokenizer):
@@ -652,6 +653,8 @@ def test_bench_serve_reports_vllm_layout(server, tmp_path, chat_model_dir):
         for stat in ("mean", "median", "std", "p99"):
             assert saved[f"{stat}_{metric}_ms"] >= 0, (stat, metric)
     assert result["total_output_tokens"] == saved["total_output_tokens"] > 0
+    assert saved["mode"] == "real" and saved["server"]["hardware"]["device"] == "cpu"
+    assert saved["client_hardware"]["cpu_count"] >= 1
     # chat backend, text prompts from the tokenizer, max concurrency instead of a rate
     argv = ["--base-url", server.url, "--model", MODEL, "--backend", "openai-chat"]
     argv += ["--tokenizer", str(chat_model_dir), "--num-prompts", "4", "--max-concurrency", "2"]

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from paged_llm.metrics.run_info import hardware_info
 from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest
 from paged_llm.serve.errors import APIError, BadRequest, ModelNotFound, Unauthorized, error_body
 from paged_llm.serve.prompts import chat_prompt, text_prompt, token_prompt
@@ -109,6 +110,7 @@ def _api_key_check(settings: ServerSettings) -> Any:
 
 def _public_routes(engine: AsyncEngine) -> APIRouter:
     router = APIRouter()
+    hardware = hardware_info(str(engine.engine.device))
 
     @router.get("/health")
     async def health() -> Response:
@@ -123,13 +125,15 @@ def _public_routes(engine: AsyncEngine) -> APIRouter:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @router.get("/version")
-    async def version() -> dict[str, str]:
+    async def version() -> dict[str, Any]:
+        """vLLM's version field, plus the hardware the engine runs on (for benchmark records)."""
         from importlib.metadata import PackageNotFoundError, version
 
         try:
-            return {"version": version("paged-llm")}
+            number = version("paged-llm")
         except PackageNotFoundError:
-            return {"version": "unknown"}
+            number = "unknown"
+        return {"version": number, "hardware": hardware}
 
     return router
 
