@@ -99,12 +99,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token (raw model logprobs)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: spaces around special tokens in the text; only slow (Python) tokenizers use it,
+    # fast ones (every tokenizer this project builds) decode the same either way
+    spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's)
     # vLLM's user logits processors, applied first, per sequence: fn(output_ids, logits) or
     # fn(prompt_ids, output_ids, logits), logits a [vocab] float32 row; returns the new row
     logits_processors: list[Callable[..., Any]] | None = None
     detokenize: bool = True  # False: leave the output text empty (token ids only)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None  # vLLM's: free-form data for your own processors
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -193,6 +197,11 @@ class SamplingParams:
         if self.output_kind is RequestOutputKind.DELTA and self.best_of > self.n:
             # the best n can change while the request runs; deltas could not follow them
             raise ValueError("best_of > n needs output_kind CUMULATIVE or FINAL_ONLY")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
         if not self.detokenize and self.stop:
             raise ValueError("stop strings need detokenize=True (use stop_token_ids instead)")
 

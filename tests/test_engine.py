@@ -368,6 +368,31 @@ def test_default_model_generates_text_with_stop_strings():
     assert all(lp.decoded_token is None for entry in quiet.logprobs for lp in entry.values())
 
 
+def test_special_token_text_options_reach_the_tokenizer():
+    """vLLM's skip_special_tokens / spaces_between_special_tokens go to the tokenizer's decode
+    (fast tokenizers ignore the second, as in vLLM); extra_args rides along untouched."""
+    llm = LLM("tiny", cpu_kv_cache_gib=0.01)
+    tok = llm.get_tokenizer()
+    calls = []
+    decode = tok.decode
+
+    def recording_decode(ids, **kw):
+        calls.append(kw)
+        return decode(ids, **kw)
+
+    tok.decode = recording_decode
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, skip_special_tokens=False,
+                        spaces_between_special_tokens=False, extra_args={"tag": 1})  # fmt: skip
+    out = llm.generate("def main():", sp)[0].outputs[0]
+    tok.decode = decode
+    assert out.text == decode(out.token_ids, skip_special_tokens=False)
+    assert {"skip_special_tokens": False, "spaces_between_special_tokens": False} in calls
+    assert sp.extra_args == {"tag": 1}
+    for bad in (dict(spaces_between_special_tokens="no"), dict(extra_args=[1])):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
 def test_chat_renders_the_template_and_generates_like_generate():
     llm = LLM("tiny", cpu_kv_cache_gib=0.01)
     template = (

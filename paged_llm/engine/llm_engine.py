@@ -450,7 +450,9 @@ class LLMEngine:
         if self.tokenizer is None or not p.detokenize:
             return
         text = self.tokenizer.decode(
-            req.output_token_ids, skip_special_tokens=p.skip_special_tokens
+            req.output_token_ids,
+            skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens,
         )
         if not req.is_finished and p.stop:
             # only the tail can hold a new stop string

@@ -61,6 +61,7 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # each prompt token's logprob + this many alternatives
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
@@ -212,6 +213,7 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
