@@ -191,8 +191,9 @@ def test_sampling_seed_is_reproducible_and_top_k_1_is_greedy(llm, reference):
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
     k1 = llm.generate(p, SamplingParams(temperature=0.8, top_k=1, max_tokens=12, ignore_eos=True))
     assert k1[0].outputs[0].token_ids == reference[1]
-    tiny_p = SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=12, ignore_eos=True)
-    assert llm.generate(p, tiny_p)[0].outputs[0].token_ids == reference[1]
+    for top_p in (1e-6, 1e-300):  # 1e-300 is 0 in float32: the top token must still stay
+        tiny_p = SamplingParams(temperature=0.8, top_p=top_p, max_tokens=12, ignore_eos=True)
+        assert llm.generate(p, tiny_p)[0].outputs[0].token_ids == reference[1]
 
 
 def test_stop_token_ids_max_tokens_and_logprobs(llm, reference):

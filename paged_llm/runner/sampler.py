@@ -47,8 +47,10 @@ def apply_top_k_top_p_min_p(
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
-        # drop a token once the mass before it already reaches top_p (keeps at least one)
+        # drop a token once the mass before it already reaches top_p; the most likely token
+        # always stays (a top_p below float32's smallest number would otherwise compare as 0)
         drop = probs.cumsum(-1) - probs >= top_p
+        drop[..., 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if min_p > 0.0:
         probs = logits.softmax(-1)
