@@ -20,6 +20,7 @@ from paged_llm.distributed import building_for
 from paged_llm.distributed.launch import start_tensor_parallel
 from paged_llm.distributed.sharding import kv_heads_per_rank
 from paged_llm.engine.deltas import DeltaCursor, stop_holdback
+from paged_llm.engine.detokenizer import IncrementalDetokenizer, tokenizer_facts
 from paged_llm.engine.inputs import to_token_ids, truncate_prompt, validate_token_ids
 from paged_llm.engine.loading import load_model_and_tokenizer, resolve_device
 from paged_llm.engine.structured_output import StructuredOutputCompiler
@@ -50,6 +51,7 @@ class _Tracked:
     cumulative_logprob: float = 0.0
     sent: DeltaCursor = field(default_factory=DeltaCursor)  # RequestOutputKind.DELTA's progress
     finish_sent: bool = False  # DELTA: its finish reason has been reported
+    detokenizer: IncrementalDetokenizer | None = None  # None: no text (no tokenizer or asked)
 
 
 @dataclass
@@ -81,6 +83,8 @@ class LLMEngine:
             self.model, self.hf_config, self.tokenizer = load_model_and_tokenizer(mc, self.device)
         if mc.skip_tokenizer_init:
             self.tokenizer = None
+        # what decode(skip_special_tokens=True) drops; None: decode whole outputs (detokenizer.py)
+        self._tokenizer_facts = None if self.tokenizer is None else tokenizer_facts(self.tokenizer)
         if self.parallel is not None:
             self.parallel.sync_replicated(self.model)
         self.dtype = next(self.model.parameters()).dtype
@@ -279,7 +283,8 @@ class LLMEngine:
                 bad_words_token_ids=bad_words,
                 guide=guides[i],
             )
-            members.append(_Tracked(request, text, logprobs=[] if p.logprobs is not None else None))
+            members.append(_Tracked(request, text, logprobs=[] if p.logprobs is not None else None,
+                                    detokenizer=self._detokenizer_for(p)))  # fmt: skip
         self.scheduler.check_group_fits([t.request for t in members], "n/best_of")
         prompt_lps = None if params.prompt_logprobs is None else [None] * len(ids)
         return _Group(request_id, members, unforked=[], prompt_logprobs=prompt_lps)
@@ -443,17 +448,24 @@ class LLMEngine:
             for token_id, logprob in entry.items():
                 logprob.decoded_token = self.tokenizer.decode([token_id])
 
+    def _detokenizer_for(self, p: SamplingParams) -> IncrementalDetokenizer | None:
+        """A sequence's text keeper, or None when it has no text."""
+        if self.tokenizer is None or not p.detokenize:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            p.skip_special_tokens,
+            p.spaces_between_special_tokens,
+            self._tokenizer_facts,
+        )
+
     def _detokenize(self, tracked: _Tracked, now: float) -> None:
         """Update the text; finish the request at a stop string (text cut before it)."""
         req = tracked.request
         p = req.sampling_params
-        if self.tokenizer is None or not p.detokenize:
+        if tracked.detokenizer is None:
             return
-        text = self.tokenizer.decode(
-            req.output_token_ids,
-            skip_special_tokens=p.skip_special_tokens,
-            spaces_between_special_tokens=p.spaces_between_special_tokens,
-        )
+        text = tracked.detokenizer.update(req.output_token_ids)
         if not req.is_finished and p.stop:
             # only the tail can hold a new stop string
             search_from = max(0, len(tracked.text) - max(len(s) for s in p.stop))
