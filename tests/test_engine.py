@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from paged_llm import LLM, RequestOutputKind, SamplingParams
+from paged_llm.engine.detokenizer import IncrementalDetokenizer, tokenizer_facts
 
 PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(5)]  # lengths 5..25
 
@@ -369,26 +370,28 @@ def test_default_model_generates_text_with_stop_strings():
     assert all(lp.decoded_token is None for entry in quiet.logprobs for lp in entry.values())
 
 
-def test_special_token_text_options_reach_the_tokenizer():
-    """vLLM's skip_special_tokens / spaces_between_special_tokens go to the tokenizer's decode
-    (fast tokenizers ignore the second, as in vLLM); extra_args rides along untouched."""
+def test_special_token_text_options():
+    """vLLM's skip_special_tokens decides whether special tokens show in the text;
+    spaces_between_special_tokens reaches the decode of tokenizers that use it (slow ones;
+    fast ones ignore it, as in vLLM); extra_args rides along untouched."""
     llm = LLM("tiny", cpu_kv_cache_gib=0.01)
     tok = llm.get_tokenizer()
+    eos = "</s>"  # force it with a bias; ignore_eos keeps generating past it
+    sp = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={tok.eos_token_id: 100.0})
+    kept = llm.generate("def main():", SamplingParams(skip_special_tokens=False, **sp))[0]
+    assert kept.outputs[0].text == eos * 3
+    assert llm.generate("def main():", SamplingParams(**sp))[0].outputs[0].text == ""
     calls = []
-    decode = tok.decode
 
-    def recording_decode(ids, **kw):
-        calls.append(kw)
-        return decode(ids, **kw)
+    class SlowTokenizer:  # no backend_tokenizer: every step decodes the whole output
+        def decode(self, ids, **kw):
+            calls.append(kw)
+            return tok.decode(ids, skip_special_tokens=kw["skip_special_tokens"])
 
-    tok.decode = recording_decode
-    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, skip_special_tokens=False,
-                        spaces_between_special_tokens=False, extra_args={"tag": 1})  # fmt: skip
-    out = llm.generate("def main():", sp)[0].outputs[0]
-    tok.decode = decode
-    assert out.text == decode(out.token_ids, skip_special_tokens=False)
-    assert {"skip_special_tokens": False, "spaces_between_special_tokens": False} in calls
-    assert sp.extra_args == {"tag": 1}
+    detok = IncrementalDetokenizer(SlowTokenizer(), False, False, tokenizer_facts(SlowTokenizer()))
+    assert detok.update([5, 6]) == tok.decode([5, 6])
+    assert calls == [{"skip_special_tokens": False, "spaces_between_special_tokens": False}]
+    assert SamplingParams(extra_args={"tag": 1}).extra_args == {"tag": 1}
     for bad in (dict(spaces_between_special_tokens="no"), dict(extra_args=[1])):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)

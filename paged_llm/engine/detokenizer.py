@@ -35,6 +35,9 @@ class TokenizerFacts:
     # byte-fallback tokens <0xNN> (SentencePiece-style): a run of them decodes as one byte
     # string, and one invalid byte turns every byte of the run into U+FFFD
     byte_ids: frozenset[int]
+    # the Rust tokenizer's own decode: what the transformers wrapper calls when it cleans up
+    # nothing, without its per-call Python overhead (most of the cost of a short window)
+    decode: Any = None
 
 
 def tokenizer_facts(tokenizer: Any) -> TokenizerFacts | None:
@@ -49,7 +52,7 @@ def tokenizer_facts(tokenizer: Any) -> TokenizerFacts | None:
         byte_ids = frozenset(
             i for tok, i in backend.get_vocab().items() if _BYTE_TOKEN.fullmatch(tok)
         )
-    return TokenizerFacts(special, byte_ids)
+    return TokenizerFacts(special, byte_ids, backend.decode)
 
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -71,6 +74,7 @@ class IncrementalDetokenizer:
         self.incremental = facts is not None
         self.skip = facts.special_ids if facts and skip_special_tokens else frozenset()
         self.byte_ids = facts.byte_ids if facts else frozenset()
+        self.window_decode = facts.decode if facts else None
         self.ids: list[int] = []  # the ids fed so far, without the skipped specials
         self.num_read = 0  # output ids consumed
         # The window decoded each step starts at the anchor, the last token whose text (and all
@@ -117,9 +121,10 @@ class IncrementalDetokenizer:
         self.anchor_text = self._decode(self.ids[q : q + 1])
 
     def _decode(self, ids: Sequence[int], full: bool = False) -> str:
-        # the window holds no skipped ids already; the full decode skips them itself
-        return self.tokenizer.decode(
-            list(ids),
-            skip_special_tokens=self.skip_special_tokens if full else False,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-        )
+        if full or self.window_decode is None:
+            return self.tokenizer.decode(
+                list(ids),
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+            )
+        return self.window_decode(list(ids), skip_special_tokens=False)  # skipped ids are out
