@@ -515,7 +515,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-    after = wait_idle(server, aborts=before + 1)
+    after = wait_idle(server, timeout=30.0, aborts=before + 1)
     assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0 and after[ABORTS] == before + 1
 
 
@@ -525,14 +525,17 @@ def test_disconnect_aborts_every_sample_of_n(server):
     body["ignore_eos"] = True
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         assert next(line for line in r.iter_lines() if line.startswith("data:"))
-    after = wait_idle(server, aborts=before + 3)
+    after = wait_idle(server, timeout=30.0, aborts=before + 3)
     # counted per choice, as vLLM counts sequences
     assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0 and after[ABORTS] == before + 3
 
 
 def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
     """A client of a non-streamed request hangs up while it runs: every sample is aborted."""
-    before = abort_count(server)
+    # Start from an idle server, so that "running" below means this request: with a request
+    # of an earlier test still running, the client could hang up before the server had read
+    # its request, which then never starts and is never aborted.
+    before = wait_idle(server, timeout=30.0)[ABORTS]
     body = json.dumps({"prompt": "while True:", "max_tokens": 240, "n": 4, "ignore_eos": True})
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {server.host}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
@@ -544,7 +547,7 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
         while metrics(server)[f"vllm:num_requests_running{LABEL}"] == 0:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.02)
-    after = wait_idle(server, aborts=before + 4)
+    after = wait_idle(server, timeout=30.0, aborts=before + 4)  # a loaded machine is slow
     assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0 and after[ABORTS] == before + 4
 
 
