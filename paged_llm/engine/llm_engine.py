@@ -83,7 +83,7 @@ class LLMEngine:
             self.model, self.hf_config, self.tokenizer = load_model_and_tokenizer(mc, self.device)
         if mc.skip_tokenizer_init:
             self.tokenizer = None
-        # what decode(skip_special_tokens=True) drops; None: decode whole outputs (detokenizer.py)
+        # how incremental detokenization reads this tokenizer; None: decode whole outputs
         self._tokenizer_facts = None if self.tokenizer is None else tokenizer_facts(self.tokenizer)
         if self.parallel is not None:
             self.parallel.sync_replicated(self.model)
