@@ -244,3 +244,13 @@ assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_public_name_is_exported_lazily():
+    """paged_llm/__init__ spells the public names twice (``__all__`` for linters and IDEs,
+    ``_EXPORTS`` for the lazy import): they must agree and each must resolve."""
+    import paged_llm
+
+    assert set(paged_llm.__all__) == set(paged_llm._EXPORTS)
+    for name in paged_llm.__all__:
+        assert getattr(paged_llm, name).__name__ == name

@@ -2,20 +2,21 @@
 
 Decoding the whole output again at every step costs O(length) per step, O(length^2) per request
 (on the tiny model, 64 requests of 1,000 tokens spent 44% of their time in it). Like vLLM, each
-sequence instead keeps the text of its settled tokens and decodes a short window: the last
-settled token (so that decoders which treat a string's first token differently, e.g. dropping
-SentencePiece's leading space, see it as they do in the full decode) plus the new ones. A token
-settles once its window's text does not end in U+FFFD, a multi-byte character still being
-decoded.
+sequence instead keeps the text up to an anchor token and decodes only the window from the
+anchor on. The anchor is the newest token whose text, and all text before it, no later token
+can change: not a byte-fallback token <0xNN> (a run of those decodes as one byte string, and one
+invalid byte turns every byte of the run into U+FFFD), and not one that ends in a multi-byte
+character still being decoded. Starting the window at the anchor, not after it, lets decoders
+that treat a string's first token differently (dropping SentencePiece's leading space) do the
+same to the window's first token as to the anchor alone, so the difference is exact.
 
 The text equals ``tokenizer.decode(ids, skip_special_tokens=...)`` after every update,
 including a trailing U+FFFD while a character is incomplete (tests/test_detokenizer.py checks
-this on byte-level and SentencePiece-style tokenizers). Byte-fallback tokens <0xNN> decode a
-whole run at a time, so the window reaches back to the start of such a run; if a new token still
-changes the text of an old one, it decodes everything once and goes on. Where exactness cannot
-be guaranteed (slow Python tokenizers, whose ``spaces_between_special_tokens`` joins tokens
-differently, and tokenizers that clean up spaces around punctuation after decoding) it decodes
-everything at every step.
+this on byte-level and SentencePiece-style tokenizers). Should a decoder not fit this scheme
+(the window does not begin with the anchor's text), it decodes everything once and starts over.
+Where exactness cannot be guaranteed (slow Python tokenizers, whose
+``spaces_between_special_tokens`` joins tokens differently, and tokenizers that clean up spaces
+around punctuation after decoding) it decodes everything at every step.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class TokenizerFacts:
     byte_ids: frozenset[int]
     # the Rust tokenizer's own decode: what the transformers wrapper calls when it cleans up
     # nothing, without its per-call Python overhead (most of the cost of a short window)
-    decode: Any = None
+    decode: Any
 
 
 def tokenizer_facts(tokenizer: Any) -> TokenizerFacts | None:
@@ -71,10 +72,9 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.incremental = facts is not None
         self.skip = facts.special_ids if facts and skip_special_tokens else frozenset()
         self.byte_ids = facts.byte_ids if facts else frozenset()
-        self.window_decode = facts.decode if facts else None
+        self.rust_decode = facts.decode if facts else None
         self.ids: list[int] = []  # the ids fed so far, without the skipped specials
         self.num_read = 0  # output ids consumed
         # The window decoded each step starts at the anchor, the last token whose text (and all
@@ -84,13 +84,22 @@ class IncrementalDetokenizer:
         self.anchor_text = ""  # decode([ids[anchor]]), the window's known beginning
         self.text = ""
 
+    @property
+    def incremental(self) -> bool:
+        """Whether windows are decoded (else the whole output, every step)."""
+        return self.rust_decode is not None
+
     def update(self, output_ids: Sequence[int]) -> str:
         """Take ``output_ids[num_read:]`` (the tokens new since the last call); return the
         whole text, ``tokenizer.decode(output_ids)``."""
         new = output_ids[self.num_read :]
         self.num_read = len(output_ids)
         if not self.incremental:
-            self.text = self._decode(output_ids, full=True)
+            self.text = self.tokenizer.decode(
+                list(output_ids),
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+            )
             return self.text
         self.ids.extend(t for t in new if t not in self.skip)
         start = 0 if self.anchor is None else self.anchor
@@ -120,11 +129,6 @@ class IncrementalDetokenizer:
         self.anchor, self.stable = q, through
         self.anchor_text = self._decode(self.ids[q : q + 1])
 
-    def _decode(self, ids: Sequence[int], full: bool = False) -> str:
-        if full or self.window_decode is None:
-            return self.tokenizer.decode(
-                list(ids),
-                skip_special_tokens=self.skip_special_tokens,
-                spaces_between_special_tokens=self.spaces_between_special_tokens,
-            )
-        return self.window_decode(list(ids), skip_special_tokens=False)  # skipped ids are out
+    def _decode(self, ids: Sequence[int]) -> str:
+        """Text of a window of fed ids (which hold no skipped special ids)."""
+        return self.rust_decode(list(ids), skip_special_tokens=False)
