@@ -60,6 +60,9 @@ class Request:
     # opaque here: anything with accept(token) and is_terminated()); it sees every appended
     # token and ends the request once complete
     guide: Any = None
+    # stop strings (engine/stop_strings.StopStringChecker; opaque here: called with the output
+    # ids after each appended token, it returns the stop string that token completed or None)
+    stop_strings: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -125,6 +128,11 @@ class Request:
         """Return the finished status implied by the last token, or None to continue."""
         params = self.sampling_params
         n_out = self.num_output_tokens
+        if self.stop_strings is not None:  # first: it must read every token, and wins over length
+            stop = self.stop_strings(self.output_token_ids)
+            if stop is not None:
+                self.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
         if n_out >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         if self.guide is not None and self.guide.is_terminated():

@@ -92,6 +92,8 @@ class IncrementalDetokenizer:
     def update(self, output_ids: Sequence[int]) -> str:
         """Take ``output_ids[num_read:]`` (the tokens new since the last call); return the
         whole text, ``tokenizer.decode(output_ids)``."""
+        if len(output_ids) == self.num_read:  # read already (stop strings read token by token)
+            return self.text
         new = output_ids[self.num_read :]
         self.num_read = len(output_ids)
         if not self.incremental:

@@ -14,7 +14,7 @@ import torch
 from paged_llm.attention.registry import ATTENTION_BACKENDS, auto_backend_name
 from paged_llm.config import EngineArgs, EngineConfig
 from paged_llm.core.kv import POLICIES
-from paged_llm.core.request import Request, RequestStatus
+from paged_llm.core.request import Request
 from paged_llm.core.scheduler import Scheduler, SchedulerLimits
 from paged_llm.distributed import building_for
 from paged_llm.distributed.launch import start_tensor_parallel
@@ -23,6 +23,7 @@ from paged_llm.engine.deltas import DeltaCursor, stop_holdback
 from paged_llm.engine.detokenizer import IncrementalDetokenizer, tokenizer_facts
 from paged_llm.engine.inputs import to_token_ids, truncate_prompt, validate_token_ids
 from paged_llm.engine.loading import load_model_and_tokenizer, resolve_device
+from paged_llm.engine.stop_strings import StopStringChecker
 from paged_llm.engine.structured_output import StructuredOutputCompiler
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
 from paged_llm.outputs import CompletionOutput, LogprobEntry, RequestMetrics, RequestOutput
@@ -52,6 +53,7 @@ class _Tracked:
     sent: DeltaCursor = field(default_factory=DeltaCursor)  # RequestOutputKind.DELTA's progress
     finish_sent: bool = False  # DELTA: its finish reason has been reported
     detokenizer: IncrementalDetokenizer | None = None  # None: no text (no tokenizer or asked)
+    stop_strings: StopStringChecker | None = None  # with SamplingParams.stop (also on its Request)
 
 
 @dataclass
@@ -241,6 +243,10 @@ class LLMEngine:
             ids = kept
             text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
         validate_token_ids(ids, self.vocab_size, self.max_model_len)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need a tokenizer, and this model has none: use stop_token_ids"
+            )
         for name, ids_ in (("stop_token_ids", params.stop_token_ids),
                            ("logit_bias", params.logit_bias or {}),
                            ("allowed_token_ids", params.allowed_token_ids or [])):  # fmt: skip
@@ -272,6 +278,8 @@ class LLMEngine:
         for i in range(params.best_of):
             # each sample draws its own random stream; a user seed stays reproducible
             p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+            detokenizer = self._detokenizer_for(p)
+            stops = StopStringChecker(detokenizer, p) if detokenizer and p.stop else None
             request = Request(
                 request_id=request_id if i == 0 else f"{request_id}#{i}",
                 prompt_token_ids=ids,
@@ -282,9 +290,10 @@ class LLMEngine:
                 group_id=request_id if params.best_of > 1 else None,
                 bad_words_token_ids=bad_words,
                 guide=guides[i],
+                stop_strings=stops,
             )
             members.append(_Tracked(request, text, logprobs=[] if p.logprobs is not None else None,
-                                    detokenizer=self._detokenizer_for(p)))  # fmt: skip
+                                    detokenizer=detokenizer, stop_strings=stops))  # fmt: skip
         self.scheduler.check_group_fits([t.request for t in members], "n/best_of")
         prompt_lps = None if params.prompt_logprobs is None else [None] * len(ids)
         return _Group(request_id, members, unforked=[], prompt_logprobs=prompt_lps)
@@ -378,7 +387,7 @@ class LLMEngine:
                 continue
             group, tracked = entry
             self._record_logprobs(tracked, result)
-            self._detokenize(tracked, now)
+            self._detokenize(tracked)
             touched[group.request_id] = group
         outputs = []
         for group in touched.values():
@@ -459,23 +468,13 @@ class LLMEngine:
             self._tokenizer_facts,
         )
 
-    def _detokenize(self, tracked: _Tracked, now: float) -> None:
-        """Update the text; finish the request at a stop string (text cut before it)."""
-        req = tracked.request
-        p = req.sampling_params
+    def _detokenize(self, tracked: _Tracked) -> None:
+        """Update the text; at a stop string (found by the scheduler, token by token), cut it."""
         if tracked.detokenizer is None:
             return
-        text = tracked.detokenizer.update(req.output_token_ids)
-        if not req.is_finished and p.stop:
-            # only the tail can hold a new stop string
-            search_from = max(0, len(tracked.text) - max(len(s) for s in p.stop))
-            hits = [(text.find(s, search_from), s) for s in p.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                idx, stop = min(hits)
-                text = text[: idx + len(stop)] if p.include_stop_str_in_output else text[:idx]
-                req.stop_reason = stop
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, now)
+        text = tracked.detokenizer.update(tracked.request.output_token_ids)
+        if tracked.stop_strings is not None and tracked.stop_strings.cut is not None:
+            text = text[: tracked.stop_strings.cut]
         tracked.text = text
 
     @staticmethod
