@@ -14,6 +14,8 @@ _EXPORTS = {
     "BeamSearchParams": "paged_llm.beam_search",
     "BeamSearchOutput": "paged_llm.beam_search",
     "LLMEngine": "paged_llm.engine.llm_engine",
+    "AsyncLLMEngine": "paged_llm.serve.async_llm_engine",
+    "AsyncEngineArgs": "paged_llm.serve.async_llm_engine",
     "EngineArgs": "paged_llm.config",
     "SamplingParams": "paged_llm.sampling_params",
     "RequestOutputKind": "paged_llm.sampling_params",
@@ -31,6 +33,8 @@ __all__ = [  # the names of _EXPORTS, spelled out so linters and IDEs see them
     "BeamSearchParams",
     "BeamSearchOutput",
     "LLMEngine",
+    "AsyncLLMEngine",
+    "AsyncEngineArgs",
     "EngineArgs",
     "SamplingParams",
     "RequestOutputKind",
@@ -57,6 +61,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from paged_llm.llm import LLM
     from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
     from paged_llm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+    from paged_llm.serve.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
 
 
 def __getattr__(name: str) -> Any:

@@ -41,6 +41,9 @@ class SubRequest:
 
     render: PromptRenderer
     params: SamplingParams
+    # the server's rule: refuse prompt + max_tokens beyond the context (the offline engine,
+    # and vLLM's AsyncLLMEngine, cap max_tokens instead)
+    check_fits: bool = True
 
     @property
     def num_seqs(self) -> int:
@@ -228,6 +231,17 @@ class AsyncEngine:
             raise
         return group
 
+    def abort(self, request_id: str) -> bool:
+        """Abort a submitted request from outside its handler, whose updates then end with
+        ``aborted``; False if no such request is in flight."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        for i in sorted(group.unfinished):  # a closed group gets no more updates from the engine
+            group.queue.put_nowait(Update(i, aborted=True))
+        group.close()
+        return True
+
     def _close(self, group: RequestGroup) -> None:
         if group.closed:
             return
@@ -324,11 +338,11 @@ class AsyncEngine:
         try:
             for index, (sub_id, sub) in enumerate(zip(group.sub_ids, group.subs)):
                 prompt = sub.render(self.engine.tokenizer)
-                # the engine truncates first, so the kept prompt is what must fit
-                kept = truncate_prompt(
-                    prompt["prompt_token_ids"], sub.params.truncate_prompt_tokens
-                )
-                check_fits(len(kept), sub.params.max_tokens, self.engine.max_model_len)
+                if sub.check_fits:  # the engine truncates first, so the kept prompt must fit
+                    ids = truncate_prompt(
+                        prompt["prompt_token_ids"], sub.params.truncate_prompt_tokens
+                    )
+                    check_fits(len(ids), sub.params.max_tokens, self.engine.max_model_len)
                 try:
                     self.engine.add_request(sub_id, prompt, sub.params, command.arrival_time)
                 except ValueError as err:
