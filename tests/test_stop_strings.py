@@ -1,4 +1,5 @@
-"""Stop strings end a request at the token that completes them, with or without speculation.
+"""Stop strings end a request at the token that completes them, with or without speculation;
+a stop token's text is left out of the output text, as in vLLM.
 
 The reference decodes the whole output after every token and looks for stop strings that the
 token newly completed (an occurrence not already in the previous text); the engine must return
@@ -132,6 +133,32 @@ def test_a_stop_string_on_the_last_allowed_token_is_a_stop(engines, full_outputs
         c = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
         assert (c.token_ids, c.finish_reason, c.stop_reason) == (ids[:k], "stop", stop)
         assert c.text == tok.decode(ids[:k])[:-1]
+
+
+def test_a_stop_tokens_text_is_left_out_as_in_vllm(engines, full_outputs):
+    """EOS and stop_token_ids end the request with their id in token_ids but their text out of
+    the text, unless include_stop_str_in_output; a stop string is not looked for in it."""
+    tok = engines["plain"].get_tokenizer()
+    ids = full_outputs[0]
+    t = ids[3]
+    k = ids.index(t) + 1
+    for llm in engines.values():
+        for include in (False, True):
+            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                    stop_token_ids=[t], stop=[tok.decode([t])],
+                                    include_stop_str_in_output=include)  # fmt: skip
+            c = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+            assert (c.token_ids, c.finish_reason, c.stop_reason) == (ids[:k], "stop", t)
+            assert c.text == tok.decode(ids[:k] if include else ids[: k - 1])
+    eos = tok.eos_token_id
+    forced = dict(temperature=0, max_tokens=2, logit_bias={eos: 100.0}, skip_special_tokens=False)
+    llm = engines["plain"]
+    c = llm.generate(PROMPTS[0], SamplingParams(**forced), use_tqdm=False)[0].outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == ([eos], "", "stop", None)
+    shown = SamplingParams(include_stop_str_in_output=True, **forced)
+    assert llm.generate(PROMPTS[0], shown, use_tqdm=False)[0].outputs[0].text == "</s>"
+    ignored = SamplingParams(ignore_eos=True, **forced)  # an ordinary token: its text stays
+    assert llm.generate(PROMPTS[0], ignored, use_tqdm=False)[0].outputs[0].text == "</s>" * 2
 
 
 def test_a_model_without_a_tokenizer_refuses_stop_strings(tiny_llama):

@@ -63,6 +63,9 @@ class Request:
     # stop strings (engine/stop_strings.StopStringChecker; opaque here: called with the output
     # ids after each appended token, it returns the stop string that token completed or None)
     stop_strings: Any = None
+    # finished by EOS or one of stop_token_ids: as in vLLM, that token's text is left out of
+    # the output text (unless include_stop_str_in_output), though its id stays in the output
+    stopped_by_token: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -126,19 +129,35 @@ class Request:
 
     def check_stop(self) -> RequestStatus | None:
         """Return the finished status implied by the last token, or None to continue."""
-        params = self.sampling_params
-        n_out = self.num_output_tokens
-        if self.stop_strings is not None:  # first: it must read every token, and wins over length
+        status = self._token_stop()
+        # a stop string wins over length; a stop token's own text is not searched (vLLM drops
+        # that text from the output, see stopped_by_token)
+        if self.stop_strings is not None and not self.stopped_by_token:
             stop = self.stop_strings(self.output_token_ids)
             if stop is not None:
                 self.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
+        return status
+
+    def _token_stop(self) -> RequestStatus | None:
+        """The finish the last token's id implies (length, grammar, EOS, stop_token_ids)."""
+        params = self.sampling_params
+        n_out = self.num_output_tokens
         if n_out >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         if self.guide is not None and self.guide.is_terminated():
             return RequestStatus.FINISHED_STOPPED  # nothing can follow, min_tokens or not
         if n_out < params.min_tokens:
             return None
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last == self.eos_token_id:
+            self.stopped_by_token = True
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            self.stop_reason = last
+            self.stopped_by_token = True
+            return RequestStatus.FINISHED_STOPPED
+        return None
         last = self.output_token_ids[-1]
         if not params.ignore_eos and last == self.eos_token_id:
             return RequestStatus.FINISHED_STOPPED

@@ -469,10 +469,15 @@ class LLMEngine:
         )
 
     def _detokenize(self, tracked: _Tracked) -> None:
-        """Update the text; at a stop string (found by the scheduler, token by token), cut it."""
+        """Update the text: cut at a stop string (found by the scheduler, token by token), and
+        without the text of a stop token."""
         if tracked.detokenizer is None:
             return
-        text = tracked.detokenizer.update(tracked.request.output_token_ids)
+        req = tracked.request
+        ids = req.output_token_ids
+        if req.stopped_by_token and not req.sampling_params.include_stop_str_in_output:
+            ids = ids[:-1]  # vLLM leaves the stop token's text out
+        text = tracked.detokenizer.update(ids)
         if tracked.stop_strings is not None and tracked.stop_strings.cut is not None:
             text = text[: tracked.stop_strings.cut]
         tracked.text = text

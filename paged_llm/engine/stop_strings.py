@@ -11,6 +11,9 @@ appended, and the output is the one the engine gives without speculation. As in 
 * a stop string ends the request even on its last allowed token (``max_tokens``): the reason is
   "stop", not "length";
 * the earliest occurrence wins; the text ends before it, or after it with
+  ``include_stop_str_in_output``;
+* a token that ends the request by its id (EOS, ``stop_token_ids``) is not searched, and its
+  text is left out of the output (``Request.stopped_by_token``) unless
   ``include_stop_str_in_output``.
 """
 
