@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import inspect
 import json as _json
@@ -204,6 +205,13 @@ class SamplingParams:
             raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
         if not self.detokenize and self.stop:
             raise ValueError("stop strings need detokenize=True (use stop_token_ids instead)")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy that shares the logits processors (vLLM's: they may hold large state;
+        a processor with its own ``clone()`` is cloned)."""
+        processors = self.logits_processors or []
+        memo = {id(fn): fn.clone() if hasattr(fn, "clone") else fn for fn in processors}
+        return copy.deepcopy(self, memo)
 
     @property
     def tracks_logprobs(self) -> bool:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from paged_llm import LLM, RequestOutputKind, SamplingParams
+from paged_llm import LLM, GuidedDecodingParams, RequestOutputKind, SamplingParams
 from paged_llm.engine.detokenizer import IncrementalDetokenizer, tokenizer_facts
 
 PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(5)]  # lengths 5..25
@@ -368,6 +368,30 @@ def test_default_model_generates_text_with_stop_strings():
     )[0].outputs[0]
     assert quiet.text == "" and quiet.token_ids == first.outputs[0].token_ids
     assert all(lp.decoded_token is None for entry in quiet.logprobs for lp in entry.values())
+
+
+def test_sampling_params_clone_is_deep_but_shares_logits_processors():
+    class Stateful:
+        def __init__(self):
+            self.table = list(range(1000))  # large state: shared, not copied
+
+        def __call__(self, output_ids, logits):
+            return logits
+
+    class Clonable(Stateful):
+        def clone(self):
+            return Clonable()
+
+    stateful, clonable = Stateful(), Clonable()
+    p = SamplingParams(stop=["a"], logit_bias={3: 1.0}, logits_processors=[stateful, clonable])
+    q = p.clone()
+    plain = SamplingParams(stop=["a"], n=2, seed=3, guided_decoding=GuidedDecodingParams(regex="a"))
+    assert plain.clone() == plain and plain.clone() is not plain
+    q.stop.append("b")
+    q.logit_bias[4] = 2.0
+    assert p.stop == ["a"] and p.logit_bias == {3: 1.0}
+    assert q.logits_processors[0] is stateful
+    assert isinstance(q.logits_processors[1], Clonable) and q.logits_processors[1] is not clonable
 
 
 def test_special_token_text_options():
