@@ -44,7 +44,8 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One finished beam: all tokens (prompt included), per-step logprobs, total logprob."""
+    """One finished beam: all tokens and their text (prompt included, as in vLLM), per-step
+    logprobs, total logprob."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -133,9 +134,9 @@ def beam_search(
     results = []
     for p, seqs in enumerate(done):
         seqs.sort(key=lambda s: _score(s, num_prompt[p], params.length_penalty), reverse=True)
-        if engine.tokenizer is not None:
+        if engine.tokenizer is not None:  # vLLM's LLM.beam_search: the prompt's text included
             for s in seqs:
-                s.text = engine.tokenizer.decode(s.tokens[num_prompt[p] :])
+                s.text = engine.tokenizer.decode(s.tokens)
         results.append(BeamSearchOutput(seqs[:width]))
     return results
 

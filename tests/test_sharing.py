@@ -266,6 +266,15 @@ def test_beam_search_matches_transformers(tiny_llama, width):
     assert llm.llm_engine.kv_usage() == 0  # every beam's blocks were released
 
 
+def test_beam_text_is_the_whole_sequence_as_in_vllm():
+    llm = LLM("tiny", cpu_kv_cache_gib=0.01)
+    tok = llm.get_tokenizer()
+    out = llm.beam_search(["def main():"], BeamSearchParams(beam_width=2, max_tokens=6))[0]
+    for seq in out.sequences:
+        assert seq.text == tok.decode(seq.tokens)  # vLLM's LLM.beam_search: prompt included
+        assert seq.tokens[: len(tok.encode("def main():"))] == tok.encode("def main():")
+
+
 def test_beam_search_refuses_a_speculating_engine(tiny_llama):
     """Its scheduler gives every decode draft slots that beam steps never fill: such a beam
     search once ran forever (found by a random-engine beam-search fuzz run)."""
