@@ -290,6 +290,27 @@ def test_logprobs_are_vllm_logprob_objects():
     assert json.loads(json.dumps(first)) == first.logprob
 
 
+def test_each_request_of_a_batch_gets_its_own_number_of_logprobs():
+    """The sampler builds every row's logprobs in one batched call: each row keeps its own k."""
+    llm = LLM("tiny", cpu_kv_cache_gib=0.01)
+    ks = [0, 1, 3, 7, None]
+    params = [SamplingParams(max_tokens=6, logprobs=k, temperature=0.8 * (i % 2), seed=i)
+              for i, k in enumerate(ks)]  # fmt: skip
+    prompts = ["def main():", "import os", "class A:", "x = 1", "print("]
+    batch = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, got in zip(prompts, params, batch):
+        want = llm.generate(prompt, p, use_tqdm=False)[0].outputs[0]
+        got = got.outputs[0]
+        assert got.token_ids == want.token_ids
+        if p.logprobs is None:
+            assert got.logprobs is None
+            continue
+        for token, g, w in zip(got.token_ids, got.logprobs, want.logprobs):
+            assert len(g) in (p.logprobs, p.logprobs + 1) and token in g
+            assert {t: lp.rank for t, lp in g.items()} == {t: lp.rank for t, lp in w.items()}
+            assert all(abs(g[t] - w[t]) < 1e-4 for t in g)
+
+
 def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llm):
     """vLLM V0's best_of: sample i uses seed + i either way, so best_of = 4, n = 2 must return
     the two of the n = 4 samples whose sampled tokens have the highest summed logprob."""

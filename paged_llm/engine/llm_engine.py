@@ -87,6 +87,7 @@ class LLMEngine:
             self.tokenizer = None
         # how incremental detokenization reads this tokenizer; None: decode whole outputs
         self._tokenizer_facts = None if self.tokenizer is None else tokenizer_facts(self.tokenizer)
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         if self.parallel is not None:
             self.parallel.sync_replicated(self.model)
         self.dtype = next(self.model.parameters()).dtype
@@ -454,8 +455,12 @@ class LLMEngine:
     def _name_tokens(self, entry: LogprobEntry, params: SamplingParams) -> None:
         """Fill each Logprob's ``decoded_token`` (the token's own text), as vLLM does."""
         if self.tokenizer is not None and params.detokenize:
+            texts = self._token_texts  # one decode per vocabulary entry, ever
             for token_id, logprob in entry.items():
-                logprob.decoded_token = self.tokenizer.decode([token_id])
+                text = texts.get(token_id)
+                if text is None:
+                    text = texts[token_id] = self.tokenizer.decode([token_id])
+                logprob.decoded_token = text
 
     def _detokenizer_for(self, p: SamplingParams) -> IncrementalDetokenizer | None:
         """A sequence's text keeper, or None when it has no text."""

@@ -127,13 +127,10 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.tracks_logprobs for p in params)
         logprobs = logits.log_softmax(-1) if want_logprobs else None
-        greedy = logits.argmax(-1).tolist()
-        results = []
+        tokens = logits.argmax(-1).tolist()  # the greedy rows' tokens; the others are drawn
         cpu_logits = None
         for row, (req, p) in enumerate(zip(requests, params)):
-            if p.greedy:
-                token = greedy[row]
-            else:
+            if not p.greedy:
                 if cpu_logits is None:
                     cpu_logits = logits.cpu()  # torch.Generator here lives on the CPU
                 scaled = apply_top_k_top_p_min_p(
@@ -141,9 +138,15 @@ class Sampler:
                 )
                 probs = scaled.softmax(-1)
                 gen = self._generator(req.request_id, p)
-                token = int(torch.multinomial(probs, 1, generator=gen))
-            results.append(SampleResult(token, self._logprobs(logprobs, row, token, p)))
-        return results
+                tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
+        entries: list[LogprobEntry | None] = [None] * len(requests)
+        if logprobs is not None:  # one batched call for every row that reports logprobs
+            rows = [row for row, p in enumerate(params) if p.tracks_logprobs]
+            chosen = [tokens[row] for row in rows]
+            top_k = [params[row].logprobs or 0 for row in rows]
+            for row, entry in zip(rows, logprob_entries(logprobs[rows], chosen, top_k)):
+                entries[row] = entry
+        return [SampleResult(token, entry) for token, entry in zip(tokens, entries)]
 
     @staticmethod
     def _logprobs(
@@ -157,21 +160,23 @@ class Sampler:
 def logprob_entries(
     logprobs: torch.Tensor,  # [N, V] log-probabilities
     tokens: Sequence[int],  # [N]: the token each row chose (or scores)
-    top_k: int,
+    top_k: int | Sequence[int],  # for every row, or one per row
 ) -> list[LogprobEntry]:
     """vLLM's logprobs per row: ``{token: Logprob}`` plus the ``top_k`` most likely tokens,
     each with its rank in the row (1 = most likely; the number of strictly likelier tokens
     plus one, as vLLM counts)."""
+    ks = [top_k] * len(tokens) if isinstance(top_k, int) else list(top_k)
     index = torch.tensor(list(tokens), dtype=torch.long, device=logprobs.device)
     chosen_t = logprobs[torch.arange(len(index), device=logprobs.device), index]  # [N]
     ranks = ((logprobs > chosen_t[:, None]).sum(-1) + 1).tolist()
     entries = [{t: Logprob(lp, rank)} for t, lp, rank in zip(tokens, chosen_t.tolist(), ranks)]
-    if top_k > 0:
-        top = torch.topk(logprobs, top_k)
-        for entry, ids, values in zip(entries, top.indices.tolist(), top.values.tolist()):
+    most = max(ks, default=0)
+    if most > 0:
+        top = torch.topk(logprobs, most)
+        for entry, k, ids, values in zip(entries, ks, top.indices.tolist(), top.values.tolist()):
             entry.update(
                 (t, entry[t] if t in entry else Logprob(lp, r))  # ties keep the chosen's rank
-                for r, (t, lp) in enumerate(zip(ids, values), start=1)
+                for r, (t, lp) in enumerate(zip(ids[:k], values[:k]), start=1)
             )
     return entries
 
