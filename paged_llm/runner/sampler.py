@@ -40,7 +40,8 @@ class SampleResult:
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor, top_k: int, top_p: float, min_p: float
 ) -> torch.Tensor:
-    """Mask one row of temperature-scaled logits [V] to the allowed tokens."""
+    """Mask one row of temperature-scaled logits [V] to the allowed tokens (the readable
+    reference of ``mask_rows``, which the sampler uses)."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -56,6 +57,86 @@ def apply_top_k_top_p_min_p(
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     return logits
+
+
+# top-p first looks at each row's most likely tokens; it sorts a whole row only when they hold
+# less than top_p of its mass (a flat distribution). Sorting a 32k vocabulary for 64 rows takes
+# ~0.1 s on a CPU; a top 256 is what a trained model's nucleus usually fits in.
+NUCLEUS_CANDIDATES = 256
+
+
+def mask_rows(
+    logits: torch.Tensor,  # [R, V] temperature-scaled logits
+    top_k: torch.Tensor,  # [R] int64; 0, -1 or >= V: no limit
+    top_p: torch.Tensor,  # [R] float32; 1: no limit
+    min_p: torch.Tensor,  # [R] float32; 0: no limit
+) -> torch.Tensor:
+    """``apply_top_k_top_p_min_p`` for many rows at once, each with its own settings."""
+    vocab = logits.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    need = (k < vocab) | (top_p < 1.0)
+    if bool(need.any()):
+        every = bool(need.all())  # usually: one setting for the whole batch
+        rows = need.nonzero().squeeze(1)
+        kk, pp, sub = (k, top_p, logits) if every else (k[rows], top_p[rows], logits[rows])
+        # candidates per row: its top-k limit, else enough for a nucleus (a nucleus lies
+        # within the row's top k)
+        nucleus_width = torch.where(pp < 1.0, NUCLEUS_CANDIDATES, 0)
+        width = int(torch.where(kk < vocab, kk, nucleus_width).max())
+        if 2 * width > vocab:  # candidates are most of the row anyway: sort whole rows at once
+            width = vocab
+        masked, wide = _keep_top(sub, kk, pp, width)
+        if bool(wide.any()):  # nuclei wider than the candidates: sort those rows whole
+            masked[wide] = _keep_top(sub[wide], kk[wide], pp[wide], vocab)[0]
+        logits = masked if every else logits.index_put((rows,), masked)
+    if bool((min_p > 0.0).any()):
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True),
+                                    float("-inf"))  # fmt: skip
+    return logits
+
+
+def _keep_top(
+    logits: torch.Tensor,  # [R, V]
+    k: torch.Tensor,  # [R]: the top-k limit (V: none)
+    top_p: torch.Tensor,  # [R]
+    width: int,  # candidates per row: at least the largest limited k
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask each row to its k largest logits, then to its top-p nucleus among its ``width``
+    most likely tokens; also say which rows' nuclei reach past them ([R] bool, to redo)."""
+    vocab = logits.shape[-1]
+    vals, idx = torch.topk(logits, width)  # [R, W], most likely first
+    kth = vals.gather(1, (k.clamp(max=width) - 1)[:, None])  # [R, 1]: the k-th largest logit
+    kth = kth.masked_fill((k > width)[:, None], float("-inf"))  # limits past the width: none
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    nucleus = top_p < 1.0
+    if not bool(nucleus.any()):
+        return logits, nucleus
+    vals = vals.masked_fill(vals < kth, float("-inf"))
+    if width == vocab:  # whole rows, as apply_top_k_top_p_min_p computes them
+        probs = vals.softmax(-1)
+        wide = torch.zeros_like(nucleus)
+    else:  # the candidates' share of the whole (masked) row's mass, computed as softmax does
+        top = vals[:, :1]
+        probs = (vals - top).exp() / (logits - top).exp().sum(-1, keepdim=True)
+        wide = nucleus & (probs.sum(-1) < top_p)
+    # drop a token once the mass before it already reaches top_p; the most likely token always
+    # stays (a top_p below float32's smallest number would otherwise compare as 0). Tokens
+    # past the candidates come after at least top_p of the mass.
+    drop = probs.cumsum(-1) - probs >= top_p[:, None]
+    drop[:, 0] = False
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, ~drop)
+    return logits.masked_fill(~kept & nucleus[:, None], float("-inf")), wide
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distributions sampling draws from: row i of logits [R, V] (CPU, float32) scaled by
+    params[i].temperature and masked by its top_k / top_p / min_p, then softmaxed."""
+    temperature = torch.tensor([p.temperature for p in params])[:, None]
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    return mask_rows(logits / temperature, top_k, top_p, min_p).softmax(-1)
 
 
 class Sampler:
@@ -80,12 +161,7 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """The distribution sampling draws from for rows of logits [R, V] (CPU, float32)."""
-        p = params
-        rows = [
-            apply_top_k_top_p_min_p(r / p.temperature, p.top_k, p.top_p, p.min_p)
-            for r in logits.float().cpu()
-        ]
-        return torch.stack(rows).softmax(-1)
+        return sampling_probs(logits.float().cpu(), [params] * logits.shape[0])
 
     def verify(
         self,
@@ -128,17 +204,12 @@ class Sampler:
         want_logprobs = any(p.tracks_logprobs for p in params)
         logprobs = logits.log_softmax(-1) if want_logprobs else None
         tokens = logits.argmax(-1).tolist()  # the greedy rows' tokens; the others are drawn
-        cpu_logits = None
-        for row, (req, p) in enumerate(zip(requests, params)):
-            if not p.greedy:
-                if cpu_logits is None:
-                    cpu_logits = logits.cpu()  # torch.Generator here lives on the CPU
-                scaled = apply_top_k_top_p_min_p(
-                    cpu_logits[row] / p.temperature, p.top_k, p.top_p, p.min_p
-                )
-                probs = scaled.softmax(-1)
-                gen = self._generator(req.request_id, p)
-                tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
+        drawn = [row for row, p in enumerate(params) if not p.greedy]
+        if drawn:  # torch.Generator here lives on the CPU; each request draws from its own
+            probs = sampling_probs(logits[drawn].cpu(), [params[row] for row in drawn])
+            for row, row_probs in zip(drawn, probs):
+                gen = self._generator(requests[row].request_id, params[row])
+                tokens[row] = int(torch.multinomial(row_probs, 1, generator=gen))
         entries: list[LogprobEntry | None] = [None] * len(requests)
         if logprobs is not None:  # one batched call for every row that reports logprobs
             rows = [row for row, p in enumerate(params) if p.tracks_logprobs]

@@ -1,0 +1,78 @@
+"""The batched top-k / top-p / min-p mask equals the plain per-row reference, whichever path it
+takes (a row's nucleus found among its most likely tokens, or the whole row sorted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from paged_llm.runner import sampler
+from paged_llm.runner.sampler import apply_top_k_top_p_min_p, mask_rows
+
+
+def logits_rows(seed: int, rows: int, vocab: int) -> torch.Tensor:
+    """Rows from flat to peaked (log-Zipf like a trained model's), some with banned tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, vocab + 1).float().log()
+    out = []
+    for i in range(rows):
+        slope = [0.0, 0.5, 1.5, 3.0][i % 4]
+        perm = torch.randperm(vocab, generator=gen)
+        row = -slope * ranks[perm] + torch.randn(vocab, generator=gen)
+        if i % 3 == 0:  # a logits processor or grammar banned some tokens
+            row[torch.randperm(vocab, generator=gen)[: vocab // 3]] = float("-inf")
+        out.append(row)
+    return torch.stack(out)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    seed=st.integers(0, 10**6),
+    vocab=st.sampled_from([1, 2, 37, 300]),
+    candidates=st.sampled_from([1, 4, 16, 256]),
+    settings_=st.lists(
+        st.tuples(
+            st.sampled_from([-1, 0, 1, 2, 5, 40, 300, 400]),
+            st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.1, 1e-30]),
+            st.sampled_from([0.0, 0.05, 0.5]),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_mask_rows_equals_the_per_row_reference(seed, vocab, candidates, settings_):
+    logits = logits_rows(seed, len(settings_), vocab)
+    top_k = torch.tensor([k for k, _, _ in settings_])
+    top_p = torch.tensor([p for _, p, _ in settings_])
+    min_p = torch.tensor([m for _, _, m in settings_])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampler, "NUCLEUS_CANDIDATES", candidates)
+        got = mask_rows(logits, top_k, top_p, min_p)
+    for row, (k, p, m) in zip(range(len(settings_)), settings_):
+        want = apply_top_k_top_p_min_p(logits[row], k, p, m)
+        assert torch.equal(got[row] == float("-inf"), want == float("-inf")), (k, p, m)
+        kept = want > float("-inf")
+        assert torch.equal(got[row][kept], want[kept])
+        assert bool(kept.any())  # the most likely token always stays
+
+
+def test_a_peaked_nucleus_is_found_among_the_candidates(monkeypatch):
+    """Trained models' nuclei fit the candidates, so no row is sorted whole."""
+    logits = logits_rows(0, 8, 5000)[2::4]  # the two peaked rows (slope 3)
+    calls, topk = [], torch.topk
+    monkeypatch.setattr(torch, "topk", lambda x, k: calls.append(k) or topk(x, k))
+    keep = mask_rows(logits, torch.tensor([-1, -1]), torch.tensor([0.9, 0.9]), torch.zeros(2))
+    assert calls == [sampler.NUCLEUS_CANDIDATES]
+    for row, got in zip(logits, keep):
+        want = apply_top_k_top_p_min_p(row, -1, 0.9, 0.0)
+        assert torch.equal(got == float("-inf"), want == float("-inf"))
+
+
+def test_sampler_mask_experiment_writes_its_json(tmp_path):
+    from experiments.sampler_mask import main
+
+    result = main(["--vocab", "600", "--rows", "4", "--repeats", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "sampler_mask.json").exists() and result["mode"] == "real"
+    assert len(result["results"]) == 6 and all(r["same_tokens"] for r in result["results"])
