@@ -207,9 +207,15 @@ class Sampler:
         drawn = [row for row, p in enumerate(params) if not p.greedy]
         if drawn:  # torch.Generator here lives on the CPU; each request draws from its own
             probs = sampling_probs(logits[drawn].cpu(), [params[row] for row in drawn])
-            for row, row_probs in zip(drawn, probs):
-                gen = self._generator(requests[row].request_id, params[row])
-                tokens[row] = int(torch.multinomial(row_probs, 1, generator=gen))
+            # argmax of p / E with E ~ Exp(1) draws token i with probability p_i (as vLLM
+            # samples); one fill per row from its generator, one argmax for the batch
+            noise = torch.empty_like(probs)
+            for i, row in enumerate(drawn):
+                noise[i].exponential_(generator=self._generator(requests[row].request_id,
+                                                                params[row]))  # fmt: skip
+            noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 would make a banned 0 / 0 NaN
+            for row, token in zip(drawn, (probs / noise).argmax(-1).tolist()):
+                tokens[row] = token
         entries: list[LogprobEntry | None] = [None] * len(requests)
         if logprobs is not None:  # one batched call for every row that reports logprobs
             rows = [row for row, p in enumerate(params) if p.tracks_logprobs]
