@@ -76,3 +76,26 @@ def test_sampler_mask_experiment_writes_its_json(tmp_path):
     result = main(["--vocab", "600", "--rows", "4", "--repeats", "1", "--out", str(tmp_path)])
     assert (tmp_path / "sampler_mask.json").exists() and result["mode"] == "real"
     assert len(result["results"]) == 6 and all(r["same_tokens"] for r in result["results"])
+
+
+def test_draws_follow_the_masked_distribution():
+    """Chi-square: 4,000 draws (one row per request, each with its own generator) land on
+    tokens as softmax(logits / T) masked by top-p says, and never on a masked token."""
+    from paged_llm.core.request import Request
+    from paged_llm.runner.sampler import Sampler, sampling_probs
+    from paged_llm.sampling_params import SamplingParams
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0, float("-inf")])
+    params = SamplingParams(temperature=0.7, top_p=0.95)
+    probs = sampling_probs(logits[None], [params])[0]
+    sampler, counts = Sampler(seed=0), torch.zeros(len(logits))
+    for batch in range(40):
+        requests = [Request(f"r{batch}-{i}", [1], params) for i in range(100)]
+        for result in sampler(logits.expand(100, -1).clone(), requests):
+            counts[result.token_id] += 1
+    kept = probs > 0
+    assert counts[~kept].sum() == 0 and int(kept.sum()) < len(logits) - 1  # top-p cut a token
+    expected = 4000 * probs[kept]
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    quantile = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}[int(kept.sum()) - 1]  # 99.9%
+    assert chi2 < quantile
