@@ -12,11 +12,11 @@ also checks that both ways keep the same tokens.
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 import torch
 
+from experiments.cpu_attention import time_pass
 from paged_llm.metrics.run_info import run_info, write_json
 from paged_llm.runner.sampler import NUCLEUS_CANDIDATES, apply_top_k_top_p_min_p, mask_rows
 
@@ -43,17 +43,6 @@ def _per_row(logits: torch.Tensor, k: int, p: float) -> Any:
     return lambda: torch.stack([apply_top_k_top_p_min_p(r, k, p, 0.0) for r in logits])
 
 
-def fastest(fn: Any, repeats: int) -> float:
-    """Seconds of the fastest of ``repeats`` calls (after one warm-up)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def run(vocabs: list[int], rows: int, repeats: int) -> dict[str, Any]:
     """Time both ways for every vocabulary, row kind and setting; return the result table."""
     results = []
@@ -64,7 +53,7 @@ def run(vocabs: list[int], rows: int, repeats: int) -> dict[str, Any]:
                 batched = _batched(logits, k, p)
                 per_row = _per_row(logits, k, p)
                 same = torch.equal(batched() == float("-inf"), per_row() == float("-inf"))
-                t_batched, t_per_row = fastest(batched, repeats), fastest(per_row, repeats)
+                t_batched, t_per_row = time_pass(batched, repeats), time_pass(per_row, repeats)
                 kept = float((batched() > float("-inf")).sum(-1).float().mean())
                 row = {"vocab": vocab, "rows": kind, "setting": name,
                        "batched_ms": 1e3 * t_batched, "per_row_ms": 1e3 * t_per_row,
