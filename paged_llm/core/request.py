@@ -158,10 +158,3 @@ class Request:
             self.stopped_by_token = True
             return RequestStatus.FINISHED_STOPPED
         return None
-        last = self.output_token_ids[-1]
-        if not params.ignore_eos and last == self.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            self.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
-        return None
