@@ -9,7 +9,7 @@ import pytest
 
 from paged_llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.serve.async_engine import AsyncEngine, SubRequest
+from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest, Update
 from paged_llm.serve.errors import BadRequest, EngineUnavailable, ServerBusy
 from paged_llm.serve.metrics import ServerMetrics
 from paged_llm.serve.prompts import token_prompt
@@ -244,3 +244,20 @@ def test_engine_failure_fails_requests_and_refuses_new_ones():
     updates, running = run(fake, body)
     assert len(updates) == 1 and isinstance(updates[0].error, EngineUnavailable)
     assert not running
+
+
+def test_a_cancelled_reader_stops_even_when_an_update_arrives_with_the_cancel():
+    """A disconnect cancels the handler reading a group's updates. With asyncio.wait_for on
+    Python 3.11, a cancel that arrived together with an update was swallowed: the handler read
+    on, and the disconnected client's request ran to the end (a flaky serve test found it)."""
+
+    async def main():
+        group = RequestGroup(SimpleNamespace(thread_alive=True), "g", [sub()])
+        task = asyncio.ensure_future(anext(group.updates()))
+        await asyncio.sleep(0)  # the reader now waits for an update
+        group.queue.put_nowait(Update(0))  # an update and the cancel, in the same loop turn
+        task.cancel()
+        await asyncio.wait({task}, timeout=2.0)
+        return task.cancelled()
+
+    assert asyncio.run(main())

@@ -84,9 +84,18 @@ class RequestGroup:
         """Yield updates until every sub-request has reported its last one."""
         pending = set(range(len(self.subs)))
         while pending:
+            # Not asyncio.wait_for: on Python 3.11 it can swallow a cancellation that arrives
+            # just as an update does, and then a disconnected client's request ran to the end.
+            getter = asyncio.ensure_future(self.queue.get())
             try:
-                update = await asyncio.wait_for(self.queue.get(), timeout=_LIVENESS_S)
-            except asyncio.TimeoutError:
+                done, _ = await asyncio.wait({getter}, timeout=_LIVENESS_S)
+            except BaseException:
+                getter.cancel()  # cancelled ourselves: stop waiting too
+                raise
+            if done:
+                update = getter.result()
+            else:
+                getter.cancel()
                 if self.engine.thread_alive:
                     continue
                 # the engine thread is gone without telling us: end instead of hanging
