@@ -197,6 +197,11 @@ class AsyncEngine:
             logger.warning("the engine thread did not stop within %.0f s", timeout)
 
     @property
+    def started(self) -> bool:
+        """True once ``start()`` ran (the thread may have stopped since)."""
+        return self._thread is not None
+
+    @property
     def thread_alive(self) -> bool:
         """True while the engine thread runs."""
         return self._thread is not None and self._thread.is_alive()

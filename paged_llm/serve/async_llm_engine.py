@@ -35,7 +35,6 @@ class AsyncLLMEngine:
         self.engine = engine  # the synchronous engine, as in vLLM
         self.start_engine_loop = start_engine_loop  # start on the first generate()
         self._loop = AsyncEngine(engine, ServerMetrics(engine.config.model.model))
-        self._started = False
 
     @classmethod
     def from_engine_args(
@@ -48,7 +47,6 @@ class AsyncLLMEngine:
     def start_background_loop(self) -> None:
         """Start the engine thread; outputs are delivered to the running event loop."""
         self._loop.start(asyncio.get_running_loop())
-        self._started = True
 
     @property
     def is_running(self) -> bool:
@@ -76,7 +74,7 @@ class AsyncLLMEngine:
         """Yield the request's outputs as it runs (cumulative unless its ``output_kind`` asks
         otherwise); the last one has ``finished`` set. ``prompt``: text, ``{"prompt": text}``
         or ``{"prompt_token_ids": [...]}``, as ``LLM.generate`` takes."""
-        if not self._started and self.start_engine_loop:
+        if not self._loop.started and self.start_engine_loop:
             self.start_background_loop()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(sampling_params).__name__}")
@@ -109,5 +107,5 @@ class AsyncLLMEngine:
         """Raise RuntimeError if the engine has failed or its loop has stopped."""
         if self.errored:
             raise RuntimeError(f"the engine failed: {self.dead_error!r}")
-        if self._started and not self.is_running:
+        if self._loop.started and not self.is_running:
             raise RuntimeError("the engine loop has stopped")
