@@ -32,6 +32,11 @@ class ModelConfig:
     # CPU: linear layers send inputs of at least this many rows to oneDNN's matmul, faster than
     # torch's default (MKL) there; None keeps torch's default. See paged_llm/layers/cpu_linear.py
     cpu_onednn_min_rows: int | None = 1
+    # vLLM's. Where default sampling settings and extra EOS ids come from: "auto" (the model's
+    # generation_config.json), "vllm" (paged-llm's own sampling defaults) or a directory; see
+    # paged_llm/engine/generation_config.py. The override dict is laid over it.
+    generation_config: str = "auto"
+    override_generation_config: Any = None  # e.g. {"temperature": 0.5}
 
     def __post_init__(self) -> None:
         _check_optional_count("max_model_len", self.max_model_len)

@@ -49,6 +49,15 @@ class LLM:
         """The checkpoint's tokenizer (None if it has none)."""
         return self.llm_engine.get_tokenizer()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, so the next run starts cold (True once done)."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's recommended settings (its generation_config.json,
+        unless ``generation_config="vllm"``); what ``generate`` uses when given none."""
+        return self.llm_engine.generation_defaults.default_sampling_params()
+
     def chat(
         self,
         messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
@@ -91,7 +100,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -37,6 +37,34 @@ def test_block_pool_never_leaks_or_double_frees(num_blocks, ops):
     assert pool.num_free == num_blocks and not any(pool.ref_counts)
 
 
+@settings(max_examples=200, deadline=None)
+@given(num_blocks=st.integers(1, 16), ops=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4))))
+def test_prefix_cache_reset_only_when_no_block_is_referenced(num_blocks, ops):
+    """Register, free and reset in any order: a reset succeeds exactly when no block is
+    referenced, and afterwards no lookup finds anything; a refused reset changes nothing."""
+    pool = BlockPool(num_blocks)
+    owners: list[list[int]] = []
+    for op, n in ops:
+        if op == 0 and n <= pool.num_free:
+            blocks = pool.allocate(n)
+            for b in blocks:
+                pool.register(b, hash((b, n)), (b, n))
+            owners.append(blocks)
+        elif op == 1 and owners:
+            pool.release(owners.pop(n % len(owners)))
+        elif op >= 2:
+            cached = {b for b in range(num_blocks) if pool.is_cached(b)}
+            done = pool.reset_prefix_cache()
+            assert done == (not owners)
+            if done:
+                assert not any(pool.is_cached(b) for b in range(num_blocks))
+            else:
+                assert {b for b in range(num_blocks) if pool.is_cached(b)} == cached
+    for blocks in owners:
+        pool.release(blocks)
+    assert pool.reset_prefix_cache() and pool.num_free == num_blocks
+
+
 def test_block_pool_rejects_over_allocation_and_double_free():
     pool = BlockPool(2)
     blocks = pool.allocate(2)

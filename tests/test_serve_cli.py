@@ -50,6 +50,12 @@ def test_engine_features_pass_through():
     assert cfg.model.quantization == "int8" and cfg.cache.kv_cache_dtype == "fp8_e4m3"
     cfg = EngineConfig.from_kwargs(**kwargs_of("-tp", "2", "--enforce-eager"))
     assert cfg.model.tensor_parallel_size == 2 and cfg.model.enforce_eager
+    kw = kwargs_of("--generation-config", "vllm", "--override-generation-config", '{"top_k": 5}')
+    cfg = EngineConfig.from_kwargs(**kw)
+    assert (cfg.model.generation_config, cfg.model.override_generation_config) == (
+        "vllm",
+        {"top_k": 5},
+    )
 
 
 @pytest.mark.parametrize(
@@ -66,6 +72,8 @@ def test_engine_features_pass_through():
         (["--speculative-config", '{"num_speculative_tokens": 2, "lookup": 3}'], "lookup"),
         (["a", "--model", "b"], "model given twice"),
         (["--max-waiting", "-1"], "--max-waiting"),
+        (["--override-generation-config", "{not json"], "not valid JSON"),
+        (["--override-generation-config", '{"top_p": 0}'], "top_p"),
     ],
 )  # fmt: skip
 def test_bad_or_unsupported_flags_fail_before_loading(argv, message, capsys):

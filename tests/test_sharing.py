@@ -353,6 +353,26 @@ def test_fully_cached_prompt_still_computes_a_token(tiny_llama):
     assert engine.iteration_stats[0].num_batched_tokens < 16  # three blocks came from cache
 
 
+def test_reset_prefix_cache_starts_the_next_run_cold(tiny_llama):
+    """vLLM's ``LLM.reset_prefix_cache()``: refused while a request holds blocks, then every
+    cached block is forgotten, and the next run computes its whole prompt again."""
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01,
+              enable_prefix_caching=True)  # fmt: skip
+    prompt = {"prompt_token_ids": list(range(3, 19))}
+    first = llm.generate(prompt, greedy(5))
+    engine = llm.llm_engine
+    engine.add_request("running", prompt, greedy(5))
+    engine.step()
+    assert not llm.reset_prefix_cache()  # a running request holds (cached) blocks
+    engine.abort_request("running")
+    assert llm.reset_prefix_cache()
+    again = llm.generate(prompt, greedy(5))
+    assert ids_of(again) == ids_of(first) and again[0].num_cached_tokens == 0
+    assert llm.generate(prompt, greedy(5))[0].num_cached_tokens == 12  # cached again
+    assert LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01,
+               policy="orca_oracle").reset_prefix_cache()  # nothing to drop  # fmt: skip
+
+
 def test_prefix_caching_needs_a_paged_policy(tiny_llama):
     with pytest.raises(ValueError, match="does not take"):
         LLM(str(tiny_llama[0]), policy="orca_max", enable_prefix_caching=True,

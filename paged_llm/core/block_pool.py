@@ -82,6 +82,16 @@ class BlockPool:
         """True when the block is registered in the prefix cache."""
         return block in self._block_key
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache); refused (False) while any
+        block is referenced, since a running request's blocks may be registered later."""
+        if any(self.ref_counts):
+            return False
+        self.num_evictions += len(self._block_key)
+        self._block_key.clear()
+        self._cached.clear()
+        return True
+
     def _evict(self, block: int) -> None:
         key = self._block_key.pop(block, None)
         if key is not None:

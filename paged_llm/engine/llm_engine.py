@@ -21,8 +21,9 @@ from paged_llm.distributed.launch import start_tensor_parallel
 from paged_llm.distributed.sharding import kv_heads_per_rank
 from paged_llm.engine.deltas import DeltaCursor, stop_holdback
 from paged_llm.engine.detokenizer import IncrementalDetokenizer, tokenizer_facts
+from paged_llm.engine.generation_config import load_generation_defaults
 from paged_llm.engine.inputs import to_token_ids, truncate_prompt, validate_token_ids
-from paged_llm.engine.loading import load_model_and_tokenizer, resolve_device
+from paged_llm.engine.loading import checkpoint_path, load_model_and_tokenizer, resolve_device
 from paged_llm.engine.stop_strings import StopStringChecker
 from paged_llm.engine.structured_output import StructuredOutputCompiler
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
@@ -97,6 +98,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {limit}")
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_id = self._eos_token_id()
+        path = checkpoint_path(str(mc.model))
+        self.generation_defaults = load_generation_defaults(
+            path if path.is_dir() else None, self.hf_config, mc.generation_config,
+            mc.override_generation_config, self.vocab_size,
+        )  # fmt: skip
 
         backend_name = config.attention_backend
         if backend_name == "auto":
@@ -260,6 +266,8 @@ class LLMEngine:
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {self.vocab_size}")
+        # the checkpoint's other EOS ids (generation_config.json) end it too
+        params = self.generation_defaults.add_eos_stops(params, self.eos_token_id)
         bad_words = bad_words_token_ids(params.bad_words or [], self.tokenizer)
         guided = params.guided_decoding
         guides = (
@@ -567,6 +575,11 @@ class LLMEngine:
     def num_kv_blocks(self) -> int:
         """Blocks in the device KV pool."""
         return self.scheduler.kv.num_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (e.g. between benchmark runs); False, and nothing dropped,
+        while requests are running."""
+        return self.scheduler.kv.reset_prefix_cache()
 
     def kv_usage(self) -> float:
         """Fraction of device KV blocks in use."""

@@ -187,6 +187,7 @@ def _tokenizer_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRoute
 def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
     router = APIRouter(prefix="/v1")
     max_model_len = engine.engine.max_model_len
+    defaults = engine.engine.generation_defaults.sampling  # fill the fields a request leaves unset
 
     def model_name(requested: str | None) -> str:
         _check_model(settings, requested)
@@ -212,7 +213,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
     async def completions(request: Request) -> Response:
         req = parse_request(await request.body(), CompletionRequest)
         model = model_name(req.model)
-        params = sampling_params(req, settings.max_logprobs)
+        params = sampling_params(req, settings.max_logprobs, defaults)
         # one engine request per prompt; the engine samples its n choices itself
         subs = [
             SubRequest(
@@ -220,6 +221,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
                 if isinstance(p, str)
                 else token_prompt(p, decode=req.echo),  # echo shows token prompts as text
                 params,
+                default_max_tokens=req.max_tokens is None,
             )
             for p in completion_prompts(req.prompt)
         ]
@@ -232,7 +234,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
         model = model_name(req.model)
-        params = sampling_params(req, settings.max_logprobs)
+        params = sampling_params(req, settings.max_logprobs, defaults)
         render = chat_prompt(
             chat_messages(req.messages),
             settings.chat_template,
@@ -240,7 +242,8 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
             req.continue_final_message,
             req.chat_template_kwargs,
         )
-        subs = [SubRequest(render, params)]
+        unset = req.max_tokens is None and req.max_completion_tokens is None
+        subs = [SubRequest(render, params, default_max_tokens=unset)]
         return await _generate(request, req, subs, Choices([params]), model, chat=True)
 
     async def _generate(

@@ -44,6 +44,9 @@ class SubRequest:
     # the server's rule: refuse prompt + max_tokens beyond the context (the offline engine,
     # and vLLM's AsyncLLMEngine, cap max_tokens instead)
     check_fits: bool = True
+    # max_tokens is the model's recommended default (the request left it unset): capped to the
+    # context like vLLM's default, not refused
+    default_max_tokens: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -356,7 +359,8 @@ class AsyncEngine:
                     ids = truncate_prompt(
                         prompt["prompt_token_ids"], sub.params.truncate_prompt_tokens
                     )
-                    check_fits(len(ids), sub.params.max_tokens, self.engine.max_model_len)
+                    asked = None if sub.default_max_tokens else sub.params.max_tokens
+                    check_fits(len(ids), asked, self.engine.max_model_len)
                 try:
                     self.engine.add_request(sub_id, prompt, sub.params, command.arrival_time)
                 except ValueError as err:

@@ -94,6 +94,17 @@ def make_parser() -> argparse.ArgumentParser:
         type=_json_object,
         help='JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 3}',
     )
+    eng.add_argument(
+        "--generation-config",
+        default="auto",
+        help="default sampling settings: auto (the model's generation_config.json), vllm "
+        "(paged-llm's own) or a directory holding a generation_config.json",
+    )
+    eng.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        help='JSON laid over the generation config, e.g. {"temperature": 0.5}',
+    )
     eng.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     eng.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     eng.add_argument(
@@ -162,6 +173,16 @@ def check_speculative_config(spec: dict[str, Any] | None) -> None:
         raise ValueError(f"--speculative-config: {err}") from None
 
 
+def check_generation_overrides(overrides: dict[str, Any] | None) -> None:
+    """Refuse an --override-generation-config that makes invalid SamplingParams."""
+    from paged_llm.engine.generation_config import load_generation_defaults
+
+    try:
+        load_generation_defaults(None, None, "vllm", overrides)
+    except ValueError as err:
+        raise ValueError(f"--override-generation-config: {err}") from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments; ValueError for flags the engine cannot honour."""
     refused = {"--pipeline-parallel-size": args.pipeline_parallel_size != 1}
@@ -171,6 +192,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     check_quantization(args.quantization)
     check_kv_cache_dtype(args.kv_cache_dtype)
     check_speculative_config(args.speculative_config)
+    check_generation_overrides(args.override_generation_config)
     kwargs: dict[str, Any] = {
         "model": model_name(args),
         "tokenizer": args.tokenizer,
@@ -196,6 +218,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype": None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "enforce_eager": args.enforce_eager,
+        "generation_config": args.generation_config,
+        "override_generation_config": args.override_generation_config,
     }
     return {k: v for k, v in kwargs.items() if v is not None}  # None: the engine's default
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -165,9 +166,13 @@ def _param_of(message: str) -> str | None:
     return word if word in {f.name for f in dataclasses.fields(SamplingParams)} else None
 
 
-def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParams:
-    """The request's SamplingParams, ``n`` included (the engine gives choice i seed + i)."""
+def sampling_params(
+    req: _GenerationRequest, max_logprobs: int, defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
+    """The request's SamplingParams, ``n`` included (the engine gives choice i seed + i).
+    ``defaults`` (the model's generation_config.json) fill the sampling fields it leaves unset."""
     _reject_unsupported(req)
+    defaults = {**_UNSET_DEFAULTS, **(defaults or {})}
     if not 1 <= req.n <= MAX_N:
         raise BadRequest(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
     if req.best_of is not None and not req.n <= req.best_of <= MAX_N:
@@ -188,6 +193,8 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
         if req.echo and max_tokens == 0:  # score the prompt only: run one step, show no output
             max_tokens = 1
     prompt_logprobs = _prompt_logprobs(req, logprobs, max_logprobs)
+    if max_tokens is None:  # None left: up to max_model_len
+        max_tokens = defaults["max_tokens"]
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest(
             f"{max_tokens_field} must be at least 1, got {max_tokens}", param=max_tokens_field
@@ -200,10 +207,10 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
             n=req.n,
             best_of=req.best_of,
             seed=seed,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=_given(req.temperature, defaults["temperature"]),
+            top_p=_given(req.top_p, defaults["top_p"]),
+            top_k=_given(req.top_k, defaults["top_k"]),
+            min_p=_given(req.min_p, defaults["min_p"]),
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=req.stop,
@@ -217,7 +224,7 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=_given(req.repetition_penalty, defaults["repetition_penalty"]),
             logit_bias=_logit_bias(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
@@ -225,6 +232,16 @@ def sampling_params(req: _GenerationRequest, max_logprobs: int) -> SamplingParam
         )
     except ValueError as err:
         raise BadRequest(str(err), param=_param_of(str(err))) from None
+
+
+# what a request that leaves a field unset gets when the model recommends nothing
+_UNSET_DEFAULTS = dict(
+    temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, max_tokens=None
+)
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def _prompt_logprobs(

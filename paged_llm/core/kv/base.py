@@ -137,6 +137,11 @@ class KVCacheManager(ABC):
     def on_computed(self, request: Request) -> None:
         """Hook after the request's num_computed_tokens advanced (prefix cache registration)."""
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block; False while requests hold blocks (nothing cached
+        here)."""
+        return True
+
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Give back blocks beyond what ``num_tokens`` tokens need (speculative rollback)."""
 

@@ -195,6 +195,10 @@ class PagedKVCacheManager(KVCacheManager):
             if not self.pool.is_cached(table[i]):
                 self.pool.register(table[i], h, tuple(tokens[i * bs : (i + 1) * bs]))
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block; False while requests hold blocks."""
+        return self.pool.reset_prefix_cache()
+
     def prefix_cache_hit_rate(self) -> float:
         """Fraction of looked-up prompt blocks found in the cache."""
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
