@@ -82,6 +82,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # default: max(max_model_len, 2048)
     enable_chunked_prefill: bool = False
     preemption_mode: str = "recompute"  # recompute | swap
+    # vLLM's: fcfs | priority (requests' ``priority``: smaller runs sooner; core/queue_policy.py)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check_optional_count("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -88,8 +88,10 @@ class LLM:
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; return one RequestOutput per prompt, in order.
+        ``priority`` (one per prompt, with ``scheduling_policy="priority"``): smaller runs sooner.
 
         Every prompt is validated before any is run: a bad one raises ValueError naming its
         index, and nothing is left queued.
@@ -109,13 +111,17 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts"
                 )
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
         groups = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
                 if isinstance(params, SamplingParams):  # only the end is read (as in vLLM)
                     params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                groups.append(engine.make_request(f"offline-{i}-{id(self)}", prompt, params))
+                rid = f"offline-{i}-{id(self)}"
+                groups.append(engine.make_request(rid, prompt, params, priority=priorities[i]))
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from err
         for g in groups:

@@ -36,13 +36,29 @@ def make_scheduler(policy, mode="recompute", num_blocks=24, block_size=4, chunke
         max_num_batched_tokens=kw.get("budget", 64),
         enable_chunked_prefill=chunked,
         preemption_mode=mode,
+        scheduling_policy=kw.get("scheduling_policy", "fcfs"),
     )
     return Scheduler(kv, limits, track_memory=True)
 
 
-def make_request(rid, prompt_len, max_tokens, ignore_eos=True):
+def make_request(rid, prompt_len, max_tokens, ignore_eos=True, priority=0, arrival=0.0):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
-    return Request(str(rid), [7] * prompt_len, params, eos_token_id=EOS, max_model_len=MAX_LEN)
+    return Request(str(rid), [7] * prompt_len, params, eos_token_id=EOS, max_model_len=MAX_LEN,
+                   priority=priority, arrival_time=arrival)  # fmt: skip
+
+
+def check_priority_order(s: Scheduler, before: set[str], out):
+    """Priority scheduling: the waiting queue stays sorted; requests admitted this step come
+    from its front; preempted requests were the least urgent of those running."""
+    key = s.queue.key
+    keys = [key(r) for r in s.waiting]
+    assert keys == sorted(keys)
+    admitted = [r for r in s.running if r.request_id not in before]
+    if admitted and s.waiting and not out.swap_in:
+        assert max(key(r) for r in admitted) <= min(keys)
+    preempted = [s.requests[rid] for rid in out.preempted if rid in s.requests]
+    if preempted and s.running:
+        assert max(key(r) for r in s.running) <= min(key(r) for r in preempted)
 
 
 def check_invariants(s: Scheduler):
@@ -74,10 +90,14 @@ def run_ops(s: Scheduler, ops, rng_tokens):
     added = 0
     for op, a, b in ops:
         if op == 0:
-            s.add_request(make_request(added, 1 + a % 40, 1 + b % 30, ignore_eos=b % 3 != 0))
+            s.add_request(make_request(added, 1 + a % 40, 1 + b % 30, ignore_eos=b % 3 != 0,
+                                       priority=a % 3, arrival=float(added)))  # fmt: skip
             added += 1
         elif op == 1 and s.has_unfinished():
+            before = {r.request_id for r in s.running}
             out = s.schedule(step)
+            if s.queue.name == "priority":
+                check_priority_order(s, before, out)
             assert out.num_batched_tokens <= s.limits.max_num_batched_tokens
             assert len(out.scheduled) <= s.limits.max_num_seqs
             sampled = {
@@ -94,7 +114,13 @@ def run_ops(s: Scheduler, ops, rng_tokens):
             parent = s.running[a % len(s.running)]
             if parent.num_computed_tokens == parent.num_tokens and parent.num_output_tokens:
                 parent.group_id = parent.group_id or parent.request_id
-                child = make_request(f"c{added}", parent.num_prompt_tokens, 1 + b % 30)
+                child = make_request(
+                    f"c{added}",
+                    parent.num_prompt_tokens,
+                    1 + b % 30,
+                    priority=parent.priority,
+                    arrival=parent.arrival_time,
+                )
                 added += 1
                 child.output_token_ids = list(parent.output_token_ids)
                 child.num_computed_tokens = parent.num_computed_tokens - 1  # redo the last token
@@ -132,6 +158,44 @@ POLICY_MODES = [("paged", "recompute"), ("paged", "swap")] + [
 def test_random_operations_keep_invariants(policy, mode, chunked, ops, tokens):
     s = make_scheduler(policy, mode, chunked=chunked, budget=16 if chunked else 64)
     run_ops(s, ops, tokens)
+
+
+@pytest.mark.parametrize("policy,mode", [("paged", "recompute"), ("paged", "swap"),
+                                         ("orca_oracle", "recompute")])  # fmt: skip
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from([0, 0, 1, 1, 1, 2, 3]), st.integers(0, 99), st.integers(0, 99)),
+        max_size=80,
+    ),
+    tokens=st.lists(st.sampled_from([EOS, 5, 6]), min_size=1, max_size=8),
+)
+def test_priority_scheduling_keeps_invariants_and_order(policy, mode, ops, tokens):
+    """The same random operations under priority scheduling: no leak, every request finishes,
+    and the queue order and preemption victims follow (priority, arrival time)."""
+    s = make_scheduler(policy, mode, num_blocks=16, scheduling_policy="priority")
+    run_ops(s, ops, tokens)
+
+
+def test_priority_admits_urgent_first_and_preempts_the_least_urgent():
+    s = make_scheduler("paged", num_blocks=16, max_num_seqs=2, scheduling_policy="priority")
+    for rid, prio in (("low", 5), ("high", 0), ("mid", 2)):
+        s.add_request(make_request(rid, 4, 30, priority=prio))
+    out = s.schedule(0)
+    assert [x.request.request_id for x in out.scheduled] == ["high", "mid"]
+    for step in range(1, 40):  # 2 x (4 + 30) tokens need 18 blocks of 4, the pool has 16
+        out = s.schedule(step)
+        if out.preempted:
+            assert out.preempted == ["mid"] and [r.request_id for r in s.waiting] == ["mid", "low"]
+            break
+        s.update_from_output(out, {x.request.request_id: [5] for x in out.scheduled}, step)
+    else:
+        raise AssertionError("expected a preemption")
+
+
+def test_unknown_scheduling_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        SchedulerLimits(scheduling_policy="lifo")
 
 
 def test_request_that_can_never_fit_is_rejected():

@@ -37,6 +37,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    priority: int = 0  # priority scheduling: smaller runs sooner (vLLM's)
     eos_token_id: int | None = None
     max_model_len: int = 2048
     output_token_ids: list[int] = field(default_factory=list)

@@ -2,8 +2,9 @@
 
 Each ``schedule()`` call decides which requests run this step and how many tokens each
 computes, under ``max_num_seqs`` and ``max_num_batched_tokens``. Requests join at any step and
-leave the moment they finish. When the KV manager runs out of room, the most recently admitted
-running request is preempted by recomputation or by swapping.
+leave the moment they finish. When the KV manager runs out of room, a running request is
+preempted by recomputation or by swapping: the most recently admitted one, or with priority
+scheduling the least urgent (``core/queue_policy.py`` holds that choice and the queue order).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from paged_llm.core.kv.base import KVCacheManager, MemoryBreakdown
+from paged_llm.core.queue_policy import QUEUE_POLICIES
 from paged_llm.core.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,7 @@ class SchedulerLimits:
     preemption_mode: str = "recompute"  # "recompute" or "swap"
     # speculative decoding: slots reserved after each decode for draft tokens to verify
     num_lookahead_slots: int = 0
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (a key of QUEUE_POLICIES)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -39,6 +42,11 @@ class SchedulerLimits:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got '{self.preemption_mode}'"
+            )
+        if self.scheduling_policy not in QUEUE_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {sorted(QUEUE_POLICIES)}, "
+                f"got '{self.scheduling_policy}'"
             )
 
 
@@ -99,7 +107,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS continuous batching over a KV manager (paged, or a reservation baseline)."""
+    """Continuous batching over a KV manager (paged, or a reservation baseline), in the order of
+    a queue policy (first come first served, or priority)."""
 
     def __init__(self, kv: KVCacheManager, limits: SchedulerLimits, track_memory: bool = False):
         if limits.preemption_mode == "swap" and not kv.supports_swap:
@@ -123,6 +132,7 @@ class Scheduler:
             )
         self.kv = kv
         self.limits = limits
+        self.queue = QUEUE_POLICIES[limits.scheduling_policy]()
         self.track_memory = track_memory
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last is preempted first
@@ -142,7 +152,7 @@ class Scheduler:
                 f"({self.kv.num_slots} slots of policy '{self.kv.name}'); it can never run"
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.queue.add(self.waiting, request)
 
     def check_group_fits(self, requests: list[Request], what: str) -> None:
         """ValueError when sequences scheduled and preempted together could never all run: more
@@ -246,7 +256,7 @@ class Scheduler:
                 break  # token budget exhausted; the rest wait a step
             look = self._lookahead(req, n, budget)
             while not self.kv.allocate_slots(req, n + look):
-                group = self._group_of(self.running[-1])
+                group = self._group_of(self.queue.victim(self.running))
                 self._preempt(group, out)
                 if req in group:
                     break
@@ -282,7 +292,7 @@ class Scheduler:
         if mapping is not None:
             for req in group:
                 req.status = RequestStatus.SWAPPED
-            self.swapped.append(group)
+            self.queue.add_swapped(self.swapped, group)
             out.swap_out.extend(mapping)
             how = f"swapped out ({len(mapping)} blocks)"
         else:
@@ -292,7 +302,7 @@ class Scheduler:
                 self.kv.free(req)
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
-                self.waiting.appendleft(req)
+            self.queue.requeue(self.waiting, group)
             how = "preempted for recomputation"
         out.preempted.extend(r.request_id for r in group)
         # like vLLM: warn on the first preemption and every 50th, so overload stays readable

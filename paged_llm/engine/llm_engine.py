@@ -36,6 +36,7 @@ from paged_llm.runner.model_runner import ModelRunner
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 from paged_llm.spec.metrics import SpecDecodeStats
 from paged_llm.spec.registry import build_drafter
+from paged_llm.utils.checks import is_int
 from paged_llm.utils.registry import build
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class LLMEngine:
             enable_chunked_prefill=sc.enable_chunked_prefill,
             preemption_mode=sc.preemption_mode,
             num_lookahead_slots=self.drafter.k if self.drafter is not None else 0,
+            scheduling_policy=sc.scheduling_policy,
         )
         self.scheduler = Scheduler(kv, limits)
         self.runner.initialize_cache(num_blocks, num_cpu_blocks)
@@ -233,6 +235,7 @@ class LLMEngine:
         prompt: Any,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> _Group:
         """Validate a prompt and its parameters; raise ValueError before any work is done."""
         if self.parallel is not None and not self.parallel.is_driver:
@@ -244,6 +247,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         params.validate()
+        self._check_priority(priority)
         text, ids = to_token_ids(prompt, self.tokenizer)
         kept = truncate_prompt(ids, params.truncate_prompt_tokens)  # before the length check
         if len(kept) < len(ids):
@@ -294,6 +298,7 @@ class LLMEngine:
                 prompt_token_ids=ids,
                 sampling_params=p,
                 arrival_time=arrival,
+                priority=priority,
                 eos_token_id=self.eos_token_id,
                 max_model_len=self.max_model_len,
                 group_id=request_id if params.best_of > 1 else None,
@@ -313,13 +318,24 @@ class LLMEngine:
         prompt: Any,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> str:
-        """Validate and queue a request; return its id. Bad input raises and changes nothing."""
+        """Validate and queue a request; return its id. Bad input raises and changes nothing.
+        ``priority`` (with ``scheduling_policy="priority"``): smaller runs sooner."""
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id '{request_id}' is already in use")
-        self._enqueue(self.make_request(request_id, prompt, params, arrival_time))
+        self._enqueue(self.make_request(request_id, prompt, params, arrival_time, priority))
         return request_id
+
+    def _check_priority(self, priority: int) -> None:
+        if not is_int(priority):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduler.queue.name != "priority":
+            raise ValueError(
+                f"got priority {priority}, but scheduling_policy is "
+                f"'{self.scheduler.queue.name}'; use scheduling_policy='priority'"
+            )
 
     def _enqueue(self, group: _Group) -> None:
         """Queue a validated group. With a sharing policy, samples 2..n wait for the first one's

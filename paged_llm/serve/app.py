@@ -222,6 +222,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
                 else token_prompt(p, decode=req.echo),  # echo shows token prompts as text
                 params,
                 default_max_tokens=req.max_tokens is None,
+                priority=req.priority,
             )
             for p in completion_prompts(req.prompt)
         ]
@@ -243,7 +244,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
             req.chat_template_kwargs,
         )
         unset = req.max_tokens is None and req.max_completion_tokens is None
-        subs = [SubRequest(render, params, default_max_tokens=unset)]
+        subs = [SubRequest(render, params, default_max_tokens=unset, priority=req.priority)]
         return await _generate(request, req, subs, Choices([params]), model, chat=True)
 
     async def _generate(

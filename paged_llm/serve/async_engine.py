@@ -47,6 +47,7 @@ class SubRequest:
     # max_tokens is the model's recommended default (the request left it unset): capped to the
     # context like vLLM's default, not refused
     default_max_tokens: bool = False
+    priority: int = 0  # with scheduling_policy="priority": smaller runs sooner
 
     @property
     def num_seqs(self) -> int:
@@ -362,7 +363,9 @@ class AsyncEngine:
                     asked = None if sub.default_max_tokens else sub.params.max_tokens
                     check_fits(len(ids), asked, self.engine.max_model_len)
                 try:
-                    self.engine.add_request(sub_id, prompt, sub.params, command.arrival_time)
+                    self.engine.add_request(
+                        sub_id, prompt, sub.params, command.arrival_time, sub.priority
+                    )
                 except ValueError as err:
                     raise BadRequest(str(err)) from None
                 added.append(sub_id)

@@ -69,7 +69,7 @@ class AsyncLLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate(
-        self, prompt: Any, sampling_params: SamplingParams, request_id: str
+        self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as it runs (cumulative unless its ``output_kind`` asks
         otherwise); the last one has ``finished`` set. ``prompt``: text, ``{"prompt": text}``
@@ -78,7 +78,9 @@ class AsyncLLMEngine:
             self.start_background_loop()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(sampling_params).__name__}")
-        sub = SubRequest(lambda _tokenizer: prompt, sampling_params, check_fits=False)
+        sub = SubRequest(
+            lambda _tokenizer: prompt, sampling_params, check_fits=False, priority=priority
+        )
         try:
             group = await self._loop.submit([sub], str(request_id))
         except BadRequest as err:

@@ -86,6 +86,11 @@ def make_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-num-batched-tokens", type=int)
     eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
     eng.add_argument("--preemption-mode", choices=["recompute", "swap"])
+    eng.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        help="fcfs (default) or priority: requests' priority field, smaller first",
+    )
     eng.add_argument("--policy", help="KV allocation policy (paged, orca_max, ..., static)")
     eng.add_argument("--attention-backend", help="auto, torch, cpu, triton or contiguous")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
@@ -209,6 +214,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "preemption_mode": args.preemption_mode,
+        "scheduling_policy": args.scheduling_policy,
         "policy": args.policy,
         "attention_backend": args.attention_backend,
         "log_stats": not args.disable_log_stats,

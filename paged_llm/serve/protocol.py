@@ -68,6 +68,7 @@ class _GenerationRequest(BaseModel):
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     use_beam_search: bool = False  # vLLM's; refused (beam search is LLM.beam_search offline)
     best_of: int | None = None  # sample this many, return the n with the highest logprob sum
+    priority: int = 0  # with --scheduling-policy priority: smaller runs sooner
 
 
 class CompletionRequest(_GenerationRequest):
