@@ -146,7 +146,8 @@ def test_random_add_step_abort_interleavings(llm, ops):
 @st.composite
 def engine_configs(draw):
     """Any engine the LLM constructor accepts over the tiny model: block size, pool size, token
-    budget, sequence limit, policy, preemption, prefix caching, KV dtype, attention backend
+    budget, sequence limit, policy, queue order (FCFS or priority), preemption, prefix caching,
+    KV dtype, attention backend
     (the CPU default, torch, contiguous), weight quantization, model dtype, speculation."""
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     max_model_len = draw(st.sampled_from([48, 64, 96]))
@@ -156,6 +157,7 @@ def engine_configs(draw):
         block_size=block_size, max_model_len=max_model_len, policy=policy,
         num_gpu_blocks_override=-(-max_model_len // block_size) + draw(st.integers(0, 32)),
         max_num_seqs=draw(st.sampled_from([1, 2, 3, 8, 256])),
+        scheduling_policy=draw(st.sampled_from(["fcfs", "fcfs", "priority"])),
     )  # fmt: skip
     if draw(st.booleans()):
         cfg.update(enable_chunked_prefill=True,
@@ -222,8 +224,12 @@ def run_interleaving(llm, ops, reference=None, exact_alone=True):
             _, prompt, max_tokens, seed, n, extra_best = op
             rid = f"r{len(added)}"
             params = _params_of(max_tokens, seed, n, extra_best)
-            try:  # refused: a group too large for the pool or for max_num_seqs (it would
-                engine.add_request(rid, PROMPTS[prompt], params)  # preempt itself forever)
+            # under priority scheduling, some order that is not the arrival order
+            priority = (prompt + max_tokens) % 3 if engine.scheduler.queue.name == "priority" else 0
+            # refused: a group too large for the pool or for max_num_seqs (it would preempt
+            # itself forever)
+            try:
+                engine.add_request(rid, PROMPTS[prompt], params, priority=priority)
             except ValueError as err:
                 assert "KV blocks together" in str(err) or "max_num_seqs" in str(err)
                 continue

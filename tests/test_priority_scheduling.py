@@ -81,3 +81,20 @@ def test_server_takes_a_priority_field():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         r = httpx.post(srv.url + "/v1/completions", json={**body, "priority": "high"}, timeout=30)
         assert r.status_code == 400
+
+
+def test_priority_experiment_shields_urgent_requests_under_overload(tmp_path):
+    """experiments.priority_sim, short and synthetic: above the knee the urgent fifth keeps a
+    low latency under priority scheduling, while under FCFS it queues like everyone else."""
+    from experiments.priority_sim import run
+    from paper_repro.common import compose
+
+    cfg = compose("priority_sim", ["request_rates=[5.0]", "workload.duration_s=120",
+                                   "workload.path=null", "progress=false"])  # fmt: skip
+    runs = run(cfg, tmp_path)["runs"]["5.0"]
+    fcfs, prio = runs["fcfs"], runs["priority"]
+    assert prio["urgent"]["normalized_latency"] < 0.5 * fcfs["urgent"]["normalized_latency"]
+    assert prio["urgent"]["median_ttft_ms"] < 0.2 * fcfs["urgent"]["median_ttft_ms"]
+    assert prio["other"]["normalized_latency"] >= fcfs["other"]["normalized_latency"]
+    assert fcfs["all"]["completed"] == prio["all"]["completed"]  # every request finishes
+    assert (tmp_path / "priority_sim.png").exists() and (tmp_path / "priority_sim.csv").exists()

@@ -107,7 +107,8 @@ class SequenceGroup:
     def _request(self, request_id: str, prompt: list[int], **kw: object) -> Request:
         return Request(
             request_id, prompt, self.params, arrival_time=self.tr.arrival_time,
-            max_model_len=self.max_model_len, group_id=self.group_id, **kw,
+            priority=self.tr.priority, max_model_len=self.max_model_len, group_id=self.group_id,
+            **kw,
         )  # fmt: skip
 
     @property

@@ -77,6 +77,7 @@ class RealExecutor:
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 enable_chunked_prefill=settings.enable_chunked_prefill,
                 preemption_mode=settings.preemption_mode,
+                scheduling_policy=settings.scheduling_policy,
             ),
             attention_backend=self.attention,
         )
@@ -209,8 +210,9 @@ class _Sampled:
     def add(self, tr: TimedRequest, prompt: list[int], arrival: float) -> None:
         """Queue one request of the workload."""
         self.engine.add_request(
-            tr.request_id, {"prompt_token_ids": prompt}, _sampling_params(tr), arrival_time=arrival
-        )
+            tr.request_id, {"prompt_token_ids": prompt}, _sampling_params(tr),
+            arrival_time=arrival, priority=tr.priority,
+        )  # fmt: skip
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running."""
@@ -262,7 +264,7 @@ class _BeamSearches:
         """Queue the request's first sequence (it prefills; the beams fork off it)."""
         params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
         group = self.engine.make_request(
-            tr.request_id, {"prompt_token_ids": prompt}, params, arrival
+            tr.request_id, {"prompt_token_ids": prompt}, params, arrival, tr.priority
         )
         req = group.members[0].request
         req.group_id = tr.request_id  # a request's beams are admitted and preempted together

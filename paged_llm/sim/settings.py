@@ -25,6 +25,7 @@ class ServingSettings:
     preemption_mode: str = "recompute"
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False  # sharing policies only (paged)
+    scheduling_policy: str = "fcfs"  # or "priority" (TimedRequest.priority: smaller first)
 
     def with_overrides(self, **kw: Any) -> ServingSettings:
         """A copy with some settings changed (e.g. a policy's own max_num_seqs)."""
@@ -37,6 +38,7 @@ class ServingSettings:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
+            scheduling_policy=self.scheduling_policy,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -32,6 +32,7 @@ class TimedRequest:
     n: int = 1  # parallel samples (SamplingParams.n)
     beam_width: int = 1  # > 1: beam search of this width
     prefix_len: int = 0  # the first prefix_len prompt tokens are the same in every request
+    priority: int = 0  # with scheduling_policy="priority": smaller runs sooner
 
 
 @dataclass
