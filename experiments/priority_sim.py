@@ -1,8 +1,9 @@
 """Priority scheduling against first come first served, under rising load.
 
-A share of the requests (``urgent_fraction``, drawn with ``seed``) gets priority 0, the rest
-priority 1. Each request rate runs twice with the same arrivals and lengths: FCFS, and
-``scheduling_policy=priority``. Reported per class: the paper's normalized latency (s/token),
+A share of the requests (``urgent_fraction``, drawn with ``priority_seed``) is urgent. Each
+request rate runs twice with the same arrivals and lengths: FCFS (no priorities, which an FCFS
+engine refuses, as vLLM's), and ``scheduling_policy=priority`` with the urgent requests at
+priority 0 and the rest at 1. Reported per class: the paper's normalized latency (s/token),
 TTFT and E2EL, so the cost to the other requests is beside the gain of the urgent ones.
 ``python -m experiments.priority_sim [overrides]`` (simulated OPT-13B on an A100-40GB by
 default; ``executor=real`` runs the real engine). Writes priority_sim.json / .csv / .png.
@@ -26,21 +27,26 @@ CLASSES = {"urgent": 0, "other": 1}  # class name -> priority
 REPORTED = ("normalized_latency", "median_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "completed")
 
 
-def with_priorities(workload: Workload, urgent_fraction: float, seed: int) -> Workload:
-    """The same requests, a seeded ``urgent_fraction`` of them with priority 0, the rest 1."""
+def draw_classes(workload: Workload, urgent_fraction: float, seed: int) -> dict[str, str]:
+    """Request id -> class: a seeded ``urgent_fraction`` of the requests are urgent."""
     rng = random.Random(seed)
-    requests = [
-        replace(r, priority=CLASSES["urgent"] if rng.random() < urgent_fraction else 1)
+    return {
+        r.request_id: "urgent" if rng.random() < urgent_fraction else "other"
         for r in workload.requests
-    ]
+    }
+
+
+def with_priorities(workload: Workload, classes: dict[str, str]) -> Workload:
+    """The same requests, each with its class's priority."""
+    requests = [replace(r, priority=CLASSES[classes[r.request_id]]) for r in workload.requests]
     return replace(workload, requests=requests)
 
 
-def class_metrics(trace: Any, priority_of: dict[str, int]) -> dict[str, dict[str, Any]]:
+def class_metrics(trace: Any, classes: dict[str, str]) -> dict[str, dict[str, Any]]:
     """serving_metrics of each class's requests, and of all of them."""
     out = {"all": serving_metrics(trace)}
-    for name, prio in CLASSES.items():
-        mine = [r for r in trace.requests if priority_of[r.request_id] == prio]
+    for name in CLASSES:
+        mine = [r for r in trace.requests if classes[r.request_id] == name]
         out[name] = serving_metrics(replace(trace, requests=mine))
     return {k: {m: v[m] for m in (*REPORTED, "num_preemptions")} for k, v in out.items()}
 
@@ -72,16 +78,15 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> dict[str, Any]
     result: dict[str, Any] = {"urgent_fraction": c["urgent_fraction"], "runs": {}}
     rows, used = [], []
     for rate in rates:
-        workload = with_priorities(
-            exp.workload(request_rate=rate), c["urgent_fraction"], c["priority_seed"]
-        )
+        workload = exp.workload(request_rate=rate)
         used.append(workload)
-        priority_of = {r.request_id: r.priority for r in workload.requests}
+        classes = draw_classes(workload, c["urgent_fraction"], c["priority_seed"])
+        runs = {"fcfs": workload, "priority": with_priorities(workload, classes)}
         result["runs"][str(rate)] = {}
-        for policy in ("fcfs", "priority"):
+        for policy, requests in runs.items():
             settings = exp.settings(c["policy"], scheduling_policy=policy)
-            trace = exp.run(workload, c["policy"], settings)
-            per_class = class_metrics(trace, priority_of)
+            trace = exp.run(requests, c["policy"], settings)
+            per_class = class_metrics(trace, classes)
             result["runs"][str(rate)][policy] = per_class
             for cls, m in per_class.items():
                 rows.append({"request_rate": rate, "scheduling_policy": policy, "class": cls, **m})
