@@ -154,6 +154,21 @@ def test_streaming_completion_matches_whole(client):
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
+def test_continuous_usage_stats_count_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    kw = dict(model=MODEL, prompt="import os\n", max_tokens=6, **greedy())
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(stream=True, stream_options=opts, **kw))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == [1, 2, 3, 4, 5, 6, 6]  # six token chunks, then the usage chunk
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, **greedy())
+    chunks = list(client.chat.completions.create(stream=True, stream_options=opts, **chat))
+    assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens == 3
+    plain = list(client.completions.create(stream=True, **kw))
+    assert all(c.usage is None for c in plain)  # only when asked
+
+
 def test_chat_completion_stream_and_whole(client, tokenizer):
     messages = [
         {"role": "system", "content": "You are terse."},

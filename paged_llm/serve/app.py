@@ -263,8 +263,10 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
             )
         created = int(time.time())
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = _sse(group, choices, model, created, chat, include_usage)
+            opts = req.stream_options
+            include_usage = bool(opts and opts.include_usage)
+            continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+            events = _sse(group, choices, model, created, chat, include_usage, continuous)
             return _GroupStream(group, events)
         try:
             done = await _unless_disconnected(request, _collect(group, choices))
@@ -299,8 +301,16 @@ def _event(obj: Any) -> str:
 
 
 async def _sse(
-    group: RequestGroup, choices: Choices, model: str, created: int, chat: bool, usage: bool
+    group: RequestGroup,
+    choices: Choices,
+    model: str,
+    created: int,
+    chat: bool,
+    usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
+    """The SSE events of a stream: chunks, the usage chunk when asked, ``[DONE]``;
+    ``continuous_usage`` (vLLM's) puts the usage so far into every chunk too."""
     rid = group.request_id
     async for update in group.updates():
         if update.error is not None:
@@ -308,10 +318,13 @@ async def _sse(
             break
         for delta in choices.apply(update):  # one chunk (chat: or two) per changed choice
             if chat:
-                for chunk in chat_chunks(rid, created, model, choices, delta):
-                    yield _event(chunk)
+                chunks = chat_chunks(rid, created, model, choices, delta)
             else:
-                yield _event(completion_chunk(rid, created, model, choices, delta))
+                chunks = [completion_chunk(rid, created, model, choices, delta)]
+            for chunk in chunks:
+                if continuous_usage:
+                    chunk["usage"] = choices.usage()
+                yield _event(chunk)
     else:
         if usage:
             obj = "chat.completion.chunk" if chat else "text_completion"

@@ -25,10 +25,12 @@ MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: whether the last chunk reports token usage."""
+    """``stream_options``: whether the last chunk reports token usage (and, vLLM's
+    ``continuous_usage_stats``, every chunk the usage so far)."""
 
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(BaseModel):
