@@ -9,7 +9,8 @@ Two things in it change what the engine does:
 * The model creator's recommended sampling settings (``temperature``, ``top_p``, ``top_k``,
   ``min_p``, ``repetition_penalty``, ``max_new_tokens``) are the defaults of requests that leave
   them unset: ``LLM.generate`` without SamplingParams (``LLM.get_default_sampling_params``) and
-  the server's requests that omit a field.
+  the server's requests that omit a field. ``do_sample`` is ignored, as vLLM ignores it: a
+  recommended ``temperature`` applies even where the file says ``do_sample: false``.
 
 ``generation_config="auto"`` (vLLM's default) reads the model directory's file, ``"vllm"`` keeps
 paged-llm's own sampling defaults (the EOS ids are still read), and a directory path reads the
