@@ -47,6 +47,12 @@ def test_vllm_source_keeps_own_defaults_but_reads_eos_and_overrides(tmp_path):
     assert dict(over.sampling) == {"temperature": 0.1, "max_tokens": 3}
 
 
+def test_unread_override_keys_are_reported(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="paged_llm.engine.generation_config"):
+        defaults = load_generation_defaults(None, _Cfg(), overrides={"temprature": 0.5})
+    assert dict(defaults.sampling) == {} and "['temprature'] ignored" in caplog.text
+
+
 def test_another_directory_and_fallbacks(tmp_path):
     other = _write(tmp_path / "other", temperature=0.2)
     model = _write(tmp_path / "model", temperature=0.9)

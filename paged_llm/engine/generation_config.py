@@ -87,6 +87,13 @@ def load_generation_defaults(
     eos_ids = _eos_ids(eos, vocab_size)
     config = {} if source == "vllm" else dict(raw)
     config.update(overrides or {})
+    unused = sorted(set(overrides or {}) - set(SAMPLING_FIELDS))
+    if unused:  # as vLLM, only the sampling fields are read; say so rather than drop a typo
+        logger.warning(
+            "override_generation_config: %s ignored; only %s are read",
+            unused,
+            list(SAMPLING_FIELDS),
+        )
     sampling = {
         ours: config[theirs] for theirs, ours in SAMPLING_FIELDS.items()
         if config.get(theirs) is not None
