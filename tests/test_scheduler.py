@@ -162,6 +162,7 @@ def test_random_operations_keep_invariants(policy, mode, chunked, ops, tokens):
 
 @pytest.mark.parametrize("policy,mode", [("paged", "recompute"), ("paged", "swap"),
                                          ("orca_oracle", "recompute")])  # fmt: skip
+@pytest.mark.parametrize("chunked", [False, True])
 @settings(max_examples=150, deadline=None)
 @given(
     ops=st.lists(
@@ -170,10 +171,11 @@ def test_random_operations_keep_invariants(policy, mode, chunked, ops, tokens):
     ),
     tokens=st.lists(st.sampled_from([EOS, 5, 6]), min_size=1, max_size=8),
 )
-def test_priority_scheduling_keeps_invariants_and_order(policy, mode, ops, tokens):
+def test_priority_scheduling_keeps_invariants_and_order(policy, mode, chunked, ops, tokens):
     """The same random operations under priority scheduling: no leak, every request finishes,
     and the queue order and preemption victims follow (priority, arrival time)."""
-    s = make_scheduler(policy, mode, num_blocks=16, scheduling_policy="priority")
+    s = make_scheduler(policy, mode, num_blocks=16, chunked=chunked, budget=16 if chunked else 64,
+                       scheduling_policy="priority")  # fmt: skip
     run_ops(s, ops, tokens)
 
 
