@@ -479,12 +479,15 @@ class LLMEngine:
     def _name_tokens(self, entry: LogprobEntry, params: SamplingParams) -> None:
         """Fill each Logprob's ``decoded_token`` (the token's own text), as vLLM does."""
         if self.tokenizer is not None and params.detokenize:
-            texts = self._token_texts  # one decode per vocabulary entry, ever
             for token_id, logprob in entry.items():
-                text = texts.get(token_id)
-                if text is None:
-                    text = texts[token_id] = self.tokenizer.decode([token_id])
-                logprob.decoded_token = text
+                logprob.decoded_token = self.token_text(token_id)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (needs a tokenizer); decoded once per vocabulary entry, ever."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _detokenizer_for(self, p: SamplingParams) -> IncrementalDetokenizer | None:
         """A sequence's text keeper, or None when it has no text."""

@@ -460,9 +460,9 @@ class AsyncEngine:
         Logprob's ``decoded_token``) and of ``extra_ids``, decoding only what is missing."""
         strings = {t: lp.decoded_token for e in entries if e for t, lp in e.items()
                    if lp.decoded_token is not None}  # fmt: skip
-        tokenizer = self.engine.tokenizer
+        no_text = self.engine.tokenizer is None
         for t in {t for e in entries if e for t in e}.union(extra_ids) - strings.keys():
-            strings[t] = f"token_id:{t}" if tokenizer is None else tokenizer.decode([t])
+            strings[t] = f"token_id:{t}" if no_text else self.engine.token_text(t)
         return strings
 
     def _snapshot(self) -> None:
