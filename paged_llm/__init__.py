@@ -20,6 +20,7 @@ _EXPORTS = {
     "SamplingParams": "paged_llm.sampling_params",
     "RequestOutputKind": "paged_llm.sampling_params",
     "GuidedDecodingParams": "paged_llm.sampling_params",
+    "StructuredOutputsParams": "paged_llm.sampling_params",
     "RequestOutput": "paged_llm.outputs",
     "CompletionOutput": "paged_llm.outputs",
     "Logprob": "paged_llm.outputs",
@@ -39,6 +40,7 @@ __all__ = [  # the names of _EXPORTS, spelled out so linters and IDEs see them
     "SamplingParams",
     "RequestOutputKind",
     "GuidedDecodingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
@@ -60,7 +62,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from paged_llm.engine.llm_engine import LLMEngine
     from paged_llm.llm import LLM
     from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
-    from paged_llm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+    from paged_llm.sampling_params import (
+        GuidedDecodingParams,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
     from paged_llm.serve.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
 
 

@@ -25,8 +25,9 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
-class GuidedDecodingParams:
-    """A constraint on a request's output, with vLLM's fields; set exactly one."""
+class StructuredOutputsParams:
+    """A constraint on a request's output, with vLLM's fields; set exactly one. (vLLM's current
+    name; ``GuidedDecodingParams`` is the older one, kept as an alias.)"""
 
     json: str | dict | None = None  # a JSON schema (object or its text)
     regex: str | None = None
@@ -69,6 +70,9 @@ class GuidedDecodingParams:
         return "grammar", str(self.grammar)
 
 
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before v0.12
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's output (temperature 0 means greedy)."""
@@ -90,6 +94,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None  # never complete one of these (needs a tokenizer)
     guided_decoding: GuidedDecodingParams | None = None  # structured output (needs xgrammar)
+    # vLLM's current name for the same thing (its older guided_decoding was removed in v0.12);
+    # either may be given, and both then hold the same object
+    structured_outputs: StructuredOutputsParams | None = None
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
@@ -123,6 +130,12 @@ class SamplingParams:
         self.logits_processors = list(self.logits_processors) if self.logits_processors else None
         if self.best_of is None:
             self.best_of = self.n
+        both = self.structured_outputs is not None and self.guided_decoding is not None
+        if both and self.structured_outputs is not self.guided_decoding:
+            raise ValueError("give structured_outputs or guided_decoding, not both")
+        self.guided_decoding = self.structured_outputs = (
+            self.guided_decoding or self.structured_outputs
+        )
         self.validate()
 
     def validate(self) -> None:
@@ -169,7 +182,7 @@ class SamplingParams:
         if self.guided_decoding is not None and not isinstance(
             self.guided_decoding, GuidedDecodingParams
         ):
-            raise ValueError("guided_decoding must be a GuidedDecodingParams")
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words or []):
             raise ValueError("bad_words must be non-empty strings")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -405,6 +405,18 @@ def test_structured_outputs_response_format_and_guided_fields(client):
     stream = client.completions.create(model=MODEL, prompt="n =", max_tokens=10, stream=True,
                                        extra_body={"guided_regex": "[0-9]{4}"})  # fmt: skip
     assert re.fullmatch("[0-9]{4}", "".join(c.choices[0].text for c in stream if c.choices))
+    # vLLM's current spelling (v0.12 removed guided_*): structured_outputs
+    body = {"structured_outputs": {"choice": ["up", "down"]}}
+    r = client.completions.create(model=MODEL, prompt="pick:", max_tokens=10, n=3, seed=3,
+                                  extra_body=body)  # fmt: skip
+    assert {c.text for c in r.choices} <= {"up", "down"}
+    for body, message in [
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "unsupported field"),
+        ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "both"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=body)
 
 
 def test_tokenize_and_detokenize(server, tokenizer):

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from paged_llm import LLM, GuidedDecodingParams, SamplingParams
+from paged_llm import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",
@@ -195,3 +195,18 @@ def test_conflicting_whitelists_never_fail_the_batch(llm):
     outs = llm.generate(PROMPTS[:2], [plain, guided], use_tqdm=False)
     assert outs[0].outputs[0].token_ids == alone
     assert outs[1].outputs[0].text == "ab" and outs[1].outputs[0].finish_reason == "stop"
+
+
+def test_vllm_current_names_structured_outputs(llm):
+    """vLLM >= 0.12 spells it SamplingParams(structured_outputs=StructuredOutputsParams(...));
+    the older guided_decoding / GuidedDecodingParams name the same objects."""
+    assert GuidedDecodingParams is StructuredOutputsParams
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(structured_outputs=choice, temperature=0.9, seed=0, max_tokens=8)
+    assert params.guided_decoding is choice and params.clone().structured_outputs is not None
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert {o.outputs[0].text for o in outs} <= {"yes", "no"}
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(
+            structured_outputs=choice, guided_decoding=StructuredOutputsParams(regex="a")
+        )

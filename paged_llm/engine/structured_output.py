@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from paged_llm.sampling_params import GuidedDecodingParams
+from paged_llm.sampling_params import StructuredOutputsParams
 
 
 def _import_xgrammar() -> Any:
@@ -87,7 +87,7 @@ class GrammarGuide:
 
 
 class StructuredOutputCompiler:
-    """Compiles GuidedDecodingParams into guides for one tokenizer (grammars cached)."""
+    """Compiles StructuredOutputsParams into guides for one tokenizer (grammars cached)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None):
         if tokenizer is None:
@@ -102,7 +102,7 @@ class StructuredOutputCompiler:
         self._vocab_size = vocab_size
         self._cache: dict[tuple[str, str], Any] = {}
 
-    def guide(self, params: GuidedDecodingParams) -> GrammarGuide:
+    def guide(self, params: StructuredOutputsParams) -> GrammarGuide:
         """A fresh guide at the start of ``params``' grammar; ValueError if it does not
         compile (an invalid schema, regex or grammar)."""
         key = params.key()
@@ -115,7 +115,7 @@ class StructuredOutputCompiler:
             self._cache[key] = compiled
         return GrammarGuide(self._xgr.GrammarMatcher(compiled), self._vocab_size)
 
-    def _compile(self, p: GuidedDecodingParams) -> Any:
+    def _compile(self, p: StructuredOutputsParams) -> Any:
         c = self._compiler
         # Compact JSON: a small model otherwise pads with whitespace it is free to emit.
         if p.json is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from paged_llm.sampling_params import GuidedDecodingParams, SamplingParams
+from paged_llm.sampling_params import SamplingParams, StructuredOutputsParams
 from paged_llm.serve.errors import BadRequest
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ class _GenerationRequest(BaseModel):
     # vLLM extensions
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's current form: {"json": ..., "regex": ..., "choice": ..., "grammar": ...,
+    # "json_object": true}; the guided_* fields below are its older (removed in v0.12) spelling
+    structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -277,12 +280,26 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     return out or None
 
 
-def _guided_decoding(req: _GenerationRequest) -> GuidedDecodingParams | None:
-    """vLLM's guided_* fields, or OpenAI's response_format (json_object / json_schema)."""
+def _guided_decoding(req: _GenerationRequest) -> StructuredOutputsParams | None:
+    """vLLM's structured_outputs (or its older guided_* fields), or OpenAI's response_format
+    (json_object / json_schema); at most one constraint in all."""
     fields = {
         "json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
         "grammar": req.guided_grammar,
     }  # fmt: skip
+    structured = req.structured_outputs or {}
+    unknown = sorted(set(structured) - {*fields, "json_object"})
+    if unknown:
+        raise BadRequest(
+            f"structured_outputs: unsupported field(s) {unknown}; paged-llm takes json, regex, "
+            "choice, grammar and json_object",
+            param="structured_outputs",
+        )
+    for key, value in structured.items():
+        if value is not None and fields.get(key) is not None:
+            raise BadRequest(f"both structured_outputs.{key} and guided_{key} are set")
+        if value is not None:
+            fields[key] = value
     fmt = getattr(req, "response_format", None) or {}
     kind = fmt.get("type", "text")
     if kind == "json_object":
@@ -304,7 +321,7 @@ def _guided_decoding(req: _GenerationRequest) -> GuidedDecodingParams | None:
     if not given:
         return None
     try:
-        return GuidedDecodingParams(**given)
+        return StructuredOutputsParams(**given)
     except ValueError as err:
         raise BadRequest(str(err), param="response_format" if fmt else None) from None
 
