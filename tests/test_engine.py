@@ -109,6 +109,8 @@ def llm(tiny_llama):
         ("some text", {}, "tokenizer"),
         ({"prompt_token_ids": [1, 2]}, {"logprobs": 10_000}, "vocabulary size"),
         ({"prompt_token_ids": [1, 2]}, {"prompt_logprobs": 257}, "vocabulary size"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, {}, "multi_modal_data"),
+        ({"prompt_token_ids": [1, 2], "cache_salt": "a"}, {}, "cache_salt"),
     ],
 )
 def test_bad_prompts_raise_before_work(llm, prompt, params, match):
@@ -578,3 +580,14 @@ def test_a_failed_generate_leaves_the_engine_empty(llm, reference, monkeypatch):
     monkeypatch.undo()
     assert not engine.has_unfinished_requests() and engine.kv_usage() == 0
     assert generate_ids(llm, PROMPTS, 12) == reference
+
+
+def test_vllm_prompt_types(llm):
+    """paged_llm.inputs has vLLM's TokensPrompt / TextPrompt (plain dicts): the same outputs as
+    the dict and list forms."""
+    from paged_llm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3]), [1, 2, 3],
+                         {"prompt_token_ids": [1, 2, 3]}], params)  # fmt: skip
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1

@@ -5,10 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # paged_llm.inputs.TextPrompt / TokensPrompt
+
 
 def to_token_ids(prompt: Any, tokenizer: Any) -> tuple[str | None, list[int]]:
     """Return (prompt text or None, token ids) for a string, token list or vLLM-style dict."""
     if isinstance(prompt, Mapping):
+        unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+        if unknown:  # e.g. multi_modal_data, cache_salt: refused rather than silently ignored
+            raise ValueError(f"prompt keys {unknown} are not supported; use {list(PROMPT_KEYS)}")
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
