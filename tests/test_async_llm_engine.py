@@ -131,3 +131,23 @@ def test_an_engine_failure_reaches_every_caller():
         return await engine.get_tokenizer()
 
     assert run(body) is not None
+
+
+def test_priority_reaches_the_engine(offline):
+    """generate(..., priority=k): refused on an FCFS engine, as vLLM does; served unchanged on a
+    priority engine."""
+
+    async def fcfs(engine):
+        with pytest.raises(ValueError, match="scheduling_policy"):
+            await collect_priority(engine, 1)
+
+    async def prio(engine):
+        return await collect_priority(engine, -5)
+
+    async def collect_priority(engine, priority):
+        gen = engine.generate(PROMPTS[0], GREEDY, f"p{priority}", priority=priority)
+        return [out async for out in gen]
+
+    run(fcfs)
+    outs = run(prio, scheduling_policy="priority")
+    assert outs[-1].outputs[0].token_ids == offline[0].token_ids
