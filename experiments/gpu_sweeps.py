@@ -218,7 +218,9 @@ def _sweep_matmul(plan: Plan, device: torch.device, dtype, deadline: Deadline, c
             timed = [r[name][path] for r in results if path in r.get(name, {})]
             best[f"{name}_{path}"] = _best_overall(timed, MATMUL_FIELDS)
         best[f"{name}_gemv_rows"] = _gemv_rows(results, name)
-    return {"shapes": results, "best_overall": best}
+    # past the deadline some configs went untimed on some shapes, so a best_overall entry can
+    # be None (no config timed everywhere); say so rather than leave a reader to guess
+    return {"shapes": results, "best_overall": best, "out_of_time": deadline.left() <= 0}
 
 
 def _gemv_rows(results: list[dict[str, Any]], name: str) -> int:

@@ -72,7 +72,10 @@ def test_smoke_run_writes_well_formed_json(tmp_path):
                 assert set(paths) == ({"dot", "gemv"} if shape["rows"] <= 4 else {"dot"})
                 assert all("error" not in c for p in paths.values() for c in p["configs"])
         best = sweep["matmul"]["best_overall"]
-        assert best["int8_dot"]["config"] and best["int4_gemv"]["config"]
+        # a loaded machine can run out of the smoke budget mid-sweep (seen in a fresh-clone
+        # run): then a kernel may have no config timed on every shape
+        for key in ("int8_dot", "int4_gemv"):
+            assert best[key]["config"] if best[key] else sweep["matmul"]["out_of_time"], key
         assert best["int8_gemv_rows"] in (0, 1, 4)
     quant = doc["sections"]["quant_decode"]
     if quant["status"] == "ok":
