@@ -225,7 +225,7 @@ def run_interleaving(llm, ops, reference=None, exact_alone=True):
             rid = f"r{len(added)}"
             params = _params_of(max_tokens, seed, n, extra_best)
             # under priority scheduling, some order that is not the arrival order
-            priority = (prompt + max_tokens) % 3 if engine.scheduler.queue.name == "priority" else 0
+            priority = (prompt + max_tokens) % 3 if engine.scheduler.queue.orders_by_priority else 0
             # refused: a group too large for the pool or for max_num_seqs (it would preempt
             # itself forever)
             try:

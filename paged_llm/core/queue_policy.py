@@ -20,6 +20,7 @@ class FCFS:
     most recently admitted running request is preempted first (the paper's and vLLM's)."""
 
     name = "fcfs"
+    orders_by_priority = False  # whether requests' ``priority`` means anything here
 
     def add(self, waiting: deque[Request], request: Request) -> None:
         """Queue a new request."""
@@ -45,6 +46,7 @@ class Priority(FCFS):
     a running one; it goes first once blocks free up."""
 
     name = "priority"
+    orders_by_priority = True
 
     @staticmethod
     def key(request: Request) -> tuple[int, float]:

@@ -135,7 +135,7 @@ class Scheduler:
         self.queue = QUEUE_POLICIES[limits.scheduling_policy]()
         self.track_memory = track_memory
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order; the last is preempted first
+        self.running: list[Request] = []  # in admission order; self.queue picks the victim
         self.swapped: deque[list[Request]] = deque()  # groups swapped out together
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0

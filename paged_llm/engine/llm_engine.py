@@ -331,7 +331,7 @@ class LLMEngine:
     def _check_priority(self, priority: int) -> None:
         if not is_int(priority):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.scheduler.queue.name != "priority":
+        if priority != 0 and not self.scheduler.queue.orders_by_priority:
             raise ValueError(
                 f"got priority {priority}, but scheduling_policy is "
                 f"'{self.scheduler.queue.name}'; use scheduling_policy='priority'"

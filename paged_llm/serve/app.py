@@ -28,6 +28,7 @@ from paged_llm.serve.protocol import (
     TokenizeRequest,
     chat_messages,
     completion_prompts,
+    max_tokens_unset,
     parse_request,
     sampling_params,
 )
@@ -221,7 +222,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
                 if isinstance(p, str)
                 else token_prompt(p, decode=req.echo),  # echo shows token prompts as text
                 params,
-                default_max_tokens=req.max_tokens is None,
+                default_max_tokens=max_tokens_unset(req),
                 priority=req.priority,
             )
             for p in completion_prompts(req.prompt)
@@ -243,7 +244,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
             req.continue_final_message,
             req.chat_template_kwargs,
         )
-        unset = req.max_tokens is None and req.max_completion_tokens is None
+        unset = max_tokens_unset(req)
         subs = [SubRequest(render, params, default_max_tokens=unset, priority=req.priority)]
         return await _generate(request, req, subs, Choices([params]), model, chat=True)
 

@@ -178,7 +178,8 @@ def sampling_params(
     """The request's SamplingParams, ``n`` included (the engine gives choice i seed + i).
     ``defaults`` (the model's generation_config.json) fill the sampling fields it leaves unset."""
     _reject_unsupported(req)
-    defaults = {**_UNSET_DEFAULTS, **(defaults or {})}
+    recommended = dict(defaults or {})
+    default_max_tokens = recommended.pop("max_tokens", None)  # None: up to max_model_len
     if not 1 <= req.n <= MAX_N:
         raise BadRequest(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
     if req.best_of is not None and not req.n <= req.best_of <= MAX_N:
@@ -199,8 +200,8 @@ def sampling_params(
         if req.echo and max_tokens == 0:  # score the prompt only: run one step, show no output
             max_tokens = 1
     prompt_logprobs = _prompt_logprobs(req, logprobs, max_logprobs)
-    if max_tokens is None:  # None left: up to max_model_len
-        max_tokens = defaults["max_tokens"]
+    if max_tokens_unset(req):
+        max_tokens = default_max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest(
             f"{max_tokens_field} must be at least 1, got {max_tokens}", param=max_tokens_field
@@ -213,10 +214,6 @@ def sampling_params(
             n=req.n,
             best_of=req.best_of,
             seed=seed,
-            temperature=_given(req.temperature, defaults["temperature"]),
-            top_p=_given(req.top_p, defaults["top_p"]),
-            top_k=_given(req.top_k, defaults["top_k"]),
-            min_p=_given(req.min_p, defaults["min_p"]),
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=req.stop,
@@ -230,24 +227,30 @@ def sampling_params(
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=_given(req.repetition_penalty, defaults["repetition_penalty"]),
             logit_bias=_logit_bias(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
             guided_decoding=_guided_decoding(req),
+            **_shaping(req, recommended),
         )
     except ValueError as err:
         raise BadRequest(str(err), param=_param_of(str(err))) from None
 
 
-# what a request that leaves a field unset gets when the model recommends nothing
-_UNSET_DEFAULTS = dict(
-    temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, max_tokens=None
-)
+def max_tokens_unset(req: _GenerationRequest) -> bool:
+    """True when the request leaves its output length to the server (chat: neither max_tokens
+    nor max_completion_tokens; completions: ``"max_tokens": null``)."""
+    return req.max_tokens is None and getattr(req, "max_completion_tokens", None) is None
 
 
-def _given(value: Any, default: Any) -> Any:
-    return default if value is None else value
+def _shaping(req: _GenerationRequest, recommended: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling fields the request sets, laid over the model's recommended ones; a field
+    neither sets keeps SamplingParams' own default."""
+    asked = {
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+        "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
+    }  # fmt: skip
+    return {**recommended, **{k: v for k, v in asked.items() if v is not None}}
 
 
 def _prompt_logprobs(
