@@ -90,12 +90,33 @@ class SchedulerConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's names); see docs/lora.md."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # distinct adapters in one batch (device slots)
+    max_lora_rank: int = 16  # the largest adapter rank accepted (slots are this wide)
+    max_cpu_loras: int | None = None  # adapters kept in CPU memory (default: max_loras)
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        _check_optional_count("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+
+@dataclass
 class EngineConfig:
     """Everything an LLMEngine needs."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     attention_backend: Any = "auto"  # auto | torch | cpu | triton | contiguous | {_target_: ...}
     # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k,
     # "model": draft checkpoint dir, "prompt_lookup_max": n, ...}; None disables speculation
@@ -106,7 +127,8 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from vLLM-style flat keyword arguments (``LLM(model=..., block_size=...)``)."""
         cfg = cls()
-        sections = {"model": cfg.model, "cache": cfg.cache, "scheduler": cfg.scheduler}
+        sections = {"model": cfg.model, "cache": cfg.cache, "scheduler": cfg.scheduler,
+                    "lora": cfg.lora}  # fmt: skip
         owner = {f.name: name for name, sec in sections.items() for f in fields(sec)}
         changes: dict[str, dict[str, Any]] = {name: {} for name in sections}
         for key, value in kwargs.items():
@@ -141,15 +163,17 @@ class EngineArgs:
 def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
     """Build an EngineConfig from a resolved Hydra config (groups model/attention/policy and the
     cache/scheduler sections); unknown keys raise, so typos in overrides are caught."""
-    sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                "lora": LoRAConfig}  # fmt: skip
     for name, cls in sections.items():
-        unknown = set(cfg[name]) - {f.name for f in fields(cls)}
+        unknown = set(cfg.get(name) or {}) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown {name} option(s) {sorted(unknown)}")
     return EngineConfig(
         model=ModelConfig(**cfg["model"]),
         cache=CacheConfig(**cfg["cache"]),
         scheduler=SchedulerConfig(policy=cfg.get("policy", "paged"), **cfg["scheduler"]),
+        lora=LoRAConfig(**(cfg.get("lora") or {})),
         attention_backend=cfg.get("attention", "auto"),
         speculative_config=cfg.get("speculative") or None,
     )

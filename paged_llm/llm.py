@@ -12,8 +12,18 @@ from paged_llm.beam_search import BeamSearchOutput, BeamSearchParams, beam_searc
 from paged_llm.config import EngineConfig
 from paged_llm.engine.chat import render_chat
 from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.lora.request import LoRARequest
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
+
+
+def per_prompt(value: Any, count: int, what: str) -> list[Any]:
+    """One value for every prompt: a single value (or None) repeated, or a list of ``count``."""
+    if value is None or not isinstance(value, (list, tuple)):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"got {len(value)} {what} for {count} prompts")
+    return list(value)
 
 
 class LLM:
@@ -67,6 +77,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
         a list of them, rendered with the tokenizer's chat template (or ``chat_template``)."""
@@ -81,16 +92,18 @@ class LLM:
             except ValueError as err:
                 raise ValueError(f"conversation {i}: {err}") from err
             prompts.append({"prompt_token_ids": ids, "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def generate(
         self,
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; return one RequestOutput per prompt, in order.
+        ``lora_request`` (one, or one per prompt, with ``enable_lora=True``): the LoRA adapter.
         ``priority`` (one per prompt, with ``scheduling_policy="priority"``): smaller runs sooner.
 
         Every prompt is validated before any is run: a bad one raises ValueError naming its
@@ -114,6 +127,7 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        loras = per_prompt(lora_request, len(prompts), "LoRA requests")
         engine = self.llm_engine
         groups = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -121,7 +135,10 @@ class LLM:
                 if isinstance(params, SamplingParams):  # only the end is read (as in vLLM)
                     params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 rid = f"offline-{i}-{id(self)}"
-                groups.append(engine.make_request(rid, prompt, params, priority=priorities[i]))
+                group = engine.make_request(
+                    rid, prompt, params, priority=priorities[i], lora_request=loras[i]
+                )
+                groups.append(group)
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from err
         for g in groups:

@@ -88,3 +88,4 @@ class RequestOutput:
     # first token has none (None), as in vLLM
     prompt_logprobs: list[LogprobEntry | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's field)
+    lora_request: Any = None  # the LoRARequest it ran with (vLLM's field); None: the base model

@@ -37,14 +37,15 @@ def make_scheduler(policy, mode="recompute", num_blocks=24, block_size=4, chunke
         enable_chunked_prefill=chunked,
         preemption_mode=mode,
         scheduling_policy=kw.get("scheduling_policy", "fcfs"),
+        max_loras=kw.get("max_loras", 0),
     )
     return Scheduler(kv, limits, track_memory=True)
 
 
-def make_request(rid, prompt_len, max_tokens, ignore_eos=True, priority=0, arrival=0.0):
+def make_request(rid, prompt_len, max_tokens, ignore_eos=True, priority=0, arrival=0.0, lora=0):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     return Request(str(rid), [7] * prompt_len, params, eos_token_id=EOS, max_model_len=MAX_LEN,
-                   priority=priority, arrival_time=arrival)  # fmt: skip
+                   priority=priority, arrival_time=arrival, lora_int_id=lora)  # fmt: skip
 
 
 def check_priority_order(s: Scheduler, before: set[str], out):
@@ -54,8 +55,15 @@ def check_priority_order(s: Scheduler, before: set[str], out):
     keys = [key(r) for r in s.waiting]
     assert keys == sorted(keys)
     admitted = [r for r in s.running if r.request_id not in before]
-    if admitted and s.waiting and not out.swap_in:
-        assert max(key(r) for r in admitted) <= min(keys)
+    # a request whose adapter found no free slot waits without holding back later ones
+    loras = {r.lora_int_id for r in s.running if r.lora_int_id}
+    unblocked = [
+        key(r) for r in s.waiting
+        if not s.limits.max_loras or not r.lora_int_id or r.lora_int_id in loras
+        or len(loras) < s.limits.max_loras
+    ]  # fmt: skip
+    if admitted and unblocked and not out.swap_in:
+        assert max(key(r) for r in admitted) <= min(unblocked)
     preempted = [s.requests[rid] for rid in out.preempted if rid in s.requests]
     if preempted and s.running:
         assert max(key(r) for r in s.running) <= min(key(r) for r in preempted)
@@ -83,6 +91,8 @@ def check_invariants(s: Scheduler):
     if kv.name == "paged":  # waste only in each request's last block
         assert mem.internal_fragmentation < kv.block_size * max(1, len(s.running))
     assert len(s.running) <= s.limits.max_num_seqs
+    if s.limits.max_loras:
+        assert len({r.lora_int_id for r in s.running if r.lora_int_id}) <= s.limits.max_loras
 
 
 def run_ops(s: Scheduler, ops, rng_tokens):
@@ -90,8 +100,10 @@ def run_ops(s: Scheduler, ops, rng_tokens):
     added = 0
     for op, a, b in ops:
         if op == 0:
+            lora = (a // 3) % 4 if s.limits.max_loras else 0  # 0 = the base model
             s.add_request(make_request(added, 1 + a % 40, 1 + b % 30, ignore_eos=b % 3 != 0,
-                                       priority=a % 3, arrival=float(added)))  # fmt: skip
+                                       priority=a % 3, arrival=float(added),
+                                       lora=lora))  # fmt: skip
             added += 1
         elif op == 1 and s.has_unfinished():
             before = {r.request_id for r in s.running}
@@ -120,6 +132,7 @@ def run_ops(s: Scheduler, ops, rng_tokens):
                     1 + b % 30,
                     priority=parent.priority,
                     arrival=parent.arrival_time,
+                    lora=parent.lora_int_id,
                 )
                 added += 1
                 child.output_token_ids = list(parent.output_token_ids)
@@ -177,6 +190,37 @@ def test_priority_scheduling_keeps_invariants_and_order(policy, mode, chunked, o
     s = make_scheduler(policy, mode, num_blocks=16, chunked=chunked, budget=16 if chunked else 64,
                        scheduling_policy="priority")  # fmt: skip
     run_ops(s, ops, tokens)
+
+
+@pytest.mark.parametrize("policy,mode", [("paged", "recompute"), ("paged", "swap"),
+                                         ("orca_pow2", "recompute")])  # fmt: skip
+@pytest.mark.parametrize("max_loras", [1, 2])
+@settings(max_examples=100, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from([0, 0, 1, 1, 1, 2, 3]), st.integers(0, 99), st.integers(0, 99)),
+        max_size=80,
+    ),
+    tokens=st.lists(st.sampled_from([EOS, 5, 6]), min_size=1, max_size=8),
+    priority=st.booleans(),
+)
+def test_lora_limit_keeps_invariants(policy, mode, max_loras, ops, tokens, priority):
+    """Requests on three adapters and the base model: never more than max_loras adapters run
+    at once (checked after every operation), no leak, and every request still finishes."""
+    s = make_scheduler(policy, mode, num_blocks=16, max_loras=max_loras,
+                       scheduling_policy="priority" if priority else "fcfs")  # fmt: skip
+    run_ops(s, ops, tokens)
+
+
+def test_lora_limit_lets_other_adapters_pass_a_blocked_one():
+    """With one slot taken by adapter 1, adapter 2's request waits while a later request of
+    adapter 1 and one of the base model are admitted past it (vLLM's behaviour)."""
+    s = make_scheduler("paged", num_blocks=32, max_loras=1)
+    for rid, lora in (("a", 1), ("b", 2), ("c", 1), ("d", 0)):
+        s.add_request(make_request(rid, 4, 8, lora=lora))
+    out = s.schedule(0)
+    assert [x.request.request_id for x in out.scheduled] == ["a", "c", "d"]
+    assert [r.request_id for r in s.waiting] == ["b"]
 
 
 def test_priority_admits_urgent_first_and_preempts_the_least_urgent():

@@ -38,6 +38,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0  # priority scheduling: smaller runs sooner (vLLM's)
+    lora_int_id: int = 0  # the LoRA adapter it runs with (LoRARequest.lora_int_id); 0 = none
     eos_token_id: int | None = None
     max_model_len: int = 2048
     output_token_ids: list[int] = field(default_factory=list)

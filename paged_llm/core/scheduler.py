@@ -31,6 +31,8 @@ class SchedulerLimits:
     # speculative decoding: slots reserved after each decode for draft tokens to verify
     num_lookahead_slots: int = 0
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (a key of QUEUE_POLICIES)
+    # multi-LoRA: at most this many distinct adapters among running requests (0 = no limit)
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -318,10 +320,23 @@ class Scheduler:
             n,
         )
 
+    def _running_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _lora_fits(self, group: list[Request], running_loras: set[int]) -> bool:
+        """False when the group's adapter would make more than max_loras distinct adapters
+        run together (it then waits until one of them finishes, as in vLLM)."""
+        lora = group[0].lora_int_id  # a group shares its prompt, hence its adapter
+        if not lora or not self.limits.max_loras or lora in running_loras:
+            return True
+        return len(running_loras) < self.limits.max_loras
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped:
             group = self.swapped[0]
             if len(self.running) + len(group) > self.limits.max_num_seqs:
+                break
+            if not self._lora_fits(group, self._running_loras()):
                 break
             counts = self._group_token_counts(group, budget)
             if counts is None or not self.kv.can_swap_in(group, max(counts)):
@@ -357,8 +372,13 @@ class Scheduler:
         return self._batch_open
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        loras = self._running_loras()
+        skipped: set[int] = set()  # adapters with no free slot this step: their requests wait
         while self.waiting and self._may_admit():
-            head = self.waiting[0]
+            # the first waiting request whose adapter may run; later ones keep their order
+            head = next((r for r in self.waiting if r.lora_int_id not in skipped), None)
+            if head is None:
+                break
             # a group (samples or beams back from recomputation) is admitted whole, or a part of
             # it would sit on its blocks waiting for the rest forever
             group = (
@@ -368,6 +388,9 @@ class Scheduler:
             if len(self.running) + len(group) > self.limits.max_num_seqs:
                 self._batch_open = False
                 break
+            if not self._lora_fits(group, loras):
+                skipped.add(head.lora_int_id)
+                continue
             counts = self._admit(group, budget)
             if counts is None:
                 break
@@ -380,6 +403,8 @@ class Scheduler:
                 if n:
                     out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
                 budget -= n
+            if head.lora_int_id:
+                loras.add(head.lora_int_id)
         if self.kv.static_batching and not self.waiting:
             self._batch_open = False
 

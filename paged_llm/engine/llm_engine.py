@@ -26,6 +26,8 @@ from paged_llm.engine.inputs import to_token_ids, truncate_prompt, validate_toke
 from paged_llm.engine.loading import checkpoint_path, load_model_and_tokenizer, resolve_device
 from paged_llm.engine.stop_strings import StopStringChecker
 from paged_llm.engine.structured_output import StructuredOutputCompiler
+from paged_llm.lora.manager import LoRAManager
+from paged_llm.lora.request import LoRARequest
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
 from paged_llm.outputs import CompletionOutput, LogprobEntry, RequestMetrics, RequestOutput
 from paged_llm.quant.kv_cache import SCALE_DTYPE, kv_cache_spec
@@ -69,6 +71,7 @@ class _Group:
     # for tokens whose chunk has not run yet)
     prompt_logprobs: list[LogprobEntry | None] | None = None
     reported: bool = False  # an output was returned (DELTA sends prompt logprobs once)
+    lora_request: LoRARequest | None = None
 
 
 class LLMEngine:
@@ -129,6 +132,8 @@ class LLMEngine:
             num_layers, num_kv_heads, head_dim, cc.block_size, kv_spec.dtype,
             SCALE_DTYPE if kv_spec.quantized else None,
         )  # fmt: skip
+        self.lora = self._build_lora()  # wraps the model's linear layers when enabled
+        self.runner.lora = self.lora
         self.drafter = build_drafter(config.speculative_config)
         self._structured: StructuredOutputCompiler | None = None  # built on first guided request
         if self.drafter is not None:
@@ -159,14 +164,16 @@ class LLMEngine:
             preemption_mode=sc.preemption_mode,
             num_lookahead_slots=self.drafter.k if self.drafter is not None else 0,
             scheduling_policy=sc.scheduling_policy,
+            max_loras=config.lora.max_loras if self.lora is not None else 0,
         )
         self.scheduler = Scheduler(kv, limits)
         self.runner.initialize_cache(num_blocks, num_cpu_blocks)
         if self.drafter is not None:
             self.drafter.allocate(num_blocks, cc.block_size)
         graph_sizes = cuda_graph_sizes(
-            self.device, mc.enforce_eager, self.backend, mc.tensor_parallel_size, sc.max_num_seqs
-        )  # [] on the CPU or with enforce_eager
+            self.device, mc.enforce_eager, self.backend, mc.tensor_parallel_size, sc.max_num_seqs,
+            enable_lora=self.lora is not None,
+        )  # fmt: skip  # [] on the CPU or with enforce_eager
         self.runner.capture_cuda_graphs(graph_sizes, self.max_model_len)
         tokens = num_blocks * cc.block_size
         logger.info(
@@ -197,6 +204,20 @@ class LLMEngine:
         if eos is None:
             eos = getattr(self.hf_config, "eos_token_id", None)
         return eos[0] if isinstance(eos, list) else eos
+
+    def _build_lora(self) -> LoRAManager | None:
+        """The LoRA manager (enable_lora), after refusing what it cannot be combined with."""
+        lc = self.config.lora
+        if not lc.enable_lora:
+            return None
+        if self.config.model.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported")
+        if self.config.speculative_config:
+            raise ValueError("enable_lora with speculative decoding is not supported")
+        return LoRAManager(
+            self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras or lc.max_loras,
+            self.dtype, self.device,
+        )  # fmt: skip
 
     def _num_blocks(self, block_bytes: int) -> int:
         cc = self.config.cache
@@ -236,6 +257,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> _Group:
         """Validate a prompt and its parameters; raise ValueError before any work is done."""
         if self.parallel is not None and not self.parallel.is_driver:
@@ -248,6 +270,7 @@ class LLMEngine:
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         params.validate()
         self._check_priority(priority)
+        lora_id = self._check_lora(lora_request)
         text, ids = to_token_ids(prompt, self.tokenizer)
         kept = truncate_prompt(ids, params.truncate_prompt_tokens)  # before the length check
         if len(kept) < len(ids):
@@ -299,6 +322,7 @@ class LLMEngine:
                 sampling_params=p,
                 arrival_time=arrival,
                 priority=priority,
+                lora_int_id=lora_id,
                 eos_token_id=self.eos_token_id,
                 max_model_len=self.max_model_len,
                 group_id=request_id if params.best_of > 1 else None,
@@ -310,7 +334,8 @@ class LLMEngine:
                                     detokenizer=detokenizer, stop_strings=stops))  # fmt: skip
         self.scheduler.check_group_fits([t.request for t in members], "n/best_of")
         prompt_lps = None if params.prompt_logprobs is None else [None] * len(ids)
-        return _Group(request_id, members, unforked=[], prompt_logprobs=prompt_lps)
+        return _Group(request_id, members, unforked=[], prompt_logprobs=prompt_lps,
+                      lora_request=lora_request)  # fmt: skip
 
     def add_request(
         self,
@@ -319,14 +344,45 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; return its id. Bad input raises and changes nothing.
-        ``priority`` (with ``scheduling_policy="priority"``): smaller runs sooner."""
+        ``priority`` (with ``scheduling_policy="priority"``): smaller runs sooner;
+        ``lora_request`` (with ``enable_lora``): the adapter to run it with."""
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id '{request_id}' is already in use")
-        self._enqueue(self.make_request(request_id, prompt, params, arrival_time, priority))
+        group = self.make_request(request_id, prompt, params, arrival_time, priority, lora_request)
+        self._enqueue(group)
         return request_id
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> int:
+        """The request's adapter id (0: none), its adapter checked and loaded on first use."""
+        if lora_request is None:
+            return 0
+        if self.lora is None:
+            raise ValueError("got a lora_request, but LoRA is not enabled; use enable_lora=True")
+        self.lora.add(lora_request)
+        return lora_request.lora_int_id
+
+    # ---- LoRA adapters (vLLM's LLMEngine methods) ---------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check and load an adapter ahead of its requests; False if it was already loaded."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled; use enable_lora=True")
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; refused (ValueError) while requests still use it."""
+        if self.lora is None:
+            return False
+        if any(r.lora_int_id == lora_id for r in self.scheduler.requests.values()):
+            raise ValueError(f"LoRA adapter {lora_id} is in use by unfinished requests")
+        return self.lora.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the loaded adapters."""
+        return set(self.lora.list()) if self.lora is not None else set()
 
     def _check_priority(self, priority: int) -> None:
         if not is_int(priority):
@@ -583,6 +639,7 @@ class LLMEngine:
             metrics=metrics,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=req.num_cached_tokens,
+            lora_request=group.lora_request,
         )
 
     def iter_outputs(self) -> Iterator[RequestOutput]:

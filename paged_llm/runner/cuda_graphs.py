@@ -64,6 +64,7 @@ def cuda_graph_sizes(
     backend: AttentionBackend,
     tensor_parallel_size: int,
     max_num_seqs: int,
+    enable_lora: bool = False,
 ) -> list[int]:
     """Buckets to capture for this engine; [] means run every step eagerly (always on CPU)."""
     if device.type != "cuda" or enforce_eager:
@@ -71,6 +72,8 @@ def cuda_graph_sizes(
     reason = None
     if tensor_parallel_size > 1:
         reason = "tensor_parallel_size > 1 (capturing NCCL collectives is not verified)"
+    elif enable_lora:
+        reason = "LoRA is enabled (each step maps tokens to adapters anew)"
     elif backend.name not in GRAPH_SAFE_BACKENDS:
         reason = f"the '{backend.name}' attention backend reads per-step host values"
     if reason:

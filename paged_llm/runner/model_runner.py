@@ -40,6 +40,7 @@ class HostBatch:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
+    lora_ids: list[int] = field(default_factory=list)  # [B] each request's adapter (0 = none)
 
 
 @dataclass
@@ -69,6 +70,7 @@ def flatten_batch(
     ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, tables, rows, sampling, per_req = [], [], [], [], [], []
+    lora_ids: list[int] = []
     prompt_rows: list[int] = []
     prompt_targets: list[int] = []
     prompt_spans: list[tuple[str, int, int, int]] = []
@@ -80,6 +82,7 @@ def flatten_batch(
         query_lens.append(s.num_new_tokens)
         seq_lens.append(end)
         tables.append(s.block_table)
+        lora_ids.append(req.lora_int_id)
         if s.samples:
             n_rows = 1 + len(req.spec_token_ids)  # verify each draft, plus one more token
             rows.extend(range(len(ids) - n_rows, len(ids)))
@@ -95,7 +98,7 @@ def flatten_batch(
             prompt_targets.extend(req.prompt_token_ids[start + 1 : scored_end + 1])
             prompt_spans.append((req.request_id, start + 1, scored_end - start, top_k))
     batch = HostBatch(ids, positions, query_lens, seq_lens, tables, rows, per_req,
-                      prompt_rows, prompt_targets, prompt_spans)  # fmt: skip
+                      prompt_rows, prompt_targets, prompt_spans, lora_ids)  # fmt: skip
     return batch, sampling
 
 
@@ -176,6 +179,7 @@ class ModelRunner:
         self.head_dim = head_dim
         self.sampler = Sampler(seed)
         self.parallel = parallel
+        self.lora: Any = None  # lora.manager.LoRAManager when LoRA is enabled (set by the engine)
         self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
         self.cuda_graph_error: str | None = None  # why capturing failed, if it did
         # How each forward ran ("graph" replay, "eager_decode", "eager_prefill": a batch with
@@ -259,7 +263,13 @@ class ModelRunner:
             ctx = ForwardContext(
                 inputs.attn_metadata, self.backend, self.kv_caches, self.kv_scales or None
             )
-            hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
+            if self.lora is not None:
+                self.lora.activate(batch.lora_ids, batch.query_lens)
+            try:
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
+            finally:
+                if self.lora is not None:
+                    self.lora.deactivate()
         if not batch.sample_rows and not batch.prompt_rows:
             return None
         rows = batch.sample_rows + batch.prompt_rows

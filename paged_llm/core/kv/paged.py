@@ -143,7 +143,9 @@ class PagedKVCacheManager(KVCacheManager):
         while len(hashes) < num_tokens // bs:
             tokens = tokens or request.all_token_ids
             i = len(hashes)
-            prev = hashes[-1] if hashes else None
+            # a LoRA adapter changes every layer's K/V, so its blocks form their own chains
+            seed = ("lora", request.lora_int_id) if request.lora_int_id else None
+            prev = hashes[-1] if hashes else seed
             hashes.append(hash((prev, tuple(tokens[i * bs : (i + 1) * bs]))))
         # the list may run further (admission hashes the whole prompt): only the asked-for blocks,
         # or a block half-computed by a chunk would be registered as full

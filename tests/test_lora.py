@@ -1,0 +1,288 @@
+"""Multi-LoRA serving against PEFT itself: adapters written by PEFT's ``save_pretrained`` on tiny
+transformers models, outputs compared with the PeftModel's (logits and greedy tokens), several
+adapters and the base model in one batch, the max_loras limit, prefix caching, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import peft  # a dev dependency: the reference implementation
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_llm import LLM, SamplingParams
+from paged_llm.lora.request import LoRARequest
+from paged_llm.lora.slots import LoRASlots
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[5, 9, 17, 33, 40], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [77, 12]]
+LLAMA_TARGETS = {
+    "a1": (["q_proj", "v_proj", "down_proj"], 8, 16, {}),
+    "a2": (["k_proj", "o_proj", "gate_proj", "up_proj"], 4, 4, {"use_rslora": True}),
+    "a3": (
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        2,
+        8,
+        {},
+    ),  # fmt: skip
+}
+
+
+def write_adapter(base_dir, out_dir, targets, r, alpha, seed, **extra):
+    """Save a PEFT LoRA adapter with random (non-zero) A and B; return the PeftModel."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(base_dir))
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
+                             init_lora_weights=False, **extra)  # fmt: skip
+    pm = peft.get_peft_model(model, config)
+    for name, p in pm.named_parameters():
+        if "lora_B" in name:  # PEFT's own init leaves B at zero or tiny: make the delta visible
+            torch.nn.init.normal_(p, std=0.3)
+    pm.save_pretrained(str(out_dir))
+    return pm.eval()
+
+
+@pytest.fixture(scope="module")
+def llama_adapters(tiny_llama, tmp_path_factory):
+    """(base dir, base HF model, {name: (LoRARequest, PeftModel)}) for three Llama adapters."""
+    base_dir, base = tiny_llama
+    root = tmp_path_factory.mktemp("llama-loras")
+    adapters = {}
+    for i, (name, (targets, r, alpha, extra)) in enumerate(LLAMA_TARGETS.items()):
+        pm = write_adapter(base_dir, root / name, targets, r, alpha, seed=i, **extra)
+        adapters[name] = (LoRARequest(name, i + 1, str(root / name)), pm)
+    return base_dir, base, adapters
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, n=10):
+    """The reference's greedy continuation, EOS included like any token (as ignore_eos=True;
+    ``generate(min_new_tokens=...)`` would mask EOS instead)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def engine(base_dir, **kw):
+    args = dict(enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32", seed=0)
+    return LLM(model=str(base_dir), **{**args, **kw})
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_mixed_batch_matches_peft(llama_adapters):
+    """Two adapters and the base model in one batch: each prompt's greedy tokens are PEFT's."""
+    base_dir, base, adapters = llama_adapters
+    (r1, p1), (r2, p2) = adapters["a1"], adapters["a2"]
+    llm = engine(base_dir)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                        use_tqdm=False, lora_request=[r1, r2, None])  # fmt: skip
+    expected = [hf_greedy(m, p) for m, p in zip((p1, p2, base), PROMPTS)]
+    assert token_ids(outs) == expected
+    assert outs[0].lora_request == r1 and outs[2].lora_request is None
+    # the adapters matter: the base model continues the first two prompts differently
+    assert [hf_greedy(base, p) for p in PROMPTS[:2]] != expected[:2]
+
+
+def test_logits_match_peft(llama_adapters):
+    """Every prompt position's log-probability equals PEFT's within 1e-4 (float32)."""
+    base_dir, _, adapters = llama_adapters
+    llm = engine(base_dir, max_loras=3)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    prompt = PROMPTS[1]
+    for name in ("a1", "a2", "a3"):
+        req, pm = adapters[name]
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False,
+                           lora_request=req)[0]  # fmt: skip
+        ours = torch.tensor([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+        with torch.no_grad():
+            logits = pm(torch.tensor([prompt])).logits[0, :-1].float()
+        ref = logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_opt_adapter_matches_peft(tiny_opt, tmp_path):
+    base_dir, base = tiny_opt
+    pm = write_adapter(base_dir, tmp_path / "opt-lora", ["q_proj", "out_proj", "fc1", "fc2"],
+                       r=4, alpha=8, seed=3)  # fmt: skip
+    llm = engine(base_dir, max_loras=1)
+    req = LoRARequest("opt", 7, str(tmp_path / "opt-lora"))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                        use_tqdm=False, lora_request=req)  # fmt: skip
+    assert token_ids(outs) == [hf_greedy(pm, p) for p in PROMPTS]
+
+
+def test_one_slot_serves_many_adapters_in_turn(llama_adapters):
+    """max_loras=1 and max_cpu_loras=1 with three adapters: no step mixes adapters, adapters
+    are reloaded from disk when the CPU cache dropped them, and outputs equal PEFT's."""
+    base_dir, base, adapters = llama_adapters
+    llm = engine(base_dir, max_loras=1, max_cpu_loras=1)
+    manager = llm.llm_engine.lora
+    seen = []
+    activate = manager.activate
+
+    def spy(lora_ids, query_lens):
+        seen.append({i for i in lora_ids if i})
+        activate(lora_ids, query_lens)
+
+    manager.activate = spy
+    names = ["a1", "a2", "a3", "a1", None, "a2"]
+    prompts = [PROMPTS[i % 3] for i in range(len(names))]
+    reqs = [adapters[n][0] if n else None for n in names]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                        use_tqdm=False, lora_request=reqs)  # fmt: skip
+    models = [adapters[n][1] if n else base for n in names]
+    assert token_ids(outs) == [hf_greedy(m, p) for m, p in zip(models, prompts)]
+    assert seen and all(len(s) <= 1 for s in seen)
+    assert len({frozenset(s) for s in seen if s}) == 3
+
+
+def test_prefix_cache_keeps_adapters_apart(llama_adapters):
+    """The same prompt under an adapter and under the base model shares no cached block; the
+    same adapter again hits the cache; outputs equal the uncached ones."""
+    base_dir, base, adapters = llama_adapters
+    req, pm = adapters["a1"]
+    prompt = list(range(3, 40))  # two full blocks of 16 and a bit
+    llm = engine(base_dir, enable_prefix_caching=True)
+    runs = [(req, pm), (None, base), (req, pm)]
+    outs = [llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                         lora_request=r)[0] for r, _ in runs]  # fmt: skip
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 32]
+    assert token_ids(outs) == [hf_greedy(m, prompt) for _, m in runs]
+
+
+def test_int8_base_with_adapter_matches_peft_on_dequantized_weights(llama_adapters):
+    """A quantized base layer keeps its adapter: int8 weights + LoRA equal PEFT on a model
+    holding the same int8 weights dequantized."""
+    import transformers as tf
+
+    base_dir, _, adapters = llama_adapters
+    req, _ = adapters["a1"]
+    llm = engine(base_dir, quantization="int8")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                        use_tqdm=False, lora_request=req)  # fmt: skip
+    model = tf.AutoModelForCausalLM.from_pretrained(str(base_dir))
+    with torch.no_grad():
+        for name, layer in llm.llm_engine.lora.layers.items():
+            model.get_submodule(name).weight.copy_(layer.base.dequantize())
+    pm = peft.PeftModel.from_pretrained(model, req.lora_path).eval()
+    assert token_ids(outs) == [hf_greedy(pm, p) for p in PROMPTS]
+
+
+def test_engine_add_list_remove(llama_adapters):
+    base_dir, _, adapters = llama_adapters
+    eng = engine(base_dir).llm_engine
+    r1, r2 = adapters["a1"][0], adapters["a2"][0]
+    assert eng.add_lora(r1) is True and eng.add_lora(r1) is False
+    eng.add_lora(r2)
+    assert eng.list_loras() == {1, 2}
+    eng.add_request("x", {"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=r2)
+    with pytest.raises(ValueError, match="in use"):
+        eng.remove_lora(2)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.remove_lora(2) is True and eng.list_loras() == {1}
+
+
+# ---- bad input ------------------------------------------------------------------------------
+def rewrite_config(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_bad_adapters_are_refused_before_any_work(llama_adapters, tiny_llama, tmp_path):
+    base_dir, _, adapters = llama_adapters
+    r1 = adapters["a1"][0]
+    path = r1.lora_path
+    with pytest.raises(ValueError, match="not enabled"):
+        LLM(model=str(base_dir)).generate([PROMPTS[0]], GREEDY, lora_request=r1)
+    llm = engine(base_dir, max_lora_rank=4)
+    cases = {
+        "rank 8 .* exceeds max_lora_rank=4": r1,
+        "no such directory": LoRARequest("gone", 9, str(tmp_path / "missing")),
+        "DoRA": LoRARequest("dora", 10, str(rewrite_config(path, tmp_path / "d", use_dora=True))),
+        "bias='all'": LoRARequest("b", 11, str(rewrite_config(path, tmp_path / "b", bias="all"))),
+        "modules_to_save": LoRARequest(
+            "m", 12, str(rewrite_config(path, tmp_path / "m", modules_to_save=["lm_head"]))
+        ),
+        "expected a LoRARequest": "a1",
+    }
+    good = adapters["a2"][0]
+    for message, req in cases.items():
+        with pytest.raises(ValueError, match=f"prompt 1: .*{message}"):
+            llm.generate([PROMPTS[0], PROMPTS[1]], GREEDY, lora_request=[good, req])
+        assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("zero", 0, path)
+    with pytest.raises(ValueError, match="already names adapter 'a2'"):
+        llm.generate(
+            [PROMPTS[0]], GREEDY, lora_request=LoRARequest("other", good.lora_int_id, path)
+        )
+    # the engine still serves correct requests afterwards
+    assert llm.generate([PROMPTS[0]], GREEDY, lora_request=good, use_tqdm=False)
+
+
+def test_adapters_for_other_models_are_refused(llama_adapters, tmp_path):
+    """An adapter of another base model (other widths) or of layers this engine does not adapt
+    (embeddings) fails with the module named."""
+    from conftest import save_tiny
+
+    base_dir = llama_adapters[0]
+    other = tmp_path / "wide"
+    save_tiny("llama", other, hidden_size=96, intermediate_size=64)
+    write_adapter(other, tmp_path / "wide-lora", ["q_proj"], r=4, alpha=4, seed=0)
+    write_adapter(base_dir, tmp_path / "emb-lora", ["embed_tokens", "q_proj"], r=4, alpha=4,
+                  seed=0)  # fmt: skip
+    llm = engine(base_dir)
+    with pytest.raises(ValueError, match=r"q_proj' has lora_A \(4, 96\)"):
+        llm.generate(
+            [PROMPTS[0]], GREEDY, lora_request=LoRARequest("w", 5, str(tmp_path / "wide-lora"))
+        )
+    with pytest.raises(ValueError, match="embedding adapters"):
+        llm.generate(
+            [PROMPTS[0]], GREEDY, lora_request=LoRARequest("e", 6, str(tmp_path / "emb-lora"))
+        )
+
+
+def test_unsupported_combinations_are_refused(tiny_llama):
+    base_dir, _ = tiny_llama
+    with pytest.raises(ValueError, match="speculative"):
+        engine(base_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        engine(base_dir, max_loras=3, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="max_loras must be an integer >= 1"):
+        engine(base_dir, max_loras=0)
+
+
+# ---- slot bookkeeping (plain Python) --------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(
+    max_loras=st.integers(1, 4),
+    steps=st.lists(st.sets(st.integers(1, 7), max_size=4), max_size=30),
+)
+def test_slots_keep_resident_adapters_and_load_only_new_ones(max_loras, steps):
+    slots = LoRASlots(max_loras)
+    for ids in steps:
+        ids = set(sorted(ids)[:max_loras])
+        before = list(slots.slots)
+        mapping, loads = slots.assign(ids)
+        assert set(mapping) == ids and len(set(mapping.values())) == len(ids)
+        assert all(slots.slots[s] == i for i, s in mapping.items())
+        for i, s in mapping.items():  # a resident adapter never moves or reloads
+            if i in before:
+                assert before.index(i) == s and (s, i) not in loads
+        assert sorted(i for _, i in loads) == sorted(ids - set(before))
+    with pytest.raises(ValueError, match="max_loras"):
+        slots.assign(set(range(1, max_loras + 2)))
