@@ -33,7 +33,7 @@ class FakeEngine:
         self.hold = False  # True: steps produce nothing (requests stay waiting)
         self.fail = False
 
-    def add_request(self, rid, prompt, params, arrival_time=None, priority=0):
+    def add_request(self, rid, prompt, params, arrival_time=None, priority=0, lora_request=None):
         ids = prompt["prompt_token_ids"]
         if 13 in ids:
             raise ValueError("token 13 is outside the vocabulary")

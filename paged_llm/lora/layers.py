@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paged_llm.ops.lora import add_lora
+from paged_llm.ops.lora import add_lora, slot_groups
 
 
 class LoRABatch:
@@ -15,6 +15,13 @@ class LoRABatch:
 
     def __init__(self) -> None:
         self.token_slots: torch.Tensor | None = None  # [T] int64, -1 = no adapter; None: none
+        self.groups: list[tuple[int, torch.Tensor | None]] | None = None  # CPU: rows per slot
+
+    def set(self, token_slots: torch.Tensor | None) -> None:
+        """This step's map (None: no token uses an adapter)."""
+        self.token_slots = token_slots
+        on_cpu = token_slots is not None and not token_slots.is_cuda
+        self.groups = slot_groups(token_slots) if on_cpu else None
 
 
 class LoRALinear(nn.Module):
@@ -55,7 +62,7 @@ class LoRALinear(nn.Module):
         slots = self.batch.token_slots
         if slots is None:
             return y
-        return add_lora(y, x, self.lora_a, self.lora_b, slots)
+        return add_lora(y, x, self.lora_a, self.lora_b, slots, self.batch.groups)
 
     def extra_repr(self) -> str:
         s, r, _ = self.lora_a.shape

@@ -105,7 +105,7 @@ class LoRAManager:
         (``lora_ids`` and ``query_lens`` per request in batch order; id 0 = base model)."""
         needed = {i for i in lora_ids if i}
         if not needed:
-            self.batch.token_slots = None
+            self.batch.set(None)
             return
         mapping, loads = self.slots.assign(needed)
         for slot, lora_id in loads:
@@ -113,8 +113,8 @@ class LoRAManager:
             for name, layer in self.layers.items():
                 layer.set_slot(slot, *weights.get(name, (None, None)))
         per_token = [mapping.get(i, -1) for i, n in zip(lora_ids, query_lens) for _ in range(n)]
-        self.batch.token_slots = torch.tensor(per_token, dtype=torch.long, device=self.device)
+        self.batch.set(torch.tensor(per_token, dtype=torch.long, device=self.device))
 
     def deactivate(self) -> None:
         """Clear the token map after the forward pass."""
-        self.batch.token_slots = None
+        self.batch.set(None)

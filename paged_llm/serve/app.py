@@ -54,6 +54,8 @@ class ServerSettings:
     max_logprobs: int = 20
     log_requests: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # --lora-modules: served name -> LoRARequest; a request selects one by its "model" field
+    lora_modules: dict[str, Any] = field(default_factory=dict)
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -140,7 +142,8 @@ def _public_routes(engine: AsyncEngine) -> APIRouter:
 
 
 def _check_model(settings: ServerSettings, requested: str | None) -> None:
-    if requested is not None and requested not in settings.served_model_names:
+    known = (*settings.served_model_names, *settings.lora_modules)
+    if requested is not None and requested not in known:
         raise ModelNotFound(f"The model `{requested}` does not exist.", param="model")
 
 
@@ -208,6 +211,18 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
             }
             for name in settings.served_model_names
         ]
+        data += [
+            {
+                "id": name,
+                "object": "model",
+                "created": settings.created,
+                "owned_by": "paged-llm",
+                "root": lora.lora_path,
+                "parent": lora.base_model_name or settings.served_model_names[0],
+                "max_model_len": max_model_len,
+            }
+            for name, lora in settings.lora_modules.items()
+        ]
         return {"object": "list", "data": data}
 
     @router.post("/completions")
@@ -224,6 +239,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
                 params,
                 default_max_tokens=max_tokens_unset(req),
                 priority=req.priority,
+                lora_request=settings.lora_modules.get(model),
             )
             for p in completion_prompts(req.prompt)
         ]
@@ -245,7 +261,9 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
             req.chat_template_kwargs,
         )
         unset = max_tokens_unset(req)
-        subs = [SubRequest(render, params, default_max_tokens=unset, priority=req.priority)]
+        lora = settings.lora_modules.get(model)
+        subs = [SubRequest(render, params, default_max_tokens=unset, priority=req.priority,
+                           lora_request=lora)]  # fmt: skip
         return await _generate(request, req, subs, Choices([params]), model, chat=True)
 
     async def _generate(

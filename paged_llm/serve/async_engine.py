@@ -48,6 +48,7 @@ class SubRequest:
     # context like vLLM's default, not refused
     default_max_tokens: bool = False
     priority: int = 0  # with scheduling_policy="priority": smaller runs sooner
+    lora_request: Any = None  # the LoRA adapter the request's "model" names (None: base model)
 
     @property
     def num_seqs(self) -> int:
@@ -364,8 +365,9 @@ class AsyncEngine:
                     check_fits(len(ids), asked, self.engine.max_model_len)
                 try:
                     self.engine.add_request(
-                        sub_id, prompt, sub.params, command.arrival_time, sub.priority
-                    )
+                        sub_id, prompt, sub.params, command.arrival_time, sub.priority,
+                        lora_request=sub.lora_request,
+                    )  # fmt: skip
                 except ValueError as err:
                     raise BadRequest(str(err)) from None
                 added.append(sub_id)

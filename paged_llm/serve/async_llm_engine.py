@@ -69,18 +69,23 @@ class AsyncLLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate(
-        self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        lora_request: Any = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as it runs (cumulative unless its ``output_kind`` asks
         otherwise); the last one has ``finished`` set. ``prompt``: text, ``{"prompt": text}``
-        or ``{"prompt_token_ids": [...]}``, as ``LLM.generate`` takes."""
+        or ``{"prompt_token_ids": [...]}``, as ``LLM.generate`` takes; ``lora_request``: a
+        LoRARequest (with ``enable_lora``)."""
         if not self._loop.started and self.start_engine_loop:
             self.start_background_loop()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(sampling_params).__name__}")
-        sub = SubRequest(
-            lambda _tokenizer: prompt, sampling_params, check_fits=False, priority=priority
-        )
+        sub = SubRequest(lambda _tokenizer: prompt, sampling_params, check_fits=False,
+                         priority=priority, lora_request=lora_request)  # fmt: skip
         try:
             group = await self._loop.submit([sub], str(request_id))
         except BadRequest as err:

@@ -110,6 +110,18 @@ def make_parser() -> argparse.ArgumentParser:
         type=_json_object,
         help='JSON laid over the generation config, e.g. {"temperature": 0.5}',
     )
+    lora = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help='adapters clients select by "model": name=path, or JSON {"name": ..., "path": ...,'
+        ' "base_model_name": ...}',
+    )
+    lora.add_argument("--max-loras", type=int, help="adapters in one batch (default 1)")
+    lora.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default 16)")
+    lora.add_argument("--max-cpu-loras", type=int, help="adapters kept in CPU memory")
     eng.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     eng.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     eng.add_argument(
@@ -188,6 +200,33 @@ def check_generation_overrides(overrides: dict[str, Any] | None) -> None:
         raise ValueError(f"--override-generation-config: {err}") from None
 
 
+def lora_modules(args: argparse.Namespace) -> dict[str, Any]:
+    """--lora-modules as {served name: LoRARequest}, ids 1, 2, ... in the order given."""
+    from paged_llm.lora.request import LoRARequest
+
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    served = set(args.served_model_name or [model_name(args)])
+    out: dict[str, LoRARequest] = {}
+    for i, item in enumerate(args.lora_modules or [], start=1):
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = spec["name"], spec["path"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ValueError(f"--lora-modules: bad JSON entry {item!r} ({err})") from None
+            base = spec.get("base_model_name")
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: expected NAME=PATH, got {item!r}")
+            base = None
+        if name in out or name in served:
+            raise ValueError(f"--lora-modules: the name '{name}' is used twice")
+        out[name] = LoRARequest(name, i, path, base_model_name=base)
+    return out
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments; ValueError for flags the engine cannot honour."""
     refused = {"--pipeline-parallel-size": args.pipeline_parallel_size != 1}
@@ -198,6 +237,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     check_kv_cache_dtype(args.kv_cache_dtype)
     check_speculative_config(args.speculative_config)
     check_generation_overrides(args.override_generation_config)
+    lora_modules(args)
     kwargs: dict[str, Any] = {
         "model": model_name(args),
         "tokenizer": args.tokenizer,
@@ -226,6 +266,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "generation_config": args.generation_config,
         "override_generation_config": args.override_generation_config,
+        "enable_lora": args.enable_lora or None,
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_cpu_loras": args.max_cpu_loras,
     }
     return {k: v for k, v in kwargs.items() if v is not None}  # None: the engine's default
 
@@ -258,6 +302,7 @@ def server_settings(args: argparse.Namespace) -> Any:
         chat_template=load_chat_template(args.chat_template),
         max_logprobs=args.max_logprobs,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
+        lora_modules=lora_modules(args),
     )
 
 
@@ -272,6 +317,8 @@ def build(args: argparse.Namespace) -> Any:
     kwargs = engine_kwargs(args)
     settings = server_settings(args)
     engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
+    for lora in settings.lora_modules.values():  # a bad adapter stops the server here
+        engine.add_lora(lora)
     metrics = ServerMetrics(settings.served_model_names[0])
     async_engine = AsyncEngine(engine, metrics, max_waiting=args.max_waiting or None)
     return build_app(async_engine, settings)

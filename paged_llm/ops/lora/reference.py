@@ -55,21 +55,32 @@ def _desc(tensor: torch.Tensor) -> str:
     return f"{list(tensor.shape)} {tensor.dtype}"
 
 
+def slot_groups(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+    """(slot, rows [T_s] int64) for each adapter slot present; rows is None when every token
+    uses that slot (no gather needed). Computed once per step, shared by every layer."""
+    slots = torch.unique(token_slots).tolist()
+    if len(slots) == 1:
+        return [] if slots[0] < 0 else [(slots[0], None)]
+    return [(s, (token_slots == s).nonzero().squeeze(1)) for s in slots if s >= 0]
+
+
 def add_lora_reference(
     y: torch.Tensor,  # [T, N] base layer output, updated in place
     x: torch.Tensor,  # [T, K] layer input
     lora_a: torch.Tensor,  # [S, R, K] A of each adapter slot (rank padded with zero rows)
     lora_b: torch.Tensor,  # [S, N, R] B of each slot, scaling folded in (padded columns zero)
     token_slots: torch.Tensor,  # [T] int slot of each token's adapter, -1 = none
+    groups: list[tuple[int, torch.Tensor | None]] | None = None,  # slot_groups(token_slots)
 ) -> torch.Tensor:
     """Add ``(x[t] @ lora_a[s].T) @ lora_b[s].T`` to ``y[t]`` for each token's slot s; return y."""
     check_lora_args(y, x, lora_a, lora_b, token_slots)
-    for slot in torch.unique(token_slots).tolist():
-        if slot < 0:
-            continue
-        rows = (token_slots == slot).nonzero().squeeze(1)  # [T_s] int64
-        shrunk = x.index_select(0, rows).float() @ lora_a[slot].float().T  # [T_s, R]
-        delta = shrunk @ lora_b[slot].float().T  # [T_s, N]
-        # One rounding: y + delta in float32, then y's dtype (what the kernels store).
-        y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
+    for slot, rows in slot_groups(token_slots) if groups is None else groups:
+        xs = x if rows is None else x.index_select(0, rows)
+        delta = (xs.float() @ lora_a[slot].float().T) @ lora_b[slot].float().T  # [T_s, N]
+        if y.dtype == torch.float32:  # adding float32 to float32 is the one rounding already
+            y.add_(delta) if rows is None else y.index_add_(0, rows, delta)
+        elif rows is None:
+            y.copy_(y.float() + delta)
+        else:  # one rounding: y + delta in float32, then y's dtype (what the kernels store)
+            y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
     return y
