@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     output_tokens = n * args.tokens
     doc = {
         **run_info("real"),
-        "command": "python -m experiments.lora_bench " + " ".join(argv or []),
+        "command": " ".join(["python -m experiments.lora_bench", *(argv or sys.argv[1:])]),
         "model": {
             "arch": ARCH,
             "parameters_m": round(sum((i * o) for i, o in linear_shapes(model).values()) / 1e6, 2),

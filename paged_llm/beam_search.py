@@ -95,6 +95,7 @@ def beam_search(
     params: BeamSearchParams,
     on_step: Callable[[LLMEngine], None] | None = None,
     on_fork: Callable[[int, int, int], None] | None = None,
+    lora_requests: list[Any] | None = None,  # one LoRARequest (or None) per prompt
 ) -> list[BeamSearchOutput]:
     """Run beam search for every prompt in one batch; return the beams of each, best first.
 
@@ -110,7 +111,8 @@ def beam_search(
     num_prompt: list[int] = []
     firsts = []
     for i, prompt in enumerate(prompts):  # every prompt is checked before any is added
-        req = engine.make_request(f"beam-{i}", prompt, base).members[0].request
+        lora = lora_requests[i] if lora_requests else None
+        req = engine.make_request(f"beam-{i}", prompt, base, lora_request=lora).members[0].request
         sched.check_group_fits([req] * width, "beam_width")
         firsts.append(req)
     for i, req in enumerate(firsts):
@@ -198,6 +200,7 @@ def advance_beams(
             output_token_ids=parent.request.output_token_ids + [tok],
             num_computed_tokens=parent.request.num_computed_tokens,
             group_id=parent.request.group_id,
+            lora_int_id=parent.request.lora_int_id,
         )
         sched.fork_request(parent.request, child)
         if on_fork is not None:  # live beams are kept best first, so an index is a rank

@@ -49,11 +49,19 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search over the paged engine (beams fork and drop shared block tables)."""
+    def beam_search(
+        self,
+        prompts: Any,
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over the paged engine (beams fork and drop shared block tables);
+        ``lora_request``: one adapter, or one per prompt (with ``enable_lora``)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return beam_search(self.llm_engine, list(prompts), params)
+        prompts = list(prompts)
+        loras = per_prompt(lora_request, len(prompts), "LoRA requests")
+        return beam_search(self.llm_engine, prompts, params, lora_requests=loras)
 
     def get_tokenizer(self) -> Any:
         """The checkpoint's tokenizer (None if it has none)."""

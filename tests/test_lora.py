@@ -178,6 +178,29 @@ def test_int8_base_with_adapter_matches_peft_on_dequantized_weights(llama_adapte
     assert token_ids(outs) == [hf_greedy(pm, p) for p in PROMPTS]
 
 
+def test_beam_search_with_adapters_matches_peft(llama_adapters):
+    """Beams fork with their adapter: the best beam of each prompt (one adapter each, and the
+    base model) equals transformers' beam search on the PeftModel."""
+    from paged_llm import BeamSearchParams
+
+    base_dir, base, adapters = llama_adapters
+    (r1, p1), (r2, p2) = adapters["a1"], adapters["a2"]
+    llm = engine(base_dir, block_size=4)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params,
+                           lora_request=[r1, r2, None])  # fmt: skip
+    for prompt, out, model in zip(PROMPTS, outs, (p1, p2, base)):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                num_beams=3, do_sample=False, eos_token_id=None, pad_token_id=0,
+                early_stopping=False, length_penalty=1.0,
+            )  # fmt: skip
+        assert out.sequences[0].tokens[len(prompt) :] == ref[0, len(prompt) :].tolist()
+    assert llm.llm_engine.kv_usage() == 0
+
+
 def test_engine_add_list_remove(llama_adapters):
     base_dir, _, adapters = llama_adapters
     eng = engine(base_dir).llm_engine
