@@ -454,3 +454,53 @@ def test_lora_bench_runs_and_agrees(tmp_path):
     assert doc["token_agreement"]["mixed_vs_serial"] == 1.0
     assert doc["token_agreement"]["lora_unused_vs_base"] == 1.0
     assert doc["mode"] == "real" and (tmp_path / "lora_bench.json").is_file()
+
+
+def test_adapters_load_and_unload_at_run_time(tmp_path, monkeypatch):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING), and /reset_prefix_cache."""
+    import httpx
+
+    from paged_llm.models.presets import default_model_dir
+    from paged_llm.serve.background import ServerThread
+    from paged_llm.serve.cli import build, make_parser
+
+    base = default_model_dir()
+    path = tmp_path / "sql"
+    write_adapter(base, path, ["q_proj", "v_proj"], r=4, alpha=8, seed=6)
+    argv = [str(base), "--served-model-name", "base", "--enable-lora", "--max-lora-rank", "8",
+            "--enable-prefix-caching", "--max-model-len", "128", "--cpu-kv-cache-gib", "0.01",
+            "--disable-log-stats"]  # fmt: skip
+    body = {"prompt": "def f(x):\n    return x * 2\n\n" * 2, "max_tokens": 6, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
+    with ServerThread(build(make_parser().parse_args(argv))) as srv:  # no env: no routes
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "y"})
+        assert r.status_code == 404
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    with ServerThread(build(make_parser().parse_args(argv))) as srv:
+
+        def post(route, payload):
+            return httpx.post(srv.url + route, json=payload, timeout=60)
+
+        sql = {"lora_name": "sql", "lora_path": str(path)}
+        assert post("/v1/completions", {**body, "model": "sql"}).status_code == 404
+        r = post("/v1/load_lora_adapter", sql)
+        assert r.status_code == 200 and "added successfully" in r.text
+        models = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("base", None), ("sql", "base")]
+        texts = {}
+        for model in ("sql", "base"):
+            r = post("/v1/completions", {**body, "model": model})
+            assert r.status_code == 200, r.text
+            texts[model] = r.json()["choices"][0]["text"]
+        assert texts["sql"] != texts["base"]
+        assert post("/v1/load_lora_adapter", sql).status_code == 400  # already loaded
+        r = post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path / "no")})
+        assert r.status_code == 400 and "no such directory" in r.text
+        assert post("/v1/unload_lora_adapter", {"lora_name": "sql"}).status_code == 200
+        assert post("/v1/unload_lora_adapter", {"lora_name": "sql"}).status_code == 404
+        assert post("/v1/completions", {**body, "model": "sql"}).status_code == 404
+        pool = srv.server.config.app.state.engine.engine.scheduler.kv.pool
+        assert pool._cached  # the prompts' full blocks are cached
+        assert post("/reset_prefix_cache", {}).status_code == 200
+        assert not pool._cached

@@ -19,13 +19,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_llm.metrics.run_info import hardware_info
 from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest
-from paged_llm.serve.errors import APIError, BadRequest, ModelNotFound, Unauthorized, error_body
+from paged_llm.serve.errors import (
+    APIError,
+    BadRequest,
+    Conflict,
+    ModelNotFound,
+    Unauthorized,
+    error_body,
+)
 from paged_llm.serve.prompts import chat_prompt, text_prompt, token_prompt
 from paged_llm.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     chat_messages,
     completion_prompts,
     max_tokens_unset,
@@ -56,6 +65,8 @@ class ServerSettings:
     created: int = field(default_factory=lambda: int(time.time()))
     # --lora-modules: served name -> LoRARequest; a request selects one by its "model" field
     lora_modules: dict[str, Any] = field(default_factory=dict)
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
+    allow_runtime_lora_updating: bool = False
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -127,6 +138,13 @@ def _public_routes(engine: AsyncEngine) -> APIRouter:
         text = engine.metrics.render(engine.gauges)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's: drop every cached prefix block (e.g. between benchmark runs)."""
+        if not await engine.with_engine(lambda e: e.reset_prefix_cache()):
+            raise Conflict("requests are running and hold cached blocks; retry when idle")
+        return Response(status_code=200)
+
     @router.get("/version")
     async def version() -> dict[str, Any]:
         """vLLM's version field, plus the hardware the engine runs on (for benchmark records)."""
@@ -145,6 +163,38 @@ def _check_model(settings: ServerSettings, requested: str | None) -> None:
     known = (*settings.served_model_names, *settings.lora_modules)
     if requested is not None and requested not in known:
         raise ModelNotFound(f"The model `{requested}` does not exist.", param="model")
+
+
+def _lora_admin_routes(router: APIRouter, engine: AsyncEngine, settings: ServerSettings) -> None:
+    """vLLM's run-time adapter loading (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set, as it
+    reads any path the server can)."""
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        from paged_llm.lora.request import LoRARequest
+
+        req = parse_request(await request.body(), LoadLoRAAdapterRequest)
+        name = req.lora_name
+        if name in settings.lora_modules or name in settings.served_model_names:
+            raise BadRequest(f"The lora adapter '{name}' has already been loaded.")
+        known = [lora.lora_int_id for lora in settings.lora_modules.values()]
+        lora = LoRARequest(name, max(known, default=0) + 1, req.lora_path)
+        await engine.with_engine(lambda e: e.add_lora(lora))  # checks it; ValueError -> 400
+        if name in settings.lora_modules:  # a concurrent load of the same name won
+            await engine.with_engine(lambda e: e.remove_lora(lora.lora_int_id))
+            raise BadRequest(f"The lora adapter '{name}' has already been loaded.")
+        settings.lora_modules[name] = lora
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @router.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        req = parse_request(await request.body(), UnloadLoRAAdapterRequest)
+        lora = settings.lora_modules.get(req.lora_name)
+        if lora is None:
+            raise ModelNotFound(f"The lora adapter '{req.lora_name}' cannot be found.")
+        await engine.with_engine(lambda e: e.remove_lora(lora.lora_int_id))  # in use -> 400
+        settings.lora_modules.pop(req.lora_name, None)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 def _tokenizer_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
@@ -224,6 +274,9 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
             for name, lora in settings.lora_modules.items()
         ]
         return {"object": "list", "data": data}
+
+    if settings.allow_runtime_lora_updating:
+        _lora_admin_routes(router, engine, settings)
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:

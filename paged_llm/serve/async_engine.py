@@ -136,7 +136,8 @@ class _Stop:
 
 @dataclass
 class _Call:
-    """Run ``fn(tokenizer)`` on the engine thread (the tokenizer's only thread)."""
+    """Run ``fn(engine)`` on the engine thread, between steps (the tokenizer's and the
+    engine's only thread)."""
 
     fn: Any
     future: asyncio.Future
@@ -297,6 +298,11 @@ class AsyncEngine:
 
     async def with_tokenizer(self, fn: Any) -> Any:
         """``fn(tokenizer)`` computed on the engine thread; its APIError reaches the caller."""
+        return await self.with_engine(lambda engine: fn(engine.tokenizer))
+
+    async def with_engine(self, fn: Any) -> Any:
+        """``fn(engine)`` computed on the engine thread between steps (e.g. loading an adapter);
+        its APIError reaches the caller, any other exception as a BadRequest."""
         if not self.is_running:
             raise EngineUnavailable("the engine is not running (shutting down or failed)")
         future = asyncio.get_running_loop().create_future()
@@ -384,7 +390,7 @@ class AsyncEngine:
 
     def _call(self, command: _Call) -> None:
         try:
-            result = command.fn(self.engine.tokenizer)
+            result = command.fn(self.engine)
         except Exception as err:
             if not isinstance(err, APIError):
                 err = BadRequest(str(err))

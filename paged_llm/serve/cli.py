@@ -227,6 +227,12 @@ def lora_modules(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def runtime_lora_updating() -> bool:
+    """vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default:
+    they read any path the server can)."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments; ValueError for flags the engine cannot honour."""
     refused = {"--pipeline-parallel-size": args.pipeline_parallel_size != 1}
@@ -303,6 +309,7 @@ def server_settings(args: argparse.Namespace) -> Any:
         max_logprobs=args.max_logprobs,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         lora_modules=lora_modules(args),
+        allow_runtime_lora_updating=runtime_lora_updating(),
     )
 
 

@@ -46,6 +46,14 @@ class ModelNotFound(APIError):
     default_code = "model_not_found"
 
 
+class Conflict(APIError):
+    """409: the request cannot be done in the server's current state (retry later)."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+    default_code = "conflict"
+
+
 class ServerBusy(APIError):
     """429: the waiting queue is full; the client should retry later."""
 

@@ -132,6 +132,21 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's, with VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+
+    model_config = ConfigDict(extra="allow")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's)."""
+
+    model_config = ConfigDict(extra="allow")
+    lora_name: str
+
+
 def parse_request(raw: bytes, model_cls: type[BaseModel]) -> Any:
     """Parse and validate a JSON body; any problem is a BadRequest naming the field."""
     try:
