@@ -13,7 +13,8 @@ Sections, in order (later ones use the bandwidth measured first):
 
 1. ``bandwidth``: device-to-device copy bandwidth ((read + write) bytes / s) and bf16 matmul rate.
 2. ``kernels``: every Triton kernel (KV store incl. int8/fp8, paged decode with and without
-   split-K and with an int8 cache, paged prefill, block copy, int8/int4 matmul) against its
+   split-K and with an int8 cache, paged prefill, block copy, int8/int4 matmul, multi-LoRA
+   shrink/expand) against its
    torch reference on the device, in fp16, bf16 and fp32.
    ``parity`` (experiments/gpu_parity.py): greedy tokens of this engine vs transformers on the
    same device for Llama/Mistral/Qwen2/OPT in fp32 (must be identical), bf16 and fp16.
@@ -420,7 +421,7 @@ def kernel_checks(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[
     results = []
     checks = (check_store_kv, check_store_kv_quantized, check_decode, check_prefill,
               check_copy_blocks, check_quant_matmul, check_fp8_linear,
-              check_elementwise)  # fmt: skip
+              check_elementwise, check_lora)  # fmt: skip
     for check in checks:
         torch.manual_seed(0)
         try:
@@ -533,6 +534,27 @@ def check_copy_blocks(plan: Plan, device: torch.device, dtype: torch.dtype) -> l
     copy_blocks_triton(k, v, src, dst)
     out, ref = torch.stack([k, v]), torch.stack([k_ref, v_ref])
     return [_compare("copy_blocks", out, ref, dtype, atol=0.0, rtol=0.0)]
+
+
+def check_lora(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Multi-LoRA shrink/expand kernels against the torch reference: decode-sized (1 and 7
+    rows) and prefill-sized (64 rows) batches mixing three adapters and base-model tokens."""
+    from paged_llm.ops.lora.reference import add_lora_reference
+    from paged_llm.ops.lora.triton import add_lora_triton
+
+    hq, _, d = plan.kernel_heads
+    k, n, rank, slots = hq * d, 2 * hq * d + 8, 16, 3  # an odd N: masked output tiles
+    results = []
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, k, device=device).to(dtype)
+        y = torch.randn(rows, n, device=device).to(dtype)
+        a = (torch.randn(slots, rank, k, device=device) / k**0.5).to(dtype)
+        b = (0.1 * torch.randn(slots, n, rank, device=device)).to(dtype)
+        token_slots = torch.randint(-1, slots, (rows,), device=device)
+        ref = add_lora_reference(y.clone(), x, a, b, token_slots)
+        out = add_lora_triton(y.clone(), x, a, b, token_slots)
+        results.append(_compare(f"lora_rows_{rows}", out, ref, dtype))
+    return results
 
 
 def check_quant_matmul(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict]:
