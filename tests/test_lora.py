@@ -216,6 +216,27 @@ def test_engine_add_list_remove(llama_adapters):
     assert eng.remove_lora(2) is True and eng.list_loras() == {1}
 
 
+def test_metrics_name_the_adapters_of_running_and_waiting_requests(llama_adapters):
+    """vLLM's vllm:lora_requests_info gauge: max_lora and the adapters in use, by name."""
+    from paged_llm.serve.metrics import LoRAGauges, ServerMetrics, engine_gauges
+
+    base_dir, _, adapters = llama_adapters
+    eng = engine(base_dir).llm_engine
+    eng.add_request("x", {"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=adapters["a1"][0])
+    assert engine_gauges(eng).lora == LoRAGauges(2, (), ("a1",))
+    eng.step()
+    gauges = engine_gauges(eng)
+    assert gauges.lora == LoRAGauges(2, ("a1",), ())
+    text = ServerMetrics("m").render(gauges)
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a1",' \
+           'waiting_lora_adapters=""}' in text  # fmt: skip
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert "lora_requests_info" not in ServerMetrics("m").render(
+        engine_gauges(LLM("tiny").llm_engine)
+    )
+
+
 # ---- bad input ------------------------------------------------------------------------------
 def rewrite_config(src, dst, **changes):
     import shutil

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ class EngineGauges:
     preemptions: int = 0
     prefix_cache: PrefixCacheCounts | None = None  # None: prefix caching is off
     spec_decode: SpecDecodeCounts | None = None  # None: no speculative decoding
+    lora: LoRAGauges | None = None  # None: LoRA is off
+    time: float = 0.0  # when the snapshot was taken (time.time())
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,16 @@ class SpecDecodeCounts:
     accepted_per_position: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class LoRAGauges:
+    """vLLM's ``vllm:lora_requests_info`` labels: the adapter limit and the adapters of the
+    running and the waiting requests, by name."""
+
+    max_lora: int
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+
+
 def engine_gauges(engine: Any) -> EngineGauges:
     """Snapshot the engine's scheduler state and counters (call on the engine thread)."""
     sched = engine.scheduler
@@ -69,7 +82,24 @@ def engine_gauges(engine: Any) -> EngineGauges:
         preemptions=sched.num_preemptions_total,
         prefix_cache=_prefix_cache_counts(getattr(sched, "kv", None)),
         spec_decode=_spec_decode_counts(engine),
+        lora=_lora_gauges(engine),
+        time=time.time(),
     )
+
+
+def _lora_gauges(engine: Any) -> LoRAGauges | None:
+    """Which adapters the running and waiting requests use, if LoRA is on."""
+    lora = getattr(engine, "lora", None)
+    if lora is None:
+        return None
+    names = {i: r.lora_name for i, r in lora.registered.items()}
+
+    def adapters(requests: Iterable[Any]) -> tuple[str, ...]:
+        return tuple(sorted({names.get(r.lora_int_id, str(r.lora_int_id))
+                             for r in requests if r.lora_int_id}))  # fmt: skip
+
+    sched = engine.scheduler
+    return LoRAGauges(lora.slots.max_loras, adapters(sched.running), adapters(sched.waiting))
 
 
 def _prefix_cache_counts(kv: Any) -> PrefixCacheCounts | None:
@@ -198,6 +228,14 @@ class ServerMetrics:
         for name, help_, value in _engine_counters(gauges):
             header(name, "counter", help_)
             lines.append(f"{name}{{{lbl}}} {_num(value)}")
+        if gauges.lora is not None:  # as vLLM: the labels carry the state, the value a time
+            name, lg = "vllm:lora_requests_info", gauges.lora
+            header(name, "gauge", "Running stats on LoRA requests.")
+            lines.append(
+                f'{name}{{max_lora="{lg.max_lora}",'
+                f'running_lora_adapters="{_label(",".join(lg.running))}",'
+                f'waiting_lora_adapters="{_label(",".join(lg.waiting))}"}} {_num(gauges.time)}'
+            )
         if gauges.spec_decode is not None:
             name = "vllm:spec_decode_num_accepted_tokens_per_pos"
             header(name, "counter", "Accepted draft tokens, by position in the draft.")
