@@ -108,8 +108,9 @@ def _lora_expand_kernel(
 
 
 def _pow2_tile(size: int, cap: int) -> int:
-    """``size`` padded to a power of two, at most ``cap`` (itself a power of two)."""
-    return min(cap, triton.next_power_of_2(size))
+    """``size`` padded to a power of two, at least 16 (no 1-wide aranges on a GPU) and at most
+    ``cap`` (itself a power of two); masks cover the padding."""
+    return min(cap, max(16, triton.next_power_of_2(size)))
 
 
 def add_lora_triton(
