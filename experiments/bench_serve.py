@@ -55,6 +55,7 @@ class BenchRequest:
     prompt: str | list[int]
     prompt_len: int
     output_len: int
+    model: str | None = None  # the LoRA adapter it names (--lora-modules); None: --model
 
 
 @dataclass
@@ -109,6 +110,15 @@ def build_requests(
     return out
 
 
+def assign_lora_modules(requests: list[BenchRequest], names: list[str] | None, seed: int) -> None:
+    """vLLM's --lora-modules: each request names one of these adapters, drawn at random."""
+    if not names:
+        return
+    rng = random.Random(seed + 1)  # not the prompts' stream: adding adapters keeps the prompts
+    for req in requests:
+        req.model = rng.choice(names)
+
+
 def _text_of_length(tokenizer: Any, n: int, rng: random.Random) -> tuple[str, int]:
     """Random text that re-tokenizes to about n tokens (vLLM's random-dataset recipe)."""
     special = set(tokenizer.all_special_ids)
@@ -145,7 +155,7 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[flo
 def request_body(args: argparse.Namespace, req: BenchRequest) -> dict[str, Any]:
     """The JSON body for one request (streaming, with usage reported at the end)."""
     body: dict[str, Any] = {
-        "model": args.served_model_name or args.model,
+        "model": req.model or args.served_model_name or args.model,
         "max_tokens": req.output_len,
         "temperature": args.temperature,
         "stream": True,
@@ -331,6 +341,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         requests = build_requests(
             pairs, tokenizer, args.seed, (args.token_id_low, args.token_id_high)
         )
+        assign_lora_modules(requests, args.lora_modules, args.seed)
         if args.ready_check_timeout_sec > 0:
             first = requests[0]
             body = request_body(args, BenchRequest(first.prompt, first.prompt_len, 1))
@@ -399,6 +410,7 @@ def _header(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
         "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
+        "lora_modules": args.lora_modules,
     }
     for item in args.metadata or []:
         key, _, value = item.partition("=")
@@ -455,6 +467,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="bearer token (default $OPENAI_API_KEY)")
     p.add_argument("--model", required=True, help="model name sent in requests")
     p.add_argument("--served-model-name", help="if different from --model")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME",
+        help="LoRA adapters the server serves (its --lora-modules names); each request names one "
+        "at random (vLLM's)",
+    )
     p.add_argument("--tokenizer", help="local tokenizer directory: send text prompts")
     p.add_argument("--label")
     p.add_argument(

@@ -365,6 +365,15 @@ def test_server_selects_adapters_by_model_name(tmp_path):
             texts[model] = r.json()["choices"][0]["text"]
         r = httpx.post(srv.url + "/v1/completions", json={**body, "model": "nope"}, timeout=30)
         assert r.status_code == 404
+        # the serving benchmark names an adapter per request (vLLM's --lora-modules)
+        from experiments import bench_serve
+
+        bench = bench_serve.main(["--base-url", srv.url, "--model", "base", "--num-prompts", "6",
+                                  "--lora-modules", "sql", "js", "--dataset-name", "random",
+                                  "--random-input-len", "8", "--random-output-len", "6",
+                                  "--quiet"])  # fmt: skip
+        assert bench["completed"] == 6 and bench["failed"] == 0
+        assert bench["lora_modules"] == ["sql", "js"]
     llm = LLM(model=str(base), enable_lora=True, max_lora_rank=8, max_model_len=128)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     offline = llm.generate("def f(x):", params, use_tqdm=False,
@@ -397,6 +406,20 @@ def test_server_refuses_a_bad_adapter_at_start_up(tmp_path):
             "--max-model-len", "128", "--cpu-kv-cache-gib", "0.01"]  # fmt: skip
     with pytest.raises(ValueError, match="LoRA adapter 'gone'.*no such directory"):
         build(make_parser().parse_args(argv))
+
+
+def test_bench_serve_draws_an_adapter_per_request():
+    from experiments.bench_serve import BenchRequest, assign_lora_modules, make_parser, request_body
+
+    reqs = [BenchRequest([1, 2], 2, 3) for _ in range(40)]
+    assign_lora_modules(reqs, ["a", "b"], seed=0)
+    args = make_parser().parse_args(["--model", "base", "--lora-modules", "a", "b"])
+    models = [request_body(args, r)["model"] for r in reqs]
+    assert set(models) == {"a", "b"}
+    again = [BenchRequest([1, 2], 2, 3) for _ in range(40)]
+    assign_lora_modules(again, ["a", "b"], seed=0)
+    assert [r.model for r in again] == models  # seeded
+    assert request_body(args, BenchRequest([1], 1, 1))["model"] == "base"
 
 
 # ---- random engines -------------------------------------------------------------------------
