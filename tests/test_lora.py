@@ -110,6 +110,24 @@ def test_logits_match_peft(llama_adapters):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 
+def test_rank_and_alpha_patterns_match_peft(tiny_llama, tmp_path):
+    """PEFT's per-module rank_pattern and alpha_pattern change each module's scaling."""
+    base_dir, _ = tiny_llama
+    pm = write_adapter(base_dir, tmp_path / "patterns", ["q_proj", "v_proj", "up_proj"], r=4,
+                       alpha=8, seed=4, rank_pattern={"q_proj": 2},
+                       alpha_pattern={"v_proj": 32, "layers.1.mlp.up_proj": 1})  # fmt: skip
+    req = LoRARequest("patterns", 3, str(tmp_path / "patterns"))
+    out = engine(base_dir).generate({"prompt_token_ids": PROMPTS[1]},
+                                    SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                    use_tqdm=False, lora_request=req)[0]  # fmt: skip
+    prompt = PROMPTS[1]
+    ours = torch.tensor([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+    with torch.no_grad():
+        logits = pm(torch.tensor([prompt])).logits[0, :-1].float()
+    ref = logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
 def test_opt_adapter_matches_peft(tiny_opt, tmp_path):
     base_dir, base = tiny_opt
     pm = write_adapter(base_dir, tmp_path / "opt-lora", ["q_proj", "out_proj", "fc1", "fc2"],
