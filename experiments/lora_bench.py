@@ -67,8 +67,9 @@ def write_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
+    shapes = linear_shapes(model_dir)
     tensors = {}
-    for module, (in_f, out_f) in linear_shapes(model_dir).items():
+    for module, (in_f, out_f) in shapes.items():
         key = f"base_model.model.{module}"
         tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_f, generator=gen) / in_f**0.5
         tensors[f"{key}.lora_B.weight"] = 0.02 * torch.randn(out_f, rank, generator=gen)
@@ -79,7 +80,7 @@ def write_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
         "r": rank,
         "lora_alpha": 2 * rank,
         "bias": "none",
-        "target_modules": sorted({m.rsplit(".", 1)[1] for m in linear_shapes(model_dir)}),
+        "target_modules": sorted({m.rsplit(".", 1)[1] for m in shapes}),
     }
     (out / "adapter_config.json").write_text(json.dumps(config))  # fmt: skip
     return out
@@ -95,10 +96,11 @@ def merge_adapter(model_dir: Path, adapter: Path, out: Path) -> Path:
     scaling = config["lora_alpha"] / config["r"]
     lora = load_file(str(adapter / "adapter_model.safetensors"))
     weights = load_file(str(model_dir / "model.safetensors"))
-    for module in linear_shapes(model_dir):
-        a = lora[f"base_model.model.{module}.lora_A.weight"]
-        b = lora[f"base_model.model.{module}.lora_B.weight"]
-        weights[f"{module}.weight"] = weights[f"{module}.weight"] + scaling * (b @ a)
+    for key, a in lora.items():  # every lora_A names an adapted module; its lora_B pairs it
+        if key.endswith(".lora_A.weight"):
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = lora[key.replace(".lora_A.", ".lora_B.")]
+            weights[f"{module}.weight"] = weights[f"{module}.weight"] + scaling * (b @ a)
     out.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
         if f.name != "model.safetensors":

@@ -93,21 +93,24 @@ def test_mixed_batch_matches_peft(llama_adapters):
     assert [hf_greedy(base, p) for p in PROMPTS[:2]] != expected[:2]
 
 
+def assert_prompt_logprobs_match(llm, req, peft_model, prompt):
+    """Every prompt position's log-probability under the adapter equals PEFT's within 1e-4."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False, lora_request=req)[0]
+    ours = torch.tensor([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+    with torch.no_grad():
+        logits = peft_model(torch.tensor([prompt])).logits[0, :-1].float()
+    ref = logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
 def test_logits_match_peft(llama_adapters):
     """Every prompt position's log-probability equals PEFT's within 1e-4 (float32)."""
     base_dir, _, adapters = llama_adapters
     llm = engine(base_dir, max_loras=3)
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    prompt = PROMPTS[1]
     for name in ("a1", "a2", "a3"):
         req, pm = adapters[name]
-        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False,
-                           lora_request=req)[0]  # fmt: skip
-        ours = torch.tensor([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-        with torch.no_grad():
-            logits = pm(torch.tensor([prompt])).logits[0, :-1].float()
-        ref = logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+        assert_prompt_logprobs_match(llm, req, pm, PROMPTS[1])
 
 
 def test_rank_and_alpha_patterns_match_peft(tiny_llama, tmp_path):
@@ -117,15 +120,7 @@ def test_rank_and_alpha_patterns_match_peft(tiny_llama, tmp_path):
                        alpha=8, seed=4, rank_pattern={"q_proj": 2},
                        alpha_pattern={"v_proj": 32, "layers.1.mlp.up_proj": 1})  # fmt: skip
     req = LoRARequest("patterns", 3, str(tmp_path / "patterns"))
-    out = engine(base_dir).generate({"prompt_token_ids": PROMPTS[1]},
-                                    SamplingParams(max_tokens=1, prompt_logprobs=0),
-                                    use_tqdm=False, lora_request=req)[0]  # fmt: skip
-    prompt = PROMPTS[1]
-    ours = torch.tensor([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-    with torch.no_grad():
-        logits = pm(torch.tensor([prompt])).logits[0, :-1].float()
-    ref = logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    assert_prompt_logprobs_match(engine(base_dir), req, pm, PROMPTS[1])
 
 
 def test_opt_adapter_matches_peft(tiny_opt, tmp_path):

@@ -27,12 +27,10 @@ _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 
 @dataclass
 class LoRAAdapter:
-    """One adapter's weights on the CPU, keyed by the base model's module name."""
+    """One adapter's weights on the CPU, keyed by the base model's module name (its name and
+    path stay on its LoRARequest)."""
 
     lora_int_id: int
-    name: str
-    path: str
-    rank: int  # the largest rank over its modules
     # module name -> (A [r, in] float32, B [out, r] float32 with the scaling folded in)
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
@@ -141,7 +139,4 @@ def load_adapter(
         alpha = _alpha_for(module, cfg)
         scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
         weights[module] = (a.contiguous(), (b * scaling).contiguous())
-    return LoRAAdapter(
-        request.lora_int_id, request.lora_name, str(path),
-        max(a.shape[0] for a, _ in weights.values()), weights,
-    )  # fmt: skip
+    return LoRAAdapter(request.lora_int_id, weights)

@@ -57,8 +57,9 @@ class LoRAManager:
 
     # ---- adapters -----------------------------------------------------------------------------
     def add(self, request: LoRARequest) -> bool:
-        """Register and load (checking it) an adapter; False if it was already there. A ValueError
-        names what is wrong with it; nothing changes then."""
+        """Register and load (checking it) an adapter; False if it was already registered (its
+        weights are then read again only when a step needs them and the CPU cache dropped
+        them). A ValueError names what is wrong with it; nothing changes then."""
         if not isinstance(request, LoRARequest):
             raise ValueError(f"expected a LoRARequest, got {type(request).__name__}")
         known = self.registered.get(request.lora_int_id)
@@ -68,7 +69,6 @@ class LoRAManager:
                     f"lora_int_id {request.lora_int_id} already names adapter "
                     f"'{known.lora_name}' ({known.lora_path}); give each adapter its own id"
                 )
-            self._cached(request.lora_int_id)
             return False
         adapter = load_adapter(request, self.modules, self.max_lora_rank)
         self.registered[request.lora_int_id] = request

@@ -20,11 +20,6 @@ class LoRASlots:
         self._last_used: list[int] = [-1] * max_loras
         self._clock = itertools.count()
 
-    @property
-    def max_loras(self) -> int:
-        """Number of slots."""
-        return len(self.slots)
-
     def slot_of(self, lora_id: int) -> int | None:
         """The slot holding this adapter, if resident."""
         return self.slots.index(lora_id) if lora_id in self.slots else None

@@ -249,30 +249,16 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": settings.created,
-                "owned_by": "paged-llm",
-                "root": settings.model_root or name,
-                "parent": None,
-                "max_model_len": max_model_len,
-            }
-            for name in settings.served_model_names
-        ]
-        data += [
-            {
-                "id": name,
-                "object": "model",
-                "created": settings.created,
-                "owned_by": "paged-llm",
-                "root": lora.lora_path,
-                "parent": lora.base_model_name or settings.served_model_names[0],
-                "max_model_len": max_model_len,
-            }
-            for name, lora in settings.lora_modules.items()
-        ]
+        def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
+            return {"id": name, "object": "model", "created": settings.created,
+                    "owned_by": "paged-llm", "root": root, "parent": parent,
+                    "max_model_len": max_model_len}  # fmt: skip
+
+        base = settings.served_model_names[0]
+        data = [card(name, settings.model_root or name, None)
+                for name in settings.served_model_names]  # fmt: skip
+        data += [card(name, lora.lora_path, lora.base_model_name or base)
+                 for name, lora in settings.lora_modules.items()]  # fmt: skip
         return {"object": "list", "data": data}
 
     if settings.allow_runtime_lora_updating:

@@ -99,7 +99,8 @@ def _lora_gauges(engine: Any) -> LoRAGauges | None:
                              for r in requests if r.lora_int_id}))  # fmt: skip
 
     sched = engine.scheduler
-    return LoRAGauges(lora.slots.max_loras, adapters(sched.running), adapters(sched.waiting))
+    max_loras = engine.config.lora.max_loras
+    return LoRAGauges(max_loras, adapters(sched.running), adapters(sched.waiting))
 
 
 def _prefix_cache_counts(kv: Any) -> PrefixCacheCounts | None:
