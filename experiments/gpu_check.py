@@ -421,7 +421,7 @@ def kernel_checks(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[
     results = []
     checks = (check_store_kv, check_store_kv_quantized, check_decode, check_prefill,
               check_copy_blocks, check_quant_matmul, check_fp8_linear,
-              check_elementwise, check_lora)  # fmt: skip
+              check_elementwise, check_lora, check_moe)  # fmt: skip
     for check in checks:
         torch.manual_seed(0)
         try:
@@ -554,6 +554,26 @@ def check_lora(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dic
         ref = add_lora_reference(y.clone(), x, a, b, token_slots)
         out = add_lora_triton(y.clone(), x, a, b, token_slots)
         results.append(_compare(f"lora_rows_{rows}", out, ref, dtype))
+    return results
+
+
+def check_moe(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Fused MoE grouped GEMMs against the torch reference: decode-sized (1 and 7 tokens) and
+    prefill-sized (300 tokens) batches routed top-2 of 8 experts (Mixtral's routing)."""
+    from paged_llm.ops.moe.reference import fused_experts_reference, select_experts
+    from paged_llm.ops.moe.triton import fused_experts_triton
+
+    hq, _, d = plan.kernel_heads
+    hidden, inter, experts = hq * d, 2 * hq * d + 16, 8  # an odd I: masked tiles
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, device=device) / inter**0.5).to(dtype)
+    results = []
+    for tokens in (1, 7, 300):
+        x = torch.randn(tokens, hidden, device=device).to(dtype)
+        weights, ids = select_experts(torch.randn(tokens, experts, device=device), 2, True)
+        ref = fused_experts_reference(x, gate_up, down, weights, ids)
+        out = fused_experts_triton(x, gate_up, down, weights, ids)
+        results.append(_compare(f"fused_moe_tokens_{tokens}", out, ref, dtype))
     return results
 
 

@@ -74,6 +74,28 @@ def _config(name: str):
         "qwen2": lambda: t.Qwen2Config(
             **LLAMA_LIKE, num_key_value_heads=2, tie_word_embeddings=True
         ),
+        "qwen3": lambda: t.Qwen3Config(**LLAMA_LIKE, num_key_value_heads=2, head_dim=32),
+        "mixtral": lambda: t.MixtralConfig(
+            **LLAMA_LIKE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+        ),
+        # Layer 0 dense (mlp_only_layers), layer 1 sparse with the shared expert.
+        "qwen2-moe": lambda: t.Qwen2MoeConfig(
+            **LLAMA_LIKE,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=96,
+            mlp_only_layers=[0],
+        ),
+        "qwen3-moe": lambda: t.Qwen3MoeConfig(
+            **LLAMA_LIKE,
+            num_key_value_heads=2,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            norm_topk_prob=True,
+        ),
         "opt": lambda: t.OPTConfig(**SMALL, num_attention_heads=4, ffn_dim=128),
         "opt-350m-like": lambda: t.OPTConfig(
             **SMALL,
@@ -92,6 +114,10 @@ ARCHITECTURE_OF = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "opt": "OPTForCausalLM",
 }
 
@@ -205,6 +231,10 @@ CASES = [
     "llama-tied",
     "mistral",
     "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2-moe",
+    "qwen3-moe",
     "opt",
     "opt-350m-like",
 ]
@@ -400,6 +430,10 @@ def test_registry():
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
         "OPTForCausalLM",
     }
     config = _config("qwen2")

@@ -55,6 +55,20 @@ def hf_config(kind: str):
         "llama-kv1": lambda: t.LlamaConfig(**LLAMA_LIKE, num_key_value_heads=1),
         "mistral": lambda: t.MistralConfig(**LLAMA_LIKE, num_key_value_heads=2),
         "qwen2": lambda: t.Qwen2Config(**LLAMA_LIKE, num_key_value_heads=2),  # q/k/v biases
+        # Experts split by intermediate features; the router is replicated.
+        "mixtral": lambda: t.MixtralConfig(
+            **LLAMA_LIKE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+        ),
+        # Plus a dense layer (0) and a sigmoid-gated shared expert (its MLP split as a dense one).
+        "qwen2-moe": lambda: t.Qwen2MoeConfig(
+            **LLAMA_LIKE,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[0],
+        ),  # fmt: skip
         # OPT-350m's layout: post-LN, 32-wide embeddings projected in and out (replicated).
         "opt": lambda: t.OPTConfig(
             **COMMON,
@@ -143,7 +157,7 @@ def test_llama_gqa_with_swapping_and_chunked_prefill(tmp_path):
         assert all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
 
 
-@pytest.mark.parametrize("kind", ["llama-kv1", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama-kv1", "mistral", "qwen2", "mixtral", "qwen2-moe"])
 def test_llama_family_matches_single_process(tmp_path, kind):
     path = save_model(kind, tmp_path)
     expected = run(LLM(path, block_size=8, cpu_kv_cache_gib=0.01))

@@ -59,9 +59,15 @@ class CausalLM(nn.Module):
         """Map a checkpoint tensor name onto a parameter name; None means "ignore this tensor"."""
         return name
 
+    def checkpoint_tensors(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str | None, torch.Tensor]]:
+        """The checkpoint's tensors under parameter names (see :meth:`checkpoint_name`)."""
+        return ((self.checkpoint_name(n), t) for n, t in weights)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters; raise on unexpected or missing ones."""
-        renamed = ((self.checkpoint_name(n), t) for n, t in weights)
+        renamed = self.checkpoint_tensors(weights)
         renamed = shard_checkpoint(self, renamed)  # tensor parallel: keep this rank's slices
         if self.tie_word_embeddings:
             # A tied head has no storage of its own; some checkpoints still carry a copy of it.

@@ -1,6 +1,7 @@
-"""LLaMA-family decoder (LLaMA 1/2/3, Mistral, Qwen2): RMSNorm, RoPE, grouped-query attention
-over the paged KV cache, and a SwiGLU MLP. The variants differ only in which projections carry
-a bias, which the subclasses at the bottom pick.
+"""LLaMA-family decoder (LLaMA 1/2/3, Mistral, Qwen2, Qwen3): RMSNorm, RoPE, grouped-query
+attention over the paged KV cache, and a SwiGLU MLP. The variants differ in which projections
+carry a bias, whether q and k are RMS-normed per head (Qwen3), and which MLP a layer has (the
+mixture-of-experts models in ``moe.py``); the subclasses at the bottom pick.
 
 Not implemented: sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window). It only
 matters for contexts longer than the window; see ``loader.max_context_len``.
@@ -30,7 +31,9 @@ class LlamaAttention(nn.Module):
     this rank's counts): q/k/v are column-parallel, o_proj row-parallel (see distributed/).
     """
 
-    def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool = False
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.head_dim = head_dim_of(config)
@@ -43,6 +46,10 @@ class LlamaAttention(nn.Module):
         self.k_proj = column_linear(hidden, kv_dim, qkv_bias, rows=kv_rows)
         self.v_proj = column_linear(hidden, kv_dim, qkv_bias, rows=kv_rows)
         self.o_proj = row_linear(q_dim, hidden, o_bias)
+        if qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
         )
@@ -56,8 +63,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         """Attend every token to its sequence's cached context (this step's K/V included)."""
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(x), ctx)  # [T, Hq * D]
         return self.o_proj(out)
 
@@ -65,9 +75,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); gate/up column-, down row-parallel under TP."""
 
-    def __init__(self, config: Any, bias: bool) -> None:
+    def __init__(self, config: Any, bias: bool, intermediate_size: int | None = None) -> None:
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = column_linear(hidden, inter, bias)
         self.up_proj = column_linear(hidden, inter, bias)
         self.down_proj = row_linear(inter, hidden, bias)
@@ -82,13 +92,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, config: Any, layer_idx: int, biases: tuple[bool, bool, bool]) -> None:
+    ``variant`` is the model class: its ``bias_flags``, ``qk_norm`` and ``make_mlp`` say how
+    this architecture's blocks differ from LLaMA's.
+    """
+
+    def __init__(self, config: Any, layer_idx: int, variant: type[LlamaForCausalLM]) -> None:
         super().__init__()
-        qkv_bias, o_bias, mlp_bias = biases
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(config, mlp_bias)
+        qkv_bias, o_bias, _ = variant.bias_flags(config)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias, variant.qk_norm)
+        self.mlp = variant.make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -103,11 +117,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, the decoder stack and the final norm (HF's ``model.*`` namespace)."""
 
-    def __init__(self, config: Any, biases: tuple[bool, bool, bool]) -> None:
+    def __init__(self, config: Any, variant: type[LlamaForCausalLM]) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, biases) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, variant) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One RoPE table for all layers: cos/sin depend only on positions, so compute them once.
@@ -125,11 +139,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """LLaMA with an LM head; also the base of the Mistral and Qwen2 variants."""
+    """LLaMA with an LM head; also the base of the Mistral, Qwen2/3 and MoE variants."""
+
+    qk_norm = False  # RMSNorm on each head's q and k (Qwen3)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        self.model = LlamaModel(config, self.bias_flags(config))
+        self.model = LlamaModel(config, type(self))
         self.lm_head = lm_head(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
@@ -138,6 +154,11 @@ class LlamaForCausalLM(CausalLM):
         """(q/k/v bias, o_proj bias, MLP bias); LLaMA takes both from the config."""
         attention_bias = bool(getattr(config, "attention_bias", False))
         return attention_bias, attention_bias, bool(getattr(config, "mlp_bias", False))
+
+    @classmethod
+    def make_mlp(cls, config: Any, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx``: LLaMA's gated MLP in every layer."""
+        return LlamaMLP(config, cls.bias_flags(config)[2])
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding table."""
@@ -170,3 +191,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def bias_flags(config: Any) -> tuple[bool, bool, bool]:
         """Qwen2 biases q/k/v but not o_proj or the MLP."""
         return True, False, False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: LLaMA with per-head RMSNorm on q and k (biases as LLaMA: ``attention_bias``)."""
+
+    qk_norm = True

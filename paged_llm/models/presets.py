@@ -116,24 +116,49 @@ def count_parameters(config: Any) -> int:
     """Parameter count implied by an OPT or LLaMA-family config (a tied head counted once)."""
     if config.model_type == "opt":
         return _count_opt(config)
-    if config.model_type in ("llama", "mistral", "qwen2"):
+    if config.model_type in ("llama", "mistral", "qwen2", "qwen3", *_MOE_TYPES):
         return _count_llama(config)
     raise ValueError(f"cannot count parameters of model type '{config.model_type}'")
 
 
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
 def _count_llama(c: Any) -> int:
-    h, v, inter = c.hidden_size, c.vocab_size, c.intermediate_size
+    """LLaMA-family count: attention (biases, Qwen3's q/k norms) + each layer's MLP or experts."""
+    h, v = c.hidden_size, c.vocab_size
     q_dim = c.num_attention_heads * head_dim_of(c)
     kv_dim = num_kv_heads_of(c) * head_dim_of(c)
     attn = h * q_dim + 2 * h * kv_dim + q_dim * h
-    if c.model_type == "qwen2":
+    if c.model_type == "qwen2" or (c.model_type == "qwen2_moe" and getattr(c, "qkv_bias", True)):
         attn += q_dim + 2 * kv_dim
     elif getattr(c, "attention_bias", False):
         attn += q_dim + 2 * kv_dim + h
-    mlp = 3 * h * inter + (2 * inter + h if getattr(c, "mlp_bias", False) else 0)
-    layer = attn + mlp + 2 * h  # + two RMSNorm weights
+    if c.model_type in ("qwen3", "qwen3_moe"):
+        attn += 2 * head_dim_of(c)  # q_norm, k_norm
+    mlps = sum(_count_mlp(c, i) for i in range(c.num_hidden_layers))
+    layers = c.num_hidden_layers * (attn + 2 * h)  # + two RMSNorm weights per layer
     head = 0 if c.tie_word_embeddings else v * h
-    return v * h + c.num_hidden_layers * layer + h + head
+    return v * h + layers + mlps + h + head
+
+
+def _count_mlp(c: Any, layer_idx: int) -> int:
+    """Parameters of layer ``layer_idx``'s feed-forward block: a gated MLP, or the router, the
+    experts and (Qwen2-MoE) the gated shared expert."""
+    h = c.hidden_size
+    if c.model_type == "mixtral":
+        return c.num_local_experts * (3 * h * c.intermediate_size + h)
+    if c.model_type in ("qwen2_moe", "qwen3_moe"):
+        from paged_llm.models.moe import qwen_moe_layer_is_sparse
+
+        if qwen_moe_layer_is_sparse(c, layer_idx):
+            experts = c.num_experts * (3 * h * c.moe_intermediate_size + h)
+            shared = (
+                3 * h * c.shared_expert_intermediate_size + h if c.model_type == "qwen2_moe" else 0
+            )
+            return experts + shared
+    inter = c.intermediate_size
+    return 3 * h * inter + (2 * inter + h if getattr(c, "mlp_bias", False) else 0)
 
 
 def _count_opt(c: Any) -> int:

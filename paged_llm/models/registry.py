@@ -13,6 +13,10 @@ MODEL_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "paged_llm.models.llama.LlamaForCausalLM",
     "MistralForCausalLM": "paged_llm.models.llama.MistralForCausalLM",
     "Qwen2ForCausalLM": "paged_llm.models.llama.Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "paged_llm.models.llama.Qwen3ForCausalLM",
+    "MixtralForCausalLM": "paged_llm.models.moe.MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "paged_llm.models.moe.Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "paged_llm.models.moe.Qwen3MoeForCausalLM",
     "OPTForCausalLM": "paged_llm.models.opt.OPTForCausalLM",
 }
 

@@ -75,6 +75,13 @@ TUNED: dict[str, dict[str, KernelConfig]] = {
         "sm80": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=3),  # untuned
         "sm90": KernelConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
     },
+    # Both grouped GEMMs of ops/moe/triton.py; the row tile (block_m) follows the tokens per
+    # expert there, not the architecture.
+    "fused_moe": {
+        "default": KernelConfig(block_n=64, block_k=32, num_warps=4, num_stages=2),  # untuned
+        "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # untuned
+        "sm90": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # untuned
+    },
 }
 
 # fp32 operands (a debug dtype) need far more registers per tile: smaller attention tiles.

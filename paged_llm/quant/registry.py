@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paged_llm.layers.moe import FusedExperts
 from paged_llm.quant.base import QuantMethod
 from paged_llm.quant.checkpoint import PREQUANTIZED_METHODS, prequantized_method
 from paged_llm.utils.registry import build
@@ -77,6 +78,13 @@ def apply_quantization(
     method = build_method(spec)
     if method is None:
         return model
+    experts = [n for n, m in model.named_modules() if isinstance(m, FusedExperts)]
+    if experts:
+        # The methods swap nn.Linear layers; stacked experts would silently stay unquantized.
+        raise ValueError(
+            f"quantization={spec!r} does not support mixture-of-experts models yet: the experts "
+            f"of {experts[0]} (and {len(experts) - 1} more layers) have no quantized kernel here"
+        )
     if method.needs_calibration and calibration is None:
         from paged_llm.quant.calibration import default_calibration
 

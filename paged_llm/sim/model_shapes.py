@@ -99,6 +99,13 @@ def from_hf_config(config: Any, name: str | None = None, dtype_bytes: int = 2) -
     """The shape of a transformers config (OPT or LLaMA family), parameters counted exactly."""
     from paged_llm.models.presets import count_parameters  # imports torch; only on this path
 
+    if getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0):
+        # The roofline reads every weight once per iteration; an MoE reads only the experts
+        # its batch routes to, which this shape cannot express.
+        raise ValueError(
+            f"the cost model describes dense models; '{config.model_type}' is a "
+            "mixture-of-experts model"
+        )
     heads = config.num_attention_heads
     return ModelShape(
         name=name or getattr(config, "name_or_path", "") or config.model_type,

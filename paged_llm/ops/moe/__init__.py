@@ -1,0 +1,26 @@
+"""Mixture-of-experts: route each token to its top-k experts and sum their gated MLPs."""
+
+from __future__ import annotations
+
+import torch
+
+from paged_llm.ops.moe.reference import fused_experts_reference, select_experts
+
+
+def fused_experts(
+    x: torch.Tensor,  # [T, H]
+    gate_up: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows (transformers' layout)
+    down: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    topk_ids: torch.Tensor,  # [T, k] int
+) -> torch.Tensor:  # [T, H]
+    """Each token's weighted sum of its experts' SwiGLU MLPs (Triton on CUDA, torch on the CPU)."""
+    if x.is_cuda:
+        # Imported lazily so CPU-only code paths never need a working Triton backend.
+        from paged_llm.ops.moe.triton import fused_experts_triton
+
+        return fused_experts_triton(x, gate_up, down, topk_weights, topk_ids)
+    return fused_experts_reference(x, gate_up, down, topk_weights, topk_ids)
+
+
+__all__ = ["fused_experts", "select_experts"]

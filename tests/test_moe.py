@@ -1,0 +1,212 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) and Qwen3 in the engine: greedy
+generation equals transformers' ``generate`` (also with chunked prefill and preemption), the
+per-expert checkpoint tensors are stacked or refused, and unsupported combinations fail early.
+Logit parity per step is in tests/test_models.py; the fused kernel's in test_moe_kernels.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import generate_ids, hf_greedy
+
+from paged_llm import LLM, SamplingParams
+from paged_llm.layers.moe import FusedExperts, stack_expert_weights
+from paged_llm.models.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(5)]  # lengths 5..25
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    max_position_embeddings=256,
+    initializer_range=0.2,  # peaky logits, so greedy choices are not near-ties
+)
+
+
+def _config(kind: str):
+    t = transformers
+    configs = {
+        "qwen3": lambda: t.Qwen3Config(**COMMON, head_dim=32),
+        "mixtral": lambda: t.MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2),
+        "qwen2-moe": lambda: t.Qwen2MoeConfig(
+            **COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=2,  # layer 0 dense, layer 1 sparse
+        ),
+        "qwen3-moe": lambda: t.Qwen3MoeConfig(
+            **COMMON,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),  # fmt: skip
+    }
+    return configs[kind]()
+
+
+def _save(kind: str, path) -> tuple[str, object]:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind)).eval()
+    model.save_pretrained(str(path))
+    return str(path), model
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return _save("mixtral", tmp_path_factory.mktemp("mixtral"))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mixtral", "qwen2-moe", "qwen3-moe"])
+def test_greedy_matches_transformers_generate(kind, tmp_path):
+    path, hf = _save(kind, tmp_path)
+    llm = LLM(path, block_size=4, cpu_kv_cache_gib=0.01)
+    assert generate_ids(llm, PROMPTS, 10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_chunked_prefill_keep_outputs(mixtral, mode):
+    path, hf = mixtral
+    llm = LLM(
+        path, block_size=4, num_gpu_blocks_override=14, max_model_len=40, preemption_mode=mode,
+        swap_space=0.01, enable_chunked_prefill=True, max_num_batched_tokens=8,
+    )  # fmt: skip
+    assert generate_ids(llm, PROMPTS, 12) == [hf_greedy(hf, p, 12) for p in PROMPTS]
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(enable_prefix_caching=True),
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+        dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}),
+        dict(kv_cache_dtype="int8"),
+    ],
+    ids=["prefix-cache", "ngram", "self-draft", "int8-kv"],
+)
+def test_engine_features_keep_outputs(mixtral, settings):
+    """Prefix caching and speculation (n-gram, and the MoE drafting for itself) give the plain
+    engine's greedy tokens; an int8 KV cache runs and mostly agrees."""
+    path, _ = mixtral
+    if "speculative_config" in settings and settings["speculative_config"]["method"] != "ngram":
+        settings = {"speculative_config": {**settings["speculative_config"], "model": path}}
+    prompts = PROMPTS + [PROMPTS[4][:20] + [7, 7]]  # shares 20 tokens (5 blocks) with PROMPTS[4]
+    expected = generate_ids(LLM(path, block_size=4, cpu_kv_cache_gib=0.01), prompts, 10)
+    llm = LLM(path, block_size=4, cpu_kv_cache_gib=0.01, **settings)
+    ours = generate_ids(llm, prompts, 10)
+    if "kv_cache_dtype" in settings:
+        same = sum(a == b for x, y in zip(ours, expected) for a, b in zip(x, y))
+        assert same >= 0.8 * sum(len(x) for x in expected)
+    else:
+        assert ours == expected
+    if "speculative_config" in settings:
+        assert llm.llm_engine.spec_stats.num_draft_tokens > 0
+    if settings.get("enable_prefix_caching"):  # the second pass finds the first one's blocks
+        sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert all(o.num_cached_tokens > 0 for o in outs if len(o.prompt_token_ids) > 4)
+
+
+def test_experts_are_stacked_in_transformers_layout(mixtral):
+    path, hf = mixtral
+    model, _ = load_model(path)
+    ours = model.model.layers[1].mlp
+    theirs = hf.model.layers[1].mlp
+    assert isinstance(ours.experts, FusedExperts)
+    torch.testing.assert_close(ours.experts.gate_up_proj, theirs.experts.gate_up_proj)
+    torch.testing.assert_close(ours.experts.down_proj, theirs.experts.down_proj)
+    torch.testing.assert_close(ours.gate.weight, theirs.gate.weight)
+
+
+def test_stacking_refuses_missing_or_extra_experts():
+    def tensors(experts):
+        for e in experts:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield f"model.layers.0.mlp.experts.{e}.{proj}.weight", torch.zeros(2, 2)
+
+    stacked = dict(stack_expert_weights(tensors(range(3)), num_experts=3))
+    assert stacked["model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 4, 2)
+    assert stacked["model.layers.0.mlp.experts.down_proj"].shape == (3, 2, 2)
+    with pytest.raises(ValueError, match=r"lacks expert tensors.*2\.gate_proj"):
+        dict(stack_expert_weights(tensors(range(2)), num_experts=3))
+    with pytest.raises(ValueError, match="names expert 3, but the config has 3 experts"):
+        dict(stack_expert_weights(tensors(range(4)), num_experts=3))
+
+
+def test_checkpoint_missing_an_expert_is_refused(mixtral, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = mixtral
+    for name in ("config.json", "generation_config.json"):
+        (tmp_path / name).write_text((Path(path) / name).read_text())
+    weights = load_file(str(Path(path) / "model.safetensors"))
+    del weights["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts.*5\.up_proj"):
+        LLM(str(tmp_path), cpu_kv_cache_gib=0.01)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4_rtn", "fp8"])
+def test_weight_quantization_of_experts_is_refused(mixtral, method):
+    with pytest.raises(ValueError, match="does not support mixture-of-experts"):
+        LLM(mixtral[0], quantization=method, cpu_kv_cache_gib=0.01)
+
+
+def test_unsupported_expert_activation_is_refused(tmp_path):
+    config = _config("mixtral")
+    config.hidden_act = "gelu"
+    config.architectures = ["MixtralForCausalLM"]
+    config.save_pretrained(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="hidden_act='silu' only"):
+        load_model(tmp_path)
+
+
+def test_lora_on_a_moe_model_matches_peft(mixtral, tmp_path):
+    """Adapters on the attention projections of a Mixtral: log-probabilities equal PEFT's."""
+    from test_lora import assert_prompt_logprobs_match, write_adapter
+
+    from paged_llm.lora.request import LoRARequest
+
+    path, _ = mixtral
+    pm = write_adapter(
+        path, tmp_path / "lora", ["q_proj", "v_proj", "o_proj"], r=4, alpha=8, seed=1
+    )
+    llm = LLM(path, enable_lora=True, max_lora_rank=8, cpu_kv_cache_gib=0.01)
+    req = LoRARequest("mixtral-lora", 1, str(tmp_path / "lora"))
+    assert_prompt_logprobs_match(llm, req, pm, PROMPTS[3])
+
+
+def test_moe_bench_runs_and_agrees(tmp_path):
+    """The benchmark's smallest run: its MoE generates transformers' tokens, and it reports
+    every system and every layer row."""
+    from experiments import moe_bench
+
+    doc = moe_bench.main(["--requests", "2", "--prompt", "6", "--tokens", "4", "--experts", "2",
+                          "--top-k", "1", "--repeats", "1", "--layer-tokens", "1,4",
+                          "--check-prompts", "2", "--out", str(tmp_path)])  # fmt: skip
+    assert json.loads((tmp_path / "moe_bench.json").read_text())["mode"] == "real"
+    assert doc["moe_tokens_equal_transformers"] == 1.0
+    assert set(doc["systems"]) == {"moe", "dense_active", "dense_total"}
+    assert all(s["output_tokens_per_s"] > 0 for s in doc["systems"].values())
+    assert [row["tokens"] for row in doc["layer_ms"]] == [1, 4]
+
+
+def test_simulator_shapes_refuse_moe_configs():
+    from paged_llm.sim.model_shapes import from_hf_config
+
+    assert from_hf_config(_config("qwen3")).num_params > 0
+    with pytest.raises(ValueError, match="describes dense models"):
+        from_hf_config(_config("mixtral"))
