@@ -22,6 +22,9 @@ _EXPORTS = {
     "GuidedDecodingParams": "paged_llm.sampling_params",
     "StructuredOutputsParams": "paged_llm.sampling_params",
     "RequestOutput": "paged_llm.outputs",
+    "PoolingParams": "paged_llm.pooling_params",
+    "PoolingRequestOutput": "paged_llm.outputs",
+    "EmbeddingRequestOutput": "paged_llm.outputs",
     "CompletionOutput": "paged_llm.outputs",
     "Logprob": "paged_llm.outputs",
     "EngineConfig": "paged_llm.config",
@@ -42,6 +45,9 @@ __all__ = [  # the names of _EXPORTS, spelled out so linters and IDEs see them
     "GuidedDecodingParams",
     "StructuredOutputsParams",
     "RequestOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
     "CompletionOutput",
     "Logprob",
     "EngineConfig",
@@ -61,7 +67,14 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     )
     from paged_llm.engine.llm_engine import LLMEngine
     from paged_llm.llm import LLM
-    from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
+    from paged_llm.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingRequestOutput,
+        RequestOutput,
+    )
+    from paged_llm.pooling_params import PoolingParams
     from paged_llm.sampling_params import (
         GuidedDecodingParams,
         RequestOutputKind,

@@ -37,9 +37,25 @@ class ModelConfig:
     # paged_llm/engine/generation_config.py. The override dict is laid over it.
     generation_config: str = "auto"
     override_generation_config: Any = None  # e.g. {"temperature": 0.5}
+    # vLLM's. "generate" (tokens) or "pooling" (embeddings: LLM.embed / LLM.encode, the
+    # server's /v1/embeddings); vLLM's older task="embed" means runner="pooling". pooler_config:
+    # {"pooling_type": LAST | MEAN | CLS | ALL, "normalize": bool}, else the checkpoint's
+    # sentence-transformers files, else LAST, normalised; see paged_llm/pooling/
+    runner: str = "generate"
+    task: str | None = None
+    pooler_config: Any = None
 
     def __post_init__(self) -> None:
         _check_optional_count("max_model_len", self.max_model_len)
+        tasks = {None: self.runner, "generate": "generate", "embed": "pooling",
+                 "encode": "pooling"}  # fmt: skip
+        if self.task not in tasks:
+            raise ValueError(f"unknown task '{self.task}'; choose one of generate, embed, encode")
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"unknown runner '{self.runner}'; choose generate or pooling")
+        if self.task is not None and tasks[self.task] != self.runner and self.runner != "generate":
+            raise ValueError(f"task='{self.task}' contradicts runner='{self.runner}'")
+        self.runner = tasks[self.task]
 
 
 def _check_optional_count(name: str, value: Any) -> None:

@@ -13,8 +13,18 @@ from paged_llm.config import EngineConfig
 from paged_llm.engine.chat import render_chat
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.lora.request import LoRARequest
-from paged_llm.outputs import RequestOutput
+from paged_llm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
+
+
+def as_prompt_list(prompts: Any) -> list[Any]:
+    """A batch of prompts: one prompt (text, a prompt dict or a list of token ids) is wrapped."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)
 
 
 def per_prompt(value: Any, count: int, what: str) -> list[Any]:
@@ -117,11 +127,7 @@ class LLM:
         Every prompt is validated before any is run: a bad one raises ValueError naming its
         index, and nothing is left queued.
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -132,6 +138,59 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts"
                 )
+        # only the end is read (as in vLLM)
+        params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                       if isinstance(p, SamplingParams) else p for p in params_list]  # fmt: skip
+        return self._run(prompts, params_list, use_tqdm, lora_request, priority, "generate")
+
+    def encode(
+        self,
+        prompts: Any,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Run a pooling model (``runner="pooling"``) over every prompt; return each one's
+        pooled hidden states (``outputs.data``: [H], or [L, H] with pooling_type ALL)."""
+        prompts = as_prompt_list(prompts)
+        params_list = per_prompt(pooling_params, len(prompts), "PoolingParams")
+        params_list = [p if p is not None else PoolingParams() for p in params_list]
+        if truncate_prompt_tokens is not None:  # vLLM's argument, laid over each request's
+            params_list = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                           for p in params_list]  # fmt: skip
+        return self._run(prompts, params_list, use_tqdm, lora_request, None, "encode")
+
+    def embed(
+        self,
+        prompts: Any,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``, a list of floats) from a pooling
+        model; its pooling must give one vector per prompt (not ALL)."""
+        if self.llm_engine.pooler is not None and self.llm_engine.pooler.method.per_token:
+            raise ValueError(
+                "embed needs one vector per prompt, but pooling_type is ALL (one per token); "
+                "use LLM.encode"
+            )
+        outputs = self.encode(prompts, pooling_params, use_tqdm, lora_request,
+                              truncate_prompt_tokens)  # fmt: skip
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def _run(
+        self,
+        prompts: list[Any],
+        params_list: list[Any],
+        use_tqdm: bool,
+        lora_request: Any,
+        priority: Sequence[int] | None,
+        desc: str,
+    ) -> list[Any]:
+        """Validate every prompt (a bad one raises naming its index, leaving nothing queued),
+        queue them all, step until each has finished; their final outputs, in prompt order."""
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
@@ -140,8 +199,6 @@ class LLM:
         groups = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
-                if isinstance(params, SamplingParams):  # only the end is read (as in vLLM)
-                    params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 rid = f"offline-{i}-{id(self)}"
                 group = engine.make_request(
                     rid, prompt, params, priority=priorities[i], lora_request=loras[i]
@@ -152,9 +209,9 @@ class LLM:
         for g in groups:
             engine._enqueue(g)
         index = {g.request_id: i for i, g in enumerate(groups)}
-        results: list[RequestOutput | None] = [None] * len(groups)
+        results: list[Any] = [None] * len(groups)
         try:
-            with tqdm(total=len(groups), desc="generate", disable=not use_tqdm) as bar:
+            with tqdm(total=len(groups), desc=desc, disable=not use_tqdm) as bar:
                 while engine.has_unfinished_requests():
                     for out in engine.step():
                         if out.finished and out.request_id in index:

@@ -89,3 +89,58 @@ class RequestOutput:
     prompt_logprobs: list[LogprobEntry | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's field)
     lora_request: Any = None  # the LoRARequest it ran with (vLLM's field); None: the base model
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: ``data`` [H] (or [L, H] per token), float32 on the CPU."""
+
+    data: Any  # torch.Tensor; typed Any so this module imports without torch
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one ``LLM.encode`` / pooling request (vLLM's names)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    lora_request: Any = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding as a list of floats (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """Its length."""
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one ``LLM.embed`` request (vLLM's names)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    lora_request: Any = None
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        """The embedding view of a pooling output whose data is one vector."""
+        data = output.outputs.data
+        if data.dim() != 1:
+            raise ValueError(f"an embedding is one vector, got pooled data of shape {data.shape}")
+        return cls(output.request_id, EmbeddingOutput(data.tolist()), output.prompt_token_ids,
+                   output.finished, output.prompt, output.num_cached_tokens,
+                   output.lora_request)  # fmt: skip

@@ -210,3 +210,17 @@ def test_simulator_shapes_refuse_moe_configs():
     assert from_hf_config(_config("qwen3")).num_params > 0
     with pytest.raises(ValueError, match="describes dense models"):
         from_hf_config(_config("mixtral"))
+
+
+def test_a_moe_model_pools(mixtral):
+    """runner="pooling" over a Mixtral: the embedding is transformers' last hidden state."""
+    import torch.nn.functional as F
+
+    path, hf = mixtral
+    out = LLM(path, runner="pooling", block_size=4, cpu_kv_cache_gib=0.01).embed(
+        [PROMPTS[2]], use_tqdm=False
+    )[0]
+    with torch.no_grad():
+        h = hf.model(torch.tensor([PROMPTS[2]])).last_hidden_state[0, -1]
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), F.normalize(h, dim=-1),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip

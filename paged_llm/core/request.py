@@ -68,20 +68,35 @@ class Request:
     # finished by EOS or one of stop_token_ids: as in vLLM, that token's text is left out of
     # the output text (unless include_stop_str_in_output), though its id stays in the output
     stopped_by_token: bool = False
+    # a pooling request (PoolingParams; opaque here) generates nothing: it finishes once its
+    # prompt has run. pool_all_tokens: its pooling reads every prompt position's hidden state
+    pooling_params: Any = None
+    pool_all_tokens: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: prompt is empty")
-        if len(self.prompt_token_ids) >= self.max_model_len:
+        if self.is_pooling and len(self.prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"request {self.request_id}: prompt has {len(self.prompt_token_ids)} tokens, "
+                f"more than max_model_len={self.max_model_len}"
+            )
+        if not self.is_pooling and len(self.prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"request {self.request_id}: prompt has {len(self.prompt_token_ids)} tokens, "
                 f"which leaves no room to generate within max_model_len={self.max_model_len}"
             )
 
     @property
+    def is_pooling(self) -> bool:
+        """True for a pooling (embedding) request: it runs its prompt and nothing more."""
+        return self.pooling_params is not None
+
+    @property
     def may_use_cached_prefix(self) -> bool:
-        """False when every prompt token must run (its logprobs were asked for), as in vLLM."""
-        return self.sampling_params.prompt_logprobs is None
+        """False when every prompt token must run (its logprobs were asked for, or its pooling
+        reads every position), as in vLLM."""
+        return self.sampling_params.prompt_logprobs is None and not self.pool_all_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,6 +116,8 @@ class Request:
     @property
     def max_output_tokens(self) -> int:
         """The most tokens this request may generate (max_tokens, capped by max_model_len)."""
+        if self.is_pooling:
+            return 0
         room = self.max_model_len - self.num_prompt_tokens
         mt = self.sampling_params.max_tokens
         return room if mt is None else min(mt, room)

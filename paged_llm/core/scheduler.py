@@ -63,9 +63,10 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this step completes the request's known tokens, so it samples one more."""
+        """True when this step completes the request's known tokens, so it samples one more
+        (never for a pooling request: it pools instead)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
+        return not r.is_pooling and r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
 
 
 @dataclass
@@ -455,6 +456,11 @@ class Scheduler:
             if req.is_finished:  # aborted between schedule and update
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            if req.is_pooling and req.num_computed_tokens >= req.num_prompt_tokens:
+                self.kv.on_computed(req)  # its full blocks join the prefix cache first
+                self._finish(req, RequestStatus.FINISHED_STOPPED, now)  # pooled this step
+                finished.append(req)
+                continue
             tokens = sampled.get(req.request_id, ())
             for token in tokens:
                 req.append_token(token, now)

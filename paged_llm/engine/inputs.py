@@ -36,14 +36,17 @@ def truncate_prompt(token_ids: list[int], keep: int | None) -> list[int]:
     return token_ids[-keep:] if keep is not None and len(token_ids) > keep else token_ids
 
 
-def validate_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    """Raise ValueError for an empty or too long prompt or ids outside the vocabulary."""
+def validate_token_ids(
+    token_ids: list[int], vocab_size: int, max_model_len: int, generates: bool = True
+) -> None:
+    """Raise ValueError for an empty or too long prompt or ids outside the vocabulary (a prompt
+    that generates needs room for one more token; a pooling prompt may fill the length)."""
     if not token_ids:
         raise ValueError("the prompt is empty")
-    if len(token_ids) >= max_model_len:
+    if len(token_ids) > max_model_len or (generates and len(token_ids) == max_model_len):
         raise ValueError(
-            f"the prompt has {len(token_ids)} tokens; max_model_len is {max_model_len}, "
-            "so no token could be generated"
+            f"the prompt has {len(token_ids)} tokens; max_model_len is {max_model_len}"
+            + (", so no token could be generated" if generates else "")
         )
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:

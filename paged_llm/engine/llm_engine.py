@@ -29,7 +29,17 @@ from paged_llm.engine.structured_output import StructuredOutputCompiler
 from paged_llm.lora.manager import LoRAManager
 from paged_llm.lora.request import LoRARequest
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
-from paged_llm.outputs import CompletionOutput, LogprobEntry, RequestMetrics, RequestOutput
+from paged_llm.outputs import (
+    CompletionOutput,
+    LogprobEntry,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from paged_llm.pooling.config import resolve_pooler_config
+from paged_llm.pooling.pooler import Pooler
+from paged_llm.pooling_params import PoolingParams
 from paged_llm.quant.kv_cache import SCALE_DTYPE, kv_cache_spec
 from paged_llm.runner.cuda_graphs import cuda_graph_sizes
 from paged_llm.runner.kv_cache import kv_bytes_per_block
@@ -72,6 +82,7 @@ class _Group:
     prompt_logprobs: list[LogprobEntry | None] | None = None
     reported: bool = False  # an output was returned (DELTA sends prompt logprobs once)
     lora_request: LoRARequest | None = None
+    pooled: Any = None  # a pooling request's output tensor, once its prompt has run
 
 
 class LLMEngine:
@@ -134,6 +145,8 @@ class LLMEngine:
         )  # fmt: skip
         self.lora = self._build_lora()  # wraps the model's linear layers when enabled
         self.runner.lora = self.lora
+        self.pooler = self._build_pooler(path if path.is_dir() else None)
+        self.runner.pooler = self.pooler
         self.drafter = build_drafter(config.speculative_config)
         self._structured: StructuredOutputCompiler | None = None  # built on first guided request
         if self.drafter is not None:
@@ -219,6 +232,14 @@ class LLMEngine:
             self.dtype, self.device,
         )  # fmt: skip
 
+    def _build_pooler(self, model_dir: Any) -> Pooler | None:
+        """The pooler of a pooling model (runner="pooling"), its settings resolved."""
+        if self.config.model.runner != "pooling":
+            return None
+        if self.config.speculative_config:
+            raise ValueError("speculative decoding does not apply to a pooling model")
+        return Pooler(resolve_pooler_config(self.config.model.pooler_config, model_dir))
+
     def _num_blocks(self, block_bytes: int) -> int:
         cc = self.config.cache
         if cc.num_gpu_blocks_override is not None:
@@ -264,6 +285,10 @@ class LLMEngine:
             raise ValueError(
                 f"tensor-parallel rank {self.parallel.group.rank} only runs the model; "
                 "submit requests on rank 0"
+            )
+        if self.pooler is not None or isinstance(params, PoolingParams):
+            return self._make_pooling_request(
+                request_id, prompt, params, arrival_time, priority, lora_request
             )
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -336,6 +361,67 @@ class LLMEngine:
         prompt_lps = None if params.prompt_logprobs is None else [None] * len(ids)
         return _Group(request_id, members, unforked=[], prompt_logprobs=prompt_lps,
                       lora_request=lora_request)  # fmt: skip
+
+    def _make_pooling_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        arrival_time: float | None,
+        priority: int,
+        lora_request: LoRARequest | None,
+    ) -> _Group:
+        """Validate a pooling (embedding) request; raise ValueError before any work is done."""
+        if self.pooler is None:
+            raise ValueError(
+                "got PoolingParams, but this engine generates; start it with runner='pooling' "
+                "to embed"
+            )
+        params = params if params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise ValueError(
+                f"this is a pooling model (runner='pooling'): expected PoolingParams, got "
+                f"{type(params).__name__}; use LLM.embed / LLM.encode"
+            )
+        params.validate()
+        self._check_dimensions(params)
+        self._check_priority(priority)
+        lora_id = self._check_lora(lora_request)
+        text, ids = to_token_ids(prompt, self.tokenizer)
+        kept = truncate_prompt(ids, params.truncate_prompt_tokens)
+        if len(kept) < len(ids):
+            ids = kept
+            text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
+        validate_token_ids(ids, self.vocab_size, self.max_model_len, generates=False)
+        request = Request(
+            request_id=request_id, prompt_token_ids=ids, sampling_params=SamplingParams(),
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            priority=priority, lora_int_id=lora_id, max_model_len=self.max_model_len,
+            pooling_params=params, pool_all_tokens=self.pooler.method.needs_all_tokens,
+        )  # fmt: skip
+        return _Group(request_id, [_Tracked(request, text)], unforked=[],
+                      lora_request=lora_request)  # fmt: skip
+
+    def _check_dimensions(self, params: PoolingParams) -> None:
+        """PoolingParams.dimensions only for Matryoshka models, and at most the hidden size."""
+        if params.dimensions is None:
+            return
+        matryoshka = getattr(self.hf_config, "is_matryoshka", False) or getattr(
+            self.hf_config, "matryoshka_dimensions", None
+        )
+        if not matryoshka:
+            raise ValueError(
+                "dimensions is only for Matryoshka embedding models (config.json: "
+                "is_matryoshka or matryoshka_dimensions); this model is not one"
+            )
+        allowed = getattr(self.hf_config, "matryoshka_dimensions", None)
+        if allowed and params.dimensions not in allowed:
+            raise ValueError(f"dimensions={params.dimensions} is not one of {allowed}")
+        if params.dimensions > self.hf_config.hidden_size:
+            raise ValueError(
+                f"dimensions={params.dimensions} exceeds the hidden size "
+                f"{self.hf_config.hidden_size}"
+            )
 
     def add_request(
         self,
@@ -445,7 +531,7 @@ class LLMEngine:
         out = self.scheduler.schedule(self.clock())
         self._fork_samples(out)
         draft_probs = self._propose_drafts(out)
-        results, prompt_lps = self.runner.execute(out, draft_probs)
+        results, prompt_lps, pooled = self.runner.execute(out, draft_probs)
         for rid, (first, entries) in prompt_lps.items():
             group = self._seqs[rid][0]  # recomputed after preemption: the same values again
             for entry in entries:
@@ -462,6 +548,11 @@ class LLMEngine:
             self.iteration_stats.append(out.stats)
             self._maybe_log_stats(out.stats, now)
         touched: dict[str, _Group] = {}
+        for rid, data in pooled.items():
+            entry = self._seqs.get(rid)
+            if entry is not None:
+                entry[0].pooled = data
+                touched[rid] = entry[0]
         for rid, result in results.items():
             entry = self._seqs.get(rid)
             if entry is None:
@@ -509,6 +600,8 @@ class LLMEngine:
         """Drop a finished or aborted sequence's state outside the scheduler."""
         self._seqs.pop(seq_id, None)
         self.runner.sampler.forget(seq_id)
+        if self.pooler is not None:
+            self.pooler.forget(seq_id)
         if self.drafter is not None:  # else a later request with this id drafts from stale KV
             self.drafter.forget(seq_id)
 
@@ -602,10 +695,17 @@ class LLMEngine:
                 completions.append(c)
         return completions
 
-    def _output(self, group: _Group) -> RequestOutput | None:
+    def _output(self, group: _Group) -> RequestOutput | PoolingRequestOutput | None:
         """The request's output after this step (None: FINAL_ONLY and still running)."""
         first = group.members[0]
         req = first.request
+        if req.is_pooling:
+            return PoolingRequestOutput(
+                request_id=group.request_id, outputs=PoolingOutput(group.pooled),
+                prompt_token_ids=req.prompt_token_ids, finished=req.is_finished,
+                prompt=first.prompt, num_cached_tokens=req.num_cached_tokens,
+                lora_request=group.lora_request,
+            )  # fmt: skip
         finished = not group.unforked and all(t.request.is_finished for t in group.members)
         kind = req.sampling_params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:

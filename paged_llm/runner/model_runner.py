@@ -41,6 +41,9 @@ class HostBatch:
     prompt_targets: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
     lora_ids: list[int] = field(default_factory=list)  # [B] each request's adapter (0 = none)
+    # pooling requests: per prompt chunk (request id, first row of T, first prompt position,
+    # rows, prompt length); their rows' hidden states go to the pooler, not to the LM head
+    pool_spans: list[tuple[str, int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -74,6 +77,7 @@ def flatten_batch(
     prompt_rows: list[int] = []
     prompt_targets: list[int] = []
     prompt_spans: list[tuple[str, int, int, int]] = []
+    pool_spans: list[tuple[str, int, int, int, int]] = []
     for s in ordered:
         req, start = s.request, s.request.num_computed_tokens
         end = start + s.num_new_tokens
@@ -83,6 +87,11 @@ def flatten_batch(
         seq_lens.append(end)
         tables.append(s.block_table)
         lora_ids.append(req.lora_int_id)
+        if req.is_pooling:
+            first_row = len(ids) - s.num_new_tokens
+            pool_spans.append((req.request_id, first_row, start, s.num_new_tokens,
+                               req.num_prompt_tokens))  # fmt: skip
+            continue
         if s.samples:
             n_rows = 1 + len(req.spec_token_ids)  # verify each draft, plus one more token
             rows.extend(range(len(ids) - n_rows, len(ids)))
@@ -98,7 +107,7 @@ def flatten_batch(
             prompt_targets.extend(req.prompt_token_ids[start + 1 : scored_end + 1])
             prompt_spans.append((req.request_id, start + 1, scored_end - start, top_k))
     batch = HostBatch(ids, positions, query_lens, seq_lens, tables, rows, per_req,
-                      prompt_rows, prompt_targets, prompt_spans, lora_ids)  # fmt: skip
+                      prompt_rows, prompt_targets, prompt_spans, lora_ids, pool_spans)  # fmt: skip
     return batch, sampling
 
 
@@ -180,6 +189,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.parallel = parallel
         self.lora: Any = None  # lora.manager.LoRAManager when LoRA is enabled (set by the engine)
+        self.pooler: Any = None  # pooling.pooler.Pooler for a pooling model (set by the engine)
         self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
         self.cuda_graph_error: str | None = None  # why capturing failed, if it did
         # How each forward ran ("graph" replay, "eager_decode", "eager_prefill": a batch with
@@ -235,25 +245,27 @@ class ModelRunner:
 
     def _forward(
         self, out: SchedulerOutput
-    ) -> tuple[HostBatch | None, list[ScheduledRequest], torch.Tensor | None]:
-        """Move blocks, run the batch; return it, its sampling requests and their logits."""
+    ) -> tuple[HostBatch | None, list[ScheduledRequest], torch.Tensor | None, torch.Tensor | None]:
+        """Move blocks, run the batch; return it, its sampling requests, their logits and the
+        hidden states of its pooling rows."""
         batch, sampling = flatten_batch(out.scheduled) if out.scheduled else (None, [])
         if self.parallel is None:
-            return batch, sampling, self.run_batch(out.block_ops, batch)
+            return batch, sampling, *self.run_batch(out.block_ops, batch)
         with self.parallel.step(out.block_ops, batch):  # every other rank runs the same step
-            return batch, sampling, self.run_batch(out.block_ops, batch)
+            return batch, sampling, *self.run_batch(out.block_ops, batch)
 
     def run_batch(
         self, block_ops: list[tuple[str, list[tuple[int, int]]]], batch: HostBatch | None
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Move blocks, then run ``batch``; return the logits [R + P, V] of its sample rows,
-        then of its prompt-logprob rows (None without either). Tensor-parallel ranks all call
-        this with the same arguments; only rank 0's logits cover the whole vocabulary."""
+        then of its prompt-logprob rows (None without either), and the final hidden states of
+        its pooling rows (None without any). Tensor-parallel ranks all call this with the same
+        arguments; only rank 0's logits cover the whole vocabulary."""
         for kind, pairs in block_ops:  # in decision order: a block may be reused in a step
             src, dst = self._block_op_caches[kind]
             move_blocks(src(), dst(), pairs)
         if batch is None:
-            return None
+            return None, None
         if self.cuda_graphs is not None and self.cuda_graphs.can_replay(batch):
             self._count_forward("graph")
             hidden = self.cuda_graphs.replay(batch)  # [T, hidden]
@@ -270,11 +282,17 @@ class ModelRunner:
             finally:
                 if self.lora is not None:
                     self.lora.deactivate()
+        pooled = None
+        if batch.pool_spans:
+            pool_rows = [
+                r for _, first, _, n, _ in batch.pool_spans for r in range(first, first + n)
+            ]
+            pooled = hidden[torch.tensor(pool_rows, dtype=torch.long, device=self.device)]
         if not batch.sample_rows and not batch.prompt_rows:
-            return None
+            return None, pooled
         rows = batch.sample_rows + batch.prompt_rows
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows_t])  # [R + P, V]
+        return self.model.compute_logits(hidden[rows_t]), pooled  # [R + P, V], [rows, H]
 
     def _count_forward(self, kind: str) -> None:
         self.forward_kinds[kind] += 1
@@ -283,16 +301,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None
-    ) -> tuple[dict[str, SampleResult], dict[str, PromptLogprobs]]:
+    ) -> tuple[dict[str, SampleResult], dict[str, PromptLogprobs], dict[str, torch.Tensor]]:
         """Run one step: move blocks, forward the batch, sample (or verify drafts) where due.
 
         ``draft_probs`` holds the drafter's distributions [k, V] for requests whose drafts came
         from a model; drafts without one are treated as deterministic proposals. Also returns
-        the prompt logprobs this step computed, by request id.
+        the prompt logprobs this step computed, and the pooled outputs of the pooling requests
+        whose prompt it completed, by request id.
         """
-        batch, sampling, logits = self._forward(out)
+        batch, sampling, logits, pool_hidden = self._forward(out)
+        pooled = {}
+        if pool_hidden is not None:
+            params = {s.request.request_id: s.request.pooling_params for s in out.scheduled}
+            pooled = self.pooler.update(pool_hidden, batch.pool_spans, params)
         if logits is None:
-            return {}, {}
+            return {}, {}, pooled
         num_sample_rows = len(batch.sample_rows)
         prompt = prompt_logprobs(logits[num_sample_rows:], batch)
         logits = logits[:num_sample_rows]
@@ -313,13 +336,13 @@ class ModelRunner:
         if plain:
             sampled = self.sampler(logits[plain_rows], plain)
             results.update((req.request_id, r) for req, r in zip(plain, sampled))
-        return results, prompt
+        return results, prompt, pooled
 
     @torch.inference_mode()
     def execute_logprobs(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run one step and return each due request's next-token log-probabilities [V] (CPU),
         leaving the choice of token to the caller (beam search)."""
-        _, sampling, logits = self._forward(out)
+        _, sampling, logits, _ = self._forward(out)
         if logits is None:
             return {}
         rows = logits.float().log_softmax(-1).cpu()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -32,6 +33,7 @@ from paged_llm.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
@@ -39,6 +41,7 @@ from paged_llm.serve.protocol import (
     completion_prompts,
     max_tokens_unset,
     parse_request,
+    pooling_params,
     sampling_params,
 )
 from paged_llm.serve.render import (
@@ -305,6 +308,43 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
                            lora_request=lora)]  # fmt: skip
         return await _generate(request, req, subs, Choices([params]), model, chat=True)
 
+    @router.post("/embeddings")
+    async def embeddings(request: Request) -> Response:
+        req = parse_request(await request.body(), EmbeddingRequest)
+        model = model_name(req.model)
+        pooler = engine.engine.pooler
+        if pooler is None:
+            raise BadRequest("this server generates text; start it with --runner pooling to "
+                             "serve /v1/embeddings")  # fmt: skip
+        if pooler.method.per_token:
+            raise BadRequest("this model pools every token (pooling_type ALL); /v1/embeddings "
+                             "returns one vector per input")  # fmt: skip
+        params = pooling_params(req)
+        subs = [
+            SubRequest(
+                text_prompt(p, req.add_special_tokens) if isinstance(p, str) else token_prompt(p),
+                params,
+                priority=req.priority,
+                lora_request=settings.lora_modules.get(model),
+            )  # fmt: skip
+            for p in completion_prompts(req.input)
+        ]
+        group = await engine.submit(subs, request_id=f"embd-{uuid.uuid4().hex}")
+        try:
+            outputs = await _unless_disconnected(request, _pooled(group))
+        finally:
+            group.close()
+        if outputs is False:
+            return Response(status_code=499)  # nobody is listening any more
+        data = [{"object": "embedding", "index": i,
+                 "embedding": _embedding_json(out.outputs.data, req.encoding_format)}
+                for i, out in enumerate(outputs)]  # fmt: skip
+        tokens = sum(len(out.prompt_token_ids) for out in outputs)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+        return JSONResponse({"id": group.request_id, "object": "list",
+                             "created": int(time.time()), "model": model, "data": data,
+                             "usage": usage})  # fmt: skip
+
     async def _generate(
         request: Request,
         req: Any,
@@ -390,6 +430,24 @@ async def _sse(
     yield "data: [DONE]\n\n"
 
 
+async def _pooled(group: RequestGroup) -> list[Any]:
+    """Every sub-request's final pooling output, in order."""
+    outputs: list[Any] = [None] * len(group.subs)
+    async for update in group.updates():
+        if update.error is not None:
+            raise update.error
+        if update.output is not None:
+            outputs[update.index] = update.output
+    return outputs
+
+
+def _embedding_json(data: Any, encoding_format: str) -> list[float] | str:
+    """An embedding as OpenAI returns it: floats, or base64 of little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(data.numpy().astype("<f4").tobytes()).decode("ascii")
+    return data.tolist()
+
+
 async def _collect(group: RequestGroup, choices: Choices) -> bool:
     async for update in group.updates():
         if update.error is not None:
@@ -398,7 +456,7 @@ async def _collect(group: RequestGroup, choices: Choices) -> bool:
     return True
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[bool]) -> bool:
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     """Run ``work`` but cancel it if the client disconnects first; False in that case."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))

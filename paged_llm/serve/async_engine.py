@@ -23,7 +23,8 @@ from typing import Any
 
 from paged_llm.engine.inputs import truncate_prompt
 from paged_llm.engine.llm_engine import LLMEngine
-from paged_llm.outputs import LogprobEntry, RequestOutput
+from paged_llm.outputs import LogprobEntry, PoolingRequestOutput, RequestOutput
+from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.errors import APIError, BadRequest, EngineUnavailable, ServerBusy
 from paged_llm.serve.metrics import EngineGauges, ServerMetrics, engine_gauges
@@ -37,10 +38,11 @@ _LIVENESS_S = 1.0  # how often waiting handlers check that the engine thread is 
 @dataclass
 class SubRequest:
     """One engine request of a server request: its prompt renderer and sampling params
-    (``params.n`` choices, sampled by the engine as one request)."""
+    (``params.n`` choices, sampled by the engine as one request), or pooling params (one
+    embedding)."""
 
     render: PromptRenderer
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     # the server's rule: refuse prompt + max_tokens beyond the context (the offline engine,
     # and vLLM's AsyncLLMEngine, cap max_tokens instead)
     check_fits: bool = True
@@ -52,8 +54,8 @@ class SubRequest:
 
     @property
     def num_seqs(self) -> int:
-        """Sequences this engine request runs: one per choice."""
-        return self.params.n
+        """Sequences this engine request runs: one per choice (one for an embedding)."""
+        return self.params.n if isinstance(self.params, SamplingParams) else 1
 
 
 @dataclass
@@ -363,7 +365,9 @@ class AsyncEngine:
         try:
             for index, (sub_id, sub) in enumerate(zip(group.sub_ids, group.subs)):
                 prompt = sub.render(self.engine.tokenizer)
-                if sub.check_fits:  # the engine truncates first, so the kept prompt must fit
+                # the engine truncates first, so the kept prompt must fit (pooling requests
+                # generate nothing: the engine's own length check is the whole rule)
+                if sub.check_fits and isinstance(sub.params, SamplingParams):
                     ids = truncate_prompt(
                         prompt["prompt_token_ids"], sub.params.truncate_prompt_tokens
                     )
@@ -377,7 +381,7 @@ class AsyncEngine:
                 except ValueError as err:
                     raise BadRequest(str(err)) from None
                 added.append(sub_id)
-                wants = sub.params.logprobs is not None
+                wants = getattr(sub.params, "logprobs", None) is not None
                 self._live[sub_id] = _Live(group, index, wants, sub.num_seqs)
         except Exception as err:
             self._abort(added, notify=False)  # all or nothing: no half-added request stays
@@ -437,12 +441,12 @@ class AsyncEngine:
             strings = self._account(entry, out)
             if out.finished:
                 del self._live[out.request_id]
-                self.metrics.record_latencies(out.metrics)
+                self.metrics.record_latencies(getattr(out, "metrics", None))
             batch.append((entry.group, Update(entry.index, out, strings)))
         if batch:
             self._post(self._deliver, batch)
 
-    def _account(self, entry: _Live, out: RequestOutput) -> dict[int, str]:
+    def _account(self, entry: _Live, out: RequestOutput | PoolingRequestOutput) -> dict[int, str]:
         """Count one output's new tokens and finished samples; return new logprob strings."""
         strings: dict[int, str] = {}
         if not entry.started:  # the samples share one prompt: count it once
@@ -450,6 +454,8 @@ class AsyncEngine:
             self.metrics.record_tokens(len(out.prompt_token_ids), 0)
             if entry.wants_logprobs and out.prompt_logprobs:  # echo: complete by the first token
                 strings.update(self._token_strings(out.prompt_logprobs, out.prompt_token_ids))
+        if isinstance(out, PoolingRequestOutput):  # an embedding: a prompt and nothing more
+            return strings
         for completion in out.outputs:
             seen = entry.num_tokens.get(completion.index, 0)
             self.metrics.record_tokens(0, len(completion.token_ids) - seen)

@@ -110,6 +110,18 @@ def make_parser() -> argparse.ArgumentParser:
         type=_json_object,
         help='JSON laid over the generation config, e.g. {"temperature": 0.5}',
     )
+    eng.add_argument(
+        "--runner",
+        choices=["generate", "pooling"],
+        help="generate (completions, chat) or pooling (/v1/embeddings); docs/pooling.md",
+    )
+    eng.add_argument("--task", help="vLLM's older flag: embed means --runner pooling")
+    eng.add_argument(
+        "--pooler-config",
+        type=_json_object,
+        help='JSON, e.g. {"pooling_type": "MEAN", "normalize": true} (default: the checkpoint\'s '
+        "sentence-transformers files, else LAST, normalised)",
+    )
     lora = p.add_argument_group("LoRA adapters (docs/lora.md)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     lora.add_argument(
@@ -276,6 +288,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
         "max_cpu_loras": args.max_cpu_loras,
+        "runner": args.runner,
+        "task": args.task,
+        "pooler_config": args.pooler_config,
     }
     return {k: v for k, v in kwargs.items() if v is not None}  # None: the engine's default
 

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI API (completions, chat) and their translation to SamplingParams.
+"""Request bodies of the OpenAI API (completions, chat, embeddings) and their translation to
+SamplingParams / PoolingParams.
 
 Fields beyond OpenAI's are vLLM's extensions with vLLM's names (``top_k``, ``min_p``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ...), so clients written for vLLM work.
@@ -11,10 +12,11 @@ import dataclasses
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import SamplingParams, StructuredOutputsParams
 from paged_llm.serve.errors import BadRequest
 
@@ -145,6 +147,33 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     lora_name: str
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings`` (OpenAI's fields; ``truncate_prompt_tokens``, ``normalize``,
+    ``add_special_tokens`` and ``priority`` are vLLM's)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+
+
+def pooling_params(req: EmbeddingRequest) -> PoolingParams:
+    """The request's PoolingParams; out-of-range fields are a BadRequest naming them."""
+    params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
+                           truncate_prompt_tokens=req.truncate_prompt_tokens)  # fmt: skip
+    try:
+        params.validate()
+    except ValueError as err:
+        raise BadRequest(str(err), param=_param_of(str(err))) from None
+    return params
 
 
 def parse_request(raw: bytes, model_cls: type[BaseModel]) -> Any:
