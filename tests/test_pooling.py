@@ -348,3 +348,16 @@ def test_tensor_parallel_pooling_matches_one_process(qwen3):
         split = llm.encode(token_prompts(PROMPTS), use_tqdm=False)
     for a, b in zip(single, split):
         torch.testing.assert_close(a.outputs.data, b.outputs.data, atol=1e-5, rtol=1e-5)
+
+
+def test_embed_bench_runs_and_agrees(tmp_path):
+    """The benchmark's smallest run: transformers' embeddings equal the engine's."""
+    from experiments import embed_bench
+
+    doc = embed_bench.main(["--prompts", "5", "--mean-len", "8", "--batch", "2", "--repeats",
+                            "1", "--out", str(tmp_path)])  # fmt: skip
+    assert json.loads((tmp_path / "embed_bench.json").read_text())["mode"] == "real"
+    assert set(doc["systems"]) == {"paged_llm", "hf_padded", "hf_sorted"}
+    for s in doc["systems"].values():
+        assert s["max_abs_diff_vs_paged_llm"] < 1e-5 and s["prompt_tokens_per_s"] > 0
+    assert doc["systems"]["paged_llm"]["computed_tokens"] == doc["prompt_tokens"]
