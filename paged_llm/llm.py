@@ -13,7 +13,13 @@ from paged_llm.config import EngineConfig
 from paged_llm.engine.chat import render_chat
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.lora.request import LoRARequest
-from paged_llm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from paged_llm.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -25,6 +31,11 @@ def as_prompt_list(prompts: Any) -> list[Any]:
     ):
         return [prompts]
     return list(prompts)
+
+
+def _prompt_key(prompt: Any) -> str:
+    """A hashable identity of a prompt (text, token ids or a prompt dict)."""
+    return repr(prompt)
 
 
 def per_prompt(value: Any, count: int, what: str) -> list[Any]:
@@ -179,6 +190,40 @@ class LLM:
         outputs = self.encode(prompts, pooling_params, use_tqdm, lora_request,
                               truncate_prompt_tokens)  # fmt: skip
         return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def score(
+        self,
+        data_1: Any,
+        data_2: Any,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` for embedding models: the cosine similarity of each pair's
+        embeddings. One text against many (``data_1`` a single prompt), or pairwise (two lists
+        of the same length)."""
+        firsts, seconds = as_prompt_list(data_1), as_prompt_list(data_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds) or not seconds:
+            raise ValueError(
+                f"score pairs one text with many, or two lists of the same length; got "
+                f"{len(as_prompt_list(data_1))} and {len(seconds)}"
+            )
+        # every distinct prompt once (one text against many embeds the one text once)
+        unique = list({_prompt_key(q): q for q in [*firsts, *seconds]}.values())
+        params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
+        outs = self.encode(unique, params, use_tqdm, lora_request)
+        by_key = {_prompt_key(q): o for q, o in zip(unique, outs)}
+        scored = []
+        for i, (a, b) in enumerate(zip(firsts, seconds)):
+            ea, eb = by_key[_prompt_key(a)], by_key[_prompt_key(b)]
+            if ea.outputs.data.dim() != 1:
+                raise ValueError("score needs one vector per prompt, but pooling_type is ALL")
+            value = float(ea.outputs.data @ eb.outputs.data)  # unit vectors: the cosine
+            ids = ea.prompt_token_ids + eb.prompt_token_ids
+            scored.append(ScoringRequestOutput(f"score-{i}", ScoringOutput(value), ids))
+        return scored
 
     def _run(
         self,

@@ -144,3 +144,20 @@ class EmbeddingRequestOutput:
         return cls(output.request_id, EmbeddingOutput(data.tolist()), output.prompt_token_ids,
                    output.finished, output.prompt, output.num_cached_tokens,
                    output.lora_request)  # fmt: skip
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score (vLLM's ``ScoringOutput``): the cosine similarity of its embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The result of one ``LLM.score`` pair (vLLM's names)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the two prompts' ids, first then second
+    finished: bool = True

@@ -307,6 +307,14 @@ def test_server_embeddings(qwen3):
         torch.testing.assert_close(torch.from_numpy(raw.copy()), expected[0], atol=1e-6, rtol=0)
         r = httpx.post(url, json={"input": PROMPTS[0], "dimensions": 8}, timeout=60)
         assert r.status_code == 400 and "Matryoshka" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/score", json={"text_1": PROMPTS[0], "text_2": PROMPTS[1:3]},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        scores = [d["score"] for d in r.json()["data"]]
+        assert scores == pytest.approx([float(expected[0] @ e) for e in expected[1:3]], abs=1e-5)
+        r = httpx.post(srv.url + "/v1/score", json={"text_1": PROMPTS[:2], "text_2": PROMPTS[:3]},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 400 and "same length" in r.json()["error"]["message"]
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
                        timeout=60)  # fmt: skip
         assert r.status_code == 400 and "expected PoolingParams" in r.json()["error"]["message"]
@@ -361,3 +369,20 @@ def test_embed_bench_runs_and_agrees(tmp_path):
     for s in doc["systems"].values():
         assert s["max_abs_diff_vs_paged_llm"] < 1e-5 and s["prompt_tokens_per_s"] > 0
     assert doc["systems"]["paged_llm"]["computed_tokens"] == doc["prompt_tokens"]
+
+
+def test_score_is_the_cosine_of_the_embeddings(qwen3):
+    path, hf = qwen3
+    llm = LLM(path, runner="pooling", pooler_config={"normalize": False}, **SMALL)
+    a, b, c = PROMPTS[0], PROMPTS[2], PROMPTS[3]
+    one_to_many = llm.score(a, [b, c, a], use_tqdm=False)
+    pairwise = llm.score([a, b], [c, c], use_tqdm=False)
+    cos = lambda x, y: float(F.cosine_similarity(hidden_states(hf, x)[-1],  # noqa: E731
+                                                 hidden_states(hf, y)[-1], dim=0))  # fmt: skip
+    assert [o.outputs.score for o in one_to_many] == pytest.approx(
+        [cos(a, b), cos(a, c), 1.0], abs=1e-5
+    )
+    assert [o.outputs.score for o in pairwise] == pytest.approx([cos(a, c), cos(b, c)], abs=1e-5)
+    assert one_to_many[0].prompt_token_ids == a + b
+    with pytest.raises(ValueError, match="same length"):
+        llm.score([a, b], [a, b, c])

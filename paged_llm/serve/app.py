@@ -35,6 +35,7 @@ from paged_llm.serve.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     chat_messages,
@@ -308,42 +309,72 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
                            lora_request=lora)]  # fmt: skip
         return await _generate(request, req, subs, Choices([params]), model, chat=True)
 
-    @router.post("/embeddings")
-    async def embeddings(request: Request) -> Response:
-        req = parse_request(await request.body(), EmbeddingRequest)
-        model = model_name(req.model)
+    def _pooling_subs(prompts: list[Any], req: Any, model: str) -> list[SubRequest]:
+        """One pooling engine request per prompt; 400 unless this server pools into vectors."""
         pooler = engine.engine.pooler
         if pooler is None:
             raise BadRequest("this server generates text; start it with --runner pooling to "
-                             "serve /v1/embeddings")  # fmt: skip
+                             "serve embeddings and scores")  # fmt: skip
         if pooler.method.per_token:
-            raise BadRequest("this model pools every token (pooling_type ALL); /v1/embeddings "
-                             "returns one vector per input")  # fmt: skip
+            raise BadRequest("this model pools every token (pooling_type ALL); embeddings and "
+                             "scores need one vector per input")  # fmt: skip
         params = pooling_params(req)
-        subs = [
+        lora = settings.lora_modules.get(model)
+        return [
             SubRequest(
                 text_prompt(p, req.add_special_tokens) if isinstance(p, str) else token_prompt(p),
                 params,
                 priority=req.priority,
-                lora_request=settings.lora_modules.get(model),
+                lora_request=lora,
             )  # fmt: skip
-            for p in completion_prompts(req.input)
+            for p in prompts
         ]
-        group = await engine.submit(subs, request_id=f"embd-{uuid.uuid4().hex}")
+
+    async def _pool(request: Request, subs: list[SubRequest], prefix: str) -> tuple[str, Any]:
+        """Run the pooling requests; (request id, outputs in order), or None outputs if the
+        client went away."""
+        group = await engine.submit(subs, request_id=f"{prefix}-{uuid.uuid4().hex}")
         try:
             outputs = await _unless_disconnected(request, _pooled(group))
         finally:
             group.close()
-        if outputs is False:
+        return group.request_id, (None if outputs is False else outputs)
+
+    @router.post("/embeddings")
+    async def embeddings(request: Request) -> Response:
+        req = parse_request(await request.body(), EmbeddingRequest)
+        model = model_name(req.model)
+        subs = _pooling_subs(completion_prompts(req.input), req, model)
+        request_id, outputs = await _pool(request, subs, "embd")
+        if outputs is None:
             return Response(status_code=499)  # nobody is listening any more
         data = [{"object": "embedding", "index": i,
                  "embedding": _embedding_json(out.outputs.data, req.encoding_format)}
                 for i, out in enumerate(outputs)]  # fmt: skip
-        tokens = sum(len(out.prompt_token_ids) for out in outputs)
-        usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
-        return JSONResponse({"id": group.request_id, "object": "list",
-                             "created": int(time.time()), "model": model, "data": data,
-                             "usage": usage})  # fmt: skip
+        return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
+                             "model": model, "data": data, "usage": _usage(outputs)})  # fmt: skip
+
+    async def score(request: Request) -> Response:
+        req = parse_request(await request.body(), ScoreRequest)
+        model = model_name(req.model)
+        firsts, seconds = completion_prompts(req.text_1), completion_prompts(req.text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise BadRequest(f"text_1 has {len(firsts)} inputs and text_2 {len(seconds)}: score "
+                             "pairs one with many, or two lists of the same length")  # fmt: skip
+        subs = _pooling_subs([*firsts, *seconds], req, model)
+        request_id, outputs = await _pool(request, subs, "score")
+        if outputs is None:
+            return Response(status_code=499)
+        n = len(firsts)
+        data = [{"object": "score", "index": i,
+                 "score": float(outputs[i].outputs.data @ outputs[n + i].outputs.data)}
+                for i in range(n)]  # fmt: skip  # unit vectors: the cosine similarity
+        return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
+                             "model": model, "data": data, "usage": _usage(outputs)})  # fmt: skip
+
+    router.add_api_route("/score", score, methods=["POST"])
 
     async def _generate(
         request: Request,
@@ -439,6 +470,12 @@ async def _pooled(group: RequestGroup) -> list[Any]:
         if update.output is not None:
             outputs[update.index] = update.output
     return outputs
+
+
+def _usage(outputs: list[Any]) -> dict[str, int]:
+    """OpenAI's usage block of pooling requests: prompt tokens only."""
+    tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
 
 
 def _embedding_json(data: Any, encoding_format: str) -> list[float] | str:

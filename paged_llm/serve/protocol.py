@@ -165,10 +165,26 @@ class EmbeddingRequest(BaseModel):
     priority: int = 0
 
 
-def pooling_params(req: EmbeddingRequest) -> PoolingParams:
+class ScoreRequest(BaseModel):
+    """``POST /score`` and ``/v1/score`` (vLLM's): ``text_1`` against each of ``text_2``, or
+    pairwise when both are lists."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    text_1: str | list[str] | list[int] | list[list[int]]
+    text_2: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+
+
+def pooling_params(req: EmbeddingRequest | ScoreRequest) -> PoolingParams:
     """The request's PoolingParams; out-of-range fields are a BadRequest naming them."""
-    params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
-                           truncate_prompt_tokens=req.truncate_prompt_tokens)  # fmt: skip
+    if isinstance(req, ScoreRequest):  # a cosine: unit vectors, all features
+        params = PoolingParams(normalize=True, truncate_prompt_tokens=req.truncate_prompt_tokens)
+    else:
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
+                               truncate_prompt_tokens=req.truncate_prompt_tokens)  # fmt: skip
     try:
         params.validate()
     except ValueError as err:
