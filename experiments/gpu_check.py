@@ -574,6 +574,15 @@ def check_moe(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict
         ref = fused_experts_reference(x, gate_up, down, weights, ids)
         out = fused_experts_triton(x, gate_up, down, weights, ids)
         results.append(_compare(f"fused_moe_tokens_{tokens}", out, ref, dtype))
+    # int8 experts (quantization="int8"): int8 tiles, per-channel scales after the K loop
+    from paged_llm.quant.experts import int8_per_channel
+
+    (q_gate_up, s_gate_up), (q_down, s_down) = int8_per_channel(gate_up), int8_per_channel(down)
+    x = torch.randn(7, hidden, device=device).to(dtype)
+    weights, ids = select_experts(torch.randn(7, experts, device=device), 2, True)
+    args = (x, q_gate_up, q_down, weights, ids, s_gate_up, s_down)
+    out, ref = fused_experts_triton(*args), fused_experts_reference(*args)
+    results.append(_compare("fused_moe_int8_tokens_7", out, ref, dtype))
     return results
 
 

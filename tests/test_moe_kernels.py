@@ -214,3 +214,25 @@ def test_align_empty_and_block_m_choice():
     assert choose_block_m(1 * 8, 64) == 16  # decode: under one pair per expert
     assert choose_block_m(37 * 2, 8) == 16
     assert choose_block_m(512 * 2, 8) == 64  # prefill: 128 pairs per expert
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_int8_experts_match_the_dequantized_reference(dtype, tokens):
+    """int8 expert weights with per-channel scales (quantization="int8"): the kernel equals the
+    reference, and the reference equals float weights holding the dequantized values."""
+    from paged_llm.quant.experts import int8_per_channel
+
+    x, gate_up, down, weights, ids = _case(tokens, 2, 4, dtype, seed=7)
+    q_gate_up, s_gate_up = int8_per_channel(gate_up)
+    q_down, s_down = int8_per_channel(down)
+    scaled = dict(gate_up_scale=s_gate_up, down_scale=s_down)
+    ref = fused_experts_reference(x, q_gate_up, q_down, weights, ids, **scaled)
+    out = fused_experts_triton(x, q_gate_up, q_down, weights, ids, **scaled)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    deq_gate_up = (q_gate_up.float() * s_gate_up[..., None]).to(dtype)
+    deq_down = (q_down.float() * s_down[..., None]).to(dtype)
+    plain = fused_experts_reference(x, deq_gate_up, deq_down, weights, ids)
+    torch.testing.assert_close(ref, plain, **TOL[dtype])
+    with pytest.raises(ValueError, match="must be int8 with scales"):
+        fused_experts_triton(x, gate_up, q_down, weights, ids, **scaled)

@@ -6,6 +6,10 @@ reads one tensor per projection: ``experts.gate_up_proj`` [E, 2I, H] (each exper
 then its up rows) and ``experts.down_proj`` [E, H, I]. Checkpoints store one tensor per expert
 and projection; :func:`stack_expert_weights` stacks them while the checkpoint streams in.
 
+With ``quantization="int8"`` the two stacked tensors hold int8 values and ``*_scale`` one float32
+scale per expert and output channel (``quant/experts.py``); routers stay in float (a rounded
+router picks other experts).
+
 Under tensor parallelism every rank holds every expert, with a 1/N slice of each expert's
 intermediate features (gate/up rows column-parallel, down columns row-parallel, as a dense
 MLP is split), and the partial outputs are all-reduced.
@@ -38,6 +42,8 @@ class FusedExperts(nn.Module):
         self.full_intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        self.gate_up_scale: torch.Tensor | None = None  # [E, 2I] once int8-quantized
+        self.down_scale: torch.Tensor | None = None  # [E, H]
 
     def forward(
         self,
@@ -46,7 +52,8 @@ class FusedExperts(nn.Module):
         topk_ids: torch.Tensor,  # [T, k] int64
     ) -> torch.Tensor:  # [T, H]
         """The routing-weighted sum of each token's experts (summed over ranks under TP)."""
-        out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                            self.gate_up_scale, self.down_scale)  # fmt: skip
         return all_reduce(out) if self.tp.size > 1 else out
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -61,6 +68,12 @@ class FusedExperts(nn.Module):
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
         return f"num_experts={e}, hidden={h}, intermediate={two_i // 2} (this rank)"
+
+
+class RouterLinear(nn.Linear):
+    """A gate's linear layer (the router, Qwen2-MoE's shared-expert gate): plain ``nn.Linear``
+    math, a type of its own so weight quantization (which swaps exact ``nn.Linear``) keeps it
+    in float, as vLLM does."""
 
 
 class SparseMoeBlock(nn.Module):
@@ -88,11 +101,11 @@ class SparseMoeBlock(nn.Module):
                 f"experts ({num_experts})"
             )
         self.renormalize = renormalize
-        self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
+        self.gate = RouterLinear(config.hidden_size, num_experts, bias=False)
         self.experts = FusedExperts(num_experts, config.hidden_size, intermediate_size)
         if shared_expert is not None:
             self.shared_expert = shared_expert
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate = RouterLinear(config.hidden_size, 1, bias=False)
         self.has_shared_expert = shared_expert is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]

@@ -56,6 +56,7 @@ class QuantMethod(ABC):
 
     name: str = "base"
     needs_calibration: bool = False  # GPTQ / AWQ need activations from calibration text
+    supports_experts: bool = False  # can quantize mixture-of-experts weights (quantize_experts)
 
     def check_device(self, device: torch.device) -> None:
         """Raise a clear error when this method cannot run on ``device``."""
@@ -63,6 +64,10 @@ class QuantMethod(ABC):
     @abstractmethod
     def quantize(self, model: nn.Module, calibration: torch.Tensor | None) -> nn.Module:
         """Swap the model's linear layers in place; ``calibration`` is [N, L] token ids."""
+
+    def quantize_experts(self, experts: nn.Module) -> None:
+        """Quantize one ``layers.moe.FusedExperts`` in place (methods with supports_experts)."""
+        raise NotImplementedError(f"{self.name} does not quantize mixture-of-experts weights")
 
 
 class PerLayerMethod(QuantMethod):

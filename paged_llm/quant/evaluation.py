@@ -7,8 +7,10 @@ import math
 import torch
 from torch import nn
 
+from paged_llm.layers.moe import FusedExperts
 from paged_llm.quant.base import linears_by_block
 from paged_llm.quant.calibration import dense_forward
+from paged_llm.quant.experts import experts_weight_bytes
 from paged_llm.quant.layers import QuantLinear
 
 
@@ -66,11 +68,17 @@ def linear_weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the block linear layers' weights as stored, and their size in float16.
 
     ``weight_bytes``: quantized layers count their packed weights, zeros and scales; float
-    layers count at 2 bytes per weight (the fp16 baseline the issue compares against).
+    layers count at 2 bytes per weight (the fp16 baseline the issue compares against). The
+    stacked weights of mixture-of-experts layers count alike.
     """
     stored, fp16 = 0, 0
     for name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, FusedExperts):
+            weights = module.gate_up_proj.numel() + module.down_proj.numel()
+            quantized = module.gate_up_scale is not None
+            stored += experts_weight_bytes(module) if quantized else 2 * weights
+            fp16 += 2 * weights
+        elif isinstance(module, QuantLinear):
             stored += module.weight_bytes()
             fp16 += 2 * module.in_features * module.out_features
         elif type(module) is nn.Linear and _in_block(name):

@@ -78,12 +78,12 @@ def apply_quantization(
     method = build_method(spec)
     if method is None:
         return model
-    experts = [n for n, m in model.named_modules() if isinstance(m, FusedExperts)]
-    if experts:
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    if experts and not method.supports_experts:
         # The methods swap nn.Linear layers; stacked experts would silently stay unquantized.
         raise ValueError(
-            f"quantization={spec!r} does not support mixture-of-experts models yet: the experts "
-            f"of {experts[0]} (and {len(experts) - 1} more layers) have no quantized kernel here"
+            f"quantization={spec!r} does not support mixture-of-experts models: their stacked "
+            "experts have no quantized kernel for it here (int8 does)"
         )
     if method.needs_calibration and calibration is None:
         from paged_llm.quant.calibration import default_calibration
@@ -91,4 +91,7 @@ def apply_quantization(
         calibration = default_calibration(
             tokenizer, model.config.vocab_size, method.num_samples, method.seq_len
         )
-    return method.quantize(model, calibration)
+    model = method.quantize(model, calibration)
+    for module in experts:
+        method.quantize_experts(module)
+    return model

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from paged_llm.quant.base import PerLayerMethod
+from paged_llm.quant.experts import quantize_experts_int8
 from paged_llm.quant.int4 import rtn_quantize
 from paged_llm.quant.layers import (
     Fp8Linear,
@@ -24,10 +25,15 @@ class Int8WeightOnly(PerLayerMethod):
     """int8 weights, symmetric, one scale per output channel; activations stay in float."""
 
     name = "int8"
+    supports_experts = True
 
     def quantize_linear(self, linear: nn.Linear) -> nn.Module:
         """Absmax int8 of each output row."""
         return Int8Linear.from_float(linear)
+
+    def quantize_experts(self, experts: nn.Module) -> None:
+        """The same per output channel of every expert (quant/experts.py)."""
+        quantize_experts_int8(experts)
 
 
 class Int4RTN(PerLayerMethod):

@@ -13,14 +13,18 @@ def fused_experts(
     down: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k] int
+    gate_up_scale: torch.Tensor | None = None,  # [E, 2I]: gate_up is int8, w = q * scale
+    down_scale: torch.Tensor | None = None,  # [E, H]: down is int8
 ) -> torch.Tensor:  # [T, H]
-    """Each token's weighted sum of its experts' SwiGLU MLPs (Triton on CUDA, torch on the CPU)."""
+    """Each token's weighted sum of its experts' SwiGLU MLPs (Triton on CUDA, torch on the CPU);
+    int8 expert weights carry one scale per output channel."""
+    scales = dict(gate_up_scale=gate_up_scale, down_scale=down_scale)
     if x.is_cuda:
         # Imported lazily so CPU-only code paths never need a working Triton backend.
         from paged_llm.ops.moe.triton import fused_experts_triton
 
-        return fused_experts_triton(x, gate_up, down, topk_weights, topk_ids)
-    return fused_experts_reference(x, gate_up, down, topk_weights, topk_ids)
+        return fused_experts_triton(x, gate_up, down, topk_weights, topk_ids, **scales)
+    return fused_experts_reference(x, gate_up, down, topk_weights, topk_ids, **scales)
 
 
 __all__ = ["fused_experts", "select_experts"]

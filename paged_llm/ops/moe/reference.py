@@ -22,12 +22,27 @@ def select_experts(
     return weights, ids
 
 
+def expert_weight(
+    weights: torch.Tensor,  # [E, N, K] float, or int8 with scales
+    scales: torch.Tensor | None,  # [E, N] per output channel, or None for float weights
+    expert: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [N, K] in dtype
+    """One expert's weight in the activations' dtype (int8 weights dequantized: w * scale)."""
+    w = weights[expert]
+    if scales is None:
+        return w
+    return (w.float() * scales[expert].float()[:, None]).to(dtype)
+
+
 def fused_experts_reference(
     x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
+    gate_up: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows (float, or int8 with scales)
     down: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k] int
+    gate_up_scale: torch.Tensor | None = None,  # [E, 2I] with int8 gate_up
+    down_scale: torch.Tensor | None = None,  # [E, H] with int8 down
 ) -> torch.Tensor:  # [T, H]
     """sum_j topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t) with e = topk_ids[t, j]."""
     out = torch.zeros_like(x)
@@ -44,7 +59,9 @@ def fused_experts_reference(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k
-        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert]) * weights[pairs, None]
+        w_gate_up = expert_weight(gate_up, gate_up_scale, expert, x.dtype)
+        gate, up = F.linear(x[tokens], w_gate_up).chunk(2, dim=-1)
+        w_down = expert_weight(down, down_scale, expert, x.dtype)
+        y = F.linear(F.silu(gate) * up, w_down) * weights[pairs, None]
         out.index_add_(0, tokens, y)
     return out

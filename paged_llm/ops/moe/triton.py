@@ -13,6 +13,9 @@ the pairs are sorted by expert and each expert's run is padded to a multiple of 
 3. GEMM2, the same kernel: ``y[p] = topk_weights[p] * (down[e] @ a[p])``, [T*k, H] float32;
 4. ``y.view(T, k, H).sum(1)`` in float32, rounded to x's dtype once.
 
+Int8 expert weights (``quantization="int8"``) are loaded as int8, converted to the activations'
+dtype for the dot (exact: |q| <= 127) and scaled per output channel after the K loop.
+
 Both GEMMs accumulate in float32 with ``tl.dot`` (which needs tiles of at least 16 rows, so
 ``BLOCK_M >= 16``). Padding rows hold the sentinel pair id T*k: they load zeros and store
 nothing. The grid is sized by a static upper bound on the padded length, never by a count read
@@ -86,6 +89,7 @@ def _fused_moe_kernel(
     b_ptr,  # [E, N, K] any strides: gate_up [E, 2I, H] or down [E, H, I]
     c_ptr,  # [T*k, N] any strides, one row per pair
     weights_ptr,  # [T*k] routing weight of each pair (read when MUL_ROUTED_WEIGHT)
+    scale_ptr,  # [E, N] per-channel scale of int8 B (read when B_SCALED)
     sorted_ids_ptr,  # [L] int32 pair ids by expert, sentinel num_pairs in the padding
     block_expert_ptr,  # [L / BLOCK_M] int32 expert of each block
     num_padded_ptr,  # [1] int32 used length of sorted_ids
@@ -99,8 +103,11 @@ def _fused_moe_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
+    stride_se,
+    stride_sn,
     A_ROW_DIV: tl.constexpr,  # A row of pair p: p // A_ROW_DIV (top_k for x, 1 for activations)
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    B_SCALED: tl.constexpr,  # B is int8: converted to A's dtype for the dot, scaled per column
     BLOCK_M: tl.constexpr,  # >= 16, the padding unit of moe_align_block_size
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -128,9 +135,14 @@ def _fused_moe_kernel(
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
+        if B_SCALED:  # int8 values are exact in fp16/bf16/fp32; the scale comes after the sum
+            b = b.to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if B_SCALED:
+        s = tl.load(scale_ptr + expert * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)
+        acc = acc * s.to(tl.float32)[None, :]
     if MUL_ROUTED_WEIGHT:
         w = tl.load(weights_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)  # [BLOCK_M]
         acc = acc * w[:, None]
@@ -152,7 +164,8 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
 
 def _grouped_gemm(
     a: torch.Tensor,  # [rows, K]
-    b: torch.Tensor,  # [E, N, K]
+    b: torch.Tensor,  # [E, N, K] float, or int8 with scale
+    scale: torch.Tensor | None,  # [E, N] or None
     out: torch.Tensor,  # [T*k, N]
     weights: torch.Tensor | None,  # [T*k] or None
     align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -164,10 +177,13 @@ def _grouped_gemm(
     sorted_ids, block_expert, num_padded = align
     n, k = b.shape[1], b.shape[2]
     grid = (block_expert.numel(), triton.cdiv(n, cfg.block_n))
+    scale_strides = scale.stride() if scale is not None else (0, 0)
     _fused_moe_kernel[grid](
-        a, b, out, weights if weights is not None else out, sorted_ids, block_expert, num_padded,
-        n, k, out.shape[0], *a.stride(), *b.stride(), *out.stride(),
-        A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=weights is not None, BLOCK_M=block_m,
+        a, b, out, weights if weights is not None else out, scale if scale is not None else out,
+        sorted_ids, block_expert, num_padded,
+        n, k, out.shape[0], *a.stride(), *b.stride(), *out.stride(), *scale_strides,
+        A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=weights is not None,
+        B_SCALED=scale is not None, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=_dot_precision(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -179,6 +195,8 @@ def check_moe_args(
     down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> None:
     """Shapes, dtypes and devices of fused_experts' arguments (no device values are read)."""
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
@@ -203,15 +221,21 @@ def check_moe_args(
         )
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"fused_experts: x must be float32/float16/bfloat16, got {x.dtype}")
-    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise ValueError(
-            f"fused_experts: weights ({gate_up.dtype}, {down.dtype}) must have x's dtype {x.dtype}"
-        )
+    for name, w, scale, rows in (("gate_up", gate_up, gate_up_scale, two_i),
+                                 ("down", down, down_scale, hidden)):  # fmt: skip
+        if scale is None and w.dtype != x.dtype:
+            raise ValueError(f"fused_experts: {name} ({w.dtype}) must have x's dtype {x.dtype}")
+        if scale is not None and (w.dtype != torch.int8 or scale.shape != (experts, rows)):
+            raise ValueError(
+                f"fused_experts: a scaled {name} must be int8 with scales [{experts}, {rows}], "
+                f"got {w.dtype} and {tuple(scale.shape)}"
+            )
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"fused_experts: topk_ids must be int32/int64, got {topk_ids.dtype}")
     if not topk_weights.is_floating_point():
         raise ValueError(f"fused_experts: topk_weights must be floating, got {topk_weights.dtype}")
-    devices = {t.device for t in (x, gate_up, down, topk_weights, topk_ids)}
+    scales = [t for t in (gate_up_scale, down_scale) if t is not None]
+    devices = {t.device for t in (x, gate_up, down, topk_weights, topk_ids, *scales)}
     if len(devices) != 1:
         raise ValueError(f"fused_experts: arguments on several devices {sorted(map(str, devices))}")
 
@@ -222,6 +246,8 @@ def fused_experts_triton(
     down: torch.Tensor,  # [E, H, I], any strides
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k] int32/int64 in [0, E) (not checked: a device sync)
+    gate_up_scale: torch.Tensor | None = None,  # [E, 2I] with an int8 gate_up
+    down_scale: torch.Tensor | None = None,  # [E, H] with an int8 down
     *,
     block_m: int | None = None,  # tile / launch overrides for sweeps and tests (powers of two)
     block_n: int | None = None,
@@ -230,7 +256,7 @@ def fused_experts_triton(
     num_stages: int | None = None,
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """sum_j topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]."""
-    check_moe_args(x, gate_up, down, topk_weights, topk_ids)
+    check_moe_args(x, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale)
     for name, block in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if block is not None and (block < 16 or block & (block - 1)):
             raise ValueError(f"fused_experts: {name} must be a power of two >= 16, got {block}")
@@ -250,11 +276,11 @@ def fused_experts_triton(
     # GEMM1: x's rows gathered per pair (row t for pairs t*k .. t*k + k-1), rounded to x's
     # dtype as F.linear rounds in the reference.
     gate_up_out = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)  # [T*k, 2I]
-    _grouped_gemm(x, gate_up, gate_up_out, None, align, top_k, block_m, cfg)
+    _grouped_gemm(x, gate_up, gate_up_scale, gate_up_out, None, align, top_k, block_m, cfg)
     act = silu_mul(gate_up_out[:, : two_i // 2], gate_up_out[:, two_i // 2 :])  # [T*k, I]
 
     # GEMM2 in float32 with the routing weight applied, so the k-sum rounds only once.
     weights = topk_weights.reshape(-1)  # [T*k] pair order t*k + j (a copy if not contiguous)
     down_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*k, H]
-    _grouped_gemm(act, down, down_out, weights, align, 1, block_m, cfg)
+    _grouped_gemm(act, down, down_scale, down_out, weights, align, 1, block_m, cfg)
     return down_out.view(tokens, top_k, hidden).sum(1).to(x.dtype)
