@@ -231,12 +231,50 @@ def test_moe_bench_runs_and_agrees(tmp_path):
     assert [row["tokens"] for row in doc["layer_ms"]] == [1, 4]
 
 
-def test_simulator_shapes_refuse_moe_configs():
-    from paged_llm.sim.model_shapes import from_hf_config
+def test_simulator_shapes_of_moe_models():
+    """The cost model's MoE shapes: Mixtral-8x7B's published sizes; from a transformers config,
+    the engine's own parameter count; FLOPs follow the active parameters, weight reads the
+    experts a step's tokens touch."""
+    from paged_llm.models.presets import build_random_model
+    from paged_llm.sim.cost_model import RooflineCostModel, StepShape
+    from paged_llm.sim.executor import SimulatedExecutor
+    from paged_llm.sim.hardware import get_hardware
+    from paged_llm.sim.model_shapes import from_hf_config, get_model_shape
+    from paged_llm.sim.settings import ServingSettings
+    from paged_llm.workloads.arrivals import WorkloadSpec, build_workload
 
-    assert from_hf_config(_config("qwen3")).num_params > 0
-    with pytest.raises(ValueError, match="describes dense models"):
-        from_hf_config(_config("mixtral"))
+    m = get_model_shape("mixtral-8x7b")
+    assert m.num_params / 1e9 == pytest.approx(46.7, rel=0.005)
+    assert m.active_params / 1e9 == pytest.approx(12.9, rel=0.01)
+    dense = m.weight_bytes - 8 * m.expert_params * 2
+    assert m.weight_bytes_read(1) == pytest.approx(dense + 2 * m.expert_params * 2)
+    assert m.weight_bytes_read(256) == pytest.approx(m.weight_bytes, rel=1e-6)
+    reads = [m.weight_bytes_read(n) for n in range(1, 40)]
+    assert reads == sorted(reads) and m.linear_flops_per_token == 2 * m.active_params
+    assert (
+        get_model_shape("llama-13b").weight_bytes_read(1)
+        == get_model_shape("llama-13b").weight_bytes
+    )
+
+    architectures = {"mixtral": "MixtralForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
+                     "qwen3-moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+    for kind, arch in architectures.items():
+        config = _config(kind)
+        config.architectures = [arch]
+        model, _ = build_random_model(config, device="meta")
+        shape = from_hf_config(config)
+        assert shape.num_params == sum(p.numel() for p in model.parameters())
+        experts = [mod for mod in model.modules() if isinstance(mod, FusedExperts)]
+        per_expert = sum(e.gate_up_proj[0].numel() + e.down_proj[0].numel() for e in experts)
+        assert shape.expert_params == per_expert  # qwen2-moe: only its sparse layer
+
+    # a decode step reads far less than the whole model at batch 1, all of it at batch 64
+    cost = RooflineCostModel(get_hardware("h200"), m)
+    one, many = StepShape.decode(1, 512), StepShape.decode(64, 512)
+    assert cost.memory_bytes(one) < 0.4 * m.weight_bytes < m.weight_bytes < cost.memory_bytes(many)
+    wl = build_workload(WorkloadSpec(request_rate=4.0, num_requests=20, duration_s=None, seed=0))
+    trace = SimulatedExecutor("h200", "mixtral-8x7b").run(wl, "paged", ServingSettings())
+    assert all(r.finished for r in trace.requests) and "H200" in trace.hardware
 
 
 def test_a_moe_model_pools(mixtral):

@@ -82,10 +82,12 @@ class RooflineCostModel:
         return self.hardware.peak_flops * self.compute_efficiency * self.num_gpus
 
     def memory_bytes(self, step: StepShape) -> float:
-        """Weights, KV read (with the per-block overhead) and KV written."""
+        """Weights (a mixture of experts: those its tokens route to), KV read (with the
+        per-block overhead) and KV written."""
         kv = self.model.kv_bytes_per_token
         reads = step.kv_tokens_read + step.kv_blocks_read * self.block_overhead_tokens
-        return self.model.weight_bytes + kv * (reads + step.num_new_tokens)
+        weights = self.model.weight_bytes_read(step.num_new_tokens)
+        return weights + kv * (reads + step.num_new_tokens)
 
     def compute_flops(self, step: StepShape) -> float:
         """Matmul FLOPs of the new tokens plus attention FLOPs of every causal pair."""

@@ -1,6 +1,12 @@
 """Model shapes for the cost model: what a step reads (weights, KV cache) and computes.
 Presets are plain numbers; :func:`from_hf_config` derives a shape from any transformers config.
-Plain Python (no torch)."""
+Plain Python (no torch).
+
+Mixture-of-experts shapes (``num_experts`` > 0) store all experts but route each token to
+``experts_per_token`` of them: a step's FLOPs follow the active parameters, and the weights it
+reads follow the experts its tokens touch. With routing spread evenly and independently, a
+step of B tokens touches E * (1 - (1 - k/E)^B) experts of each sparse layer in expectation.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,20 @@ class ModelShape:
     vocab_size: int
     max_model_len: int = 2048
     dtype_bytes: int = 2  # fp16 as in the paper
+    # mixture of experts: experts per sparse layer, experts each token runs, and the parameters
+    # of one expert summed over the sparse layers (included in num_params E times)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token must be in [1, num_experts={self.num_experts}], got "
+                f"{self.experts_per_token}"
+            )
+        if self.num_experts * self.expert_params > self.num_params:
+            raise ValueError("the experts' parameters exceed num_params")
 
     @property
     def head_dim(self) -> int:
@@ -34,13 +54,31 @@ class ModelShape:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the parameters (read once per step)."""
+        """Bytes of the parameters (what the GPU must hold; a dense step reads them all)."""
         return self.num_params * self.dtype_bytes
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token runs through (all of them for a dense model)."""
+        return self.num_params - (self.num_experts - self.experts_per_token) * self.expert_params
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """Expected experts per sparse layer that ``num_tokens`` tokens route to."""
+        if not self.num_experts:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1 - (1 - k / e) ** num_tokens)
+
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """Bytes of weights a step of ``num_tokens`` tokens reads: every dense parameter, and
+        the experts its tokens touch."""
+        dense = self.num_params - self.num_experts * self.expert_params
+        return (dense + self.experts_touched(num_tokens) * self.expert_params) * self.dtype_bytes
+
+    @property
     def linear_flops_per_token(self) -> int:
-        """FLOPs of the matmuls for one token (2 per parameter, the LM head included)."""
-        return 2 * self.num_params
+        """FLOPs of the matmuls for one token (2 per active parameter, the LM head included)."""
+        return 2 * self.active_params
 
     @property
     def attn_flops_per_token_pair(self) -> int:
@@ -50,7 +88,8 @@ class ModelShape:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (with the derived byte counts) for result files."""
         d = asdict(self)
-        d.update(kv_bytes_per_token=self.kv_bytes_per_token, weight_bytes=self.weight_bytes)
+        d.update(kv_bytes_per_token=self.kv_bytes_per_token, weight_bytes=self.weight_bytes,
+                 active_params=self.active_params)  # fmt: skip
         return d
 
 
@@ -66,6 +105,22 @@ def llama_params(hidden: int, layers: int, inter: int, vocab: int = 32000) -> in
     """Parameters of a LLaMA-1 model (untied head, no biases, RMSNorm)."""
     layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
     return 2 * vocab * hidden + layers * layer + hidden
+
+
+def mixtral_shape(
+    name: str, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, experts: int,
+    top_k: int, vocab: int = 32000,
+) -> ModelShape:  # fmt: skip
+    """A Mixtral-style shape: GQA attention, untied head, every layer's MLP a mixture of
+    ``experts`` SwiGLU experts of intermediate size ``inter``."""
+    head_dim = hidden // heads
+    attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    expert = 3 * hidden * inter
+    layer = attn + experts * expert + experts * hidden + 2 * hidden  # + router, norms
+    params = 2 * vocab * hidden + layers * layer + hidden
+    return ModelShape(name, layers, hidden, heads, kv_heads, params, vocab, max_model_len=32768,
+                      num_experts=experts, experts_per_token=top_k,
+                      expert_params=layers * expert)  # fmt: skip
 
 
 def _opt(name: str, hidden: int, layers: int, heads: int) -> ModelShape:
@@ -84,6 +139,8 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "opt-175b": _opt("OPT-175B", 12288, 96, 96),
     "llama-7b": _llama("LLaMA-7B", 4096, 11008, 32, 32),
     "llama-13b": _llama("LLaMA-13B", 5120, 13824, 40, 40),
+    # 46.7B parameters, 12.9B active (Mistral AI's figures)
+    "mixtral-8x7b": mixtral_shape("Mixtral-8x7B", 4096, 14336, 32, 32, 8, 8, 2),
 }
 
 
@@ -99,13 +156,17 @@ def from_hf_config(config: Any, name: str | None = None, dtype_bytes: int = 2) -
     """The shape of a transformers config (OPT or LLaMA family), parameters counted exactly."""
     from paged_llm.models.presets import count_parameters  # imports torch; only on this path
 
-    if getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0):
-        # The roofline reads every weight once per iteration; an MoE reads only the experts
-        # its batch routes to, which this shape cannot express.
-        raise ValueError(
-            f"the cost model describes dense models; '{config.model_type}' is a "
-            "mixture-of-experts model"
-        )
+    experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0)
+    moe: dict[str, int] = {}
+    if experts:
+        from paged_llm.models.moe import qwen_moe_layer_is_sparse
+
+        mixtral = config.model_type == "mixtral"
+        inter = config.intermediate_size if mixtral else config.moe_intermediate_size
+        sparse = sum(mixtral or qwen_moe_layer_is_sparse(config, i)
+                     for i in range(config.num_hidden_layers))  # fmt: skip
+        moe = dict(num_experts=experts, experts_per_token=config.num_experts_per_tok,
+                   expert_params=sparse * 3 * config.hidden_size * inter)  # fmt: skip
     heads = config.num_attention_heads
     return ModelShape(
         name=name or getattr(config, "name_or_path", "") or config.model_type,
@@ -117,4 +178,5 @@ def from_hf_config(config: Any, name: str | None = None, dtype_bytes: int = 2) -
         vocab_size=config.vocab_size,
         max_model_len=config.max_position_embeddings,
         dtype_bytes=dtype_bytes,
+        **moe,
     )
