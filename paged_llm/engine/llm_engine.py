@@ -548,11 +548,12 @@ class LLMEngine:
             self.iteration_stats.append(out.stats)
             self._maybe_log_stats(out.stats, now)
         touched: dict[str, _Group] = {}
-        for rid, data in pooled.items():
+        for rid, data in pooled.items():  # pooling requests whose prompt this step completed
             entry = self._seqs.get(rid)
             if entry is not None:
-                entry[0].pooled = data
-                touched[rid] = entry[0]
+                group = entry[0]
+                group.pooled = data
+                touched[group.request_id] = group
         for rid, result in results.items():
             entry = self._seqs.get(rid)
             if entry is None:
