@@ -25,6 +25,7 @@ _EXPORTS = {
     "PoolingParams": "paged_llm.pooling_params",
     "PoolingRequestOutput": "paged_llm.outputs",
     "EmbeddingRequestOutput": "paged_llm.outputs",
+    "ScoringRequestOutput": "paged_llm.outputs",
     "CompletionOutput": "paged_llm.outputs",
     "Logprob": "paged_llm.outputs",
     "EngineConfig": "paged_llm.config",
@@ -48,6 +49,7 @@ __all__ = [  # the names of _EXPORTS, spelled out so linters and IDEs see them
     "PoolingParams",
     "PoolingRequestOutput",
     "EmbeddingRequestOutput",
+    "ScoringRequestOutput",
     "CompletionOutput",
     "Logprob",
     "EngineConfig",
@@ -73,6 +75,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         Logprob,
         PoolingRequestOutput,
         RequestOutput,
+        ScoringRequestOutput,
     )
     from paged_llm.pooling_params import PoolingParams
     from paged_llm.sampling_params import (

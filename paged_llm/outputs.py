@@ -109,6 +109,7 @@ class PoolingRequestOutput:
     prompt: str | None = None
     num_cached_tokens: int = 0
     lora_request: Any = None
+    metrics: RequestMetrics | None = None  # arrival, scheduling and finish times
 
 
 @dataclass

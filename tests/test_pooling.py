@@ -312,9 +312,16 @@ def test_server_embeddings(qwen3):
         assert r.status_code == 200, r.text
         scores = [d["score"] for d in r.json()["data"]]
         assert scores == pytest.approx([float(expected[0] @ e) for e in expected[1:3]], abs=1e-5)
+        alias = httpx.post(srv.url + "/score", json={"text_1": PROMPTS[0],
+                           "text_2": PROMPTS[1:3]}, timeout=60)  # fmt: skip  # vLLM's alias
+        assert [d["score"] for d in alias.json()["data"]] == scores
         r = httpx.post(srv.url + "/v1/score", json={"text_1": PROMPTS[:2], "text_2": PROMPTS[:3]},
                        timeout=60)  # fmt: skip
         assert r.status_code == 400 and "same length" in r.json()["error"]["message"]
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        e2e = [line for line in metrics.splitlines()
+               if line.startswith("vllm:e2e_request_latency_seconds_count")]  # fmt: skip
+        assert e2e and float(e2e[0].split()[-1]) >= 4  # pooling requests are timed too
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
                        timeout=60)  # fmt: skip
         assert r.status_code == 400 and "expected PoolingParams" in r.json()["error"]["message"]

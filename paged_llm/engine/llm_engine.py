@@ -706,6 +706,8 @@ class LLMEngine:
                 prompt_token_ids=req.prompt_token_ids, finished=req.is_finished,
                 prompt=first.prompt, num_cached_tokens=req.num_cached_tokens,
                 lora_request=group.lora_request,
+                metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time,
+                                       finished_time=req.finished_time),
             )  # fmt: skip
         finished = not group.unforked and all(t.request.is_finished for t in group.members)
         kind = req.sampling_params.output_kind

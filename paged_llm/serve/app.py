@@ -88,9 +88,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     _add_error_handlers(app)
     app.include_router(_public_routes(engine))
     app.include_router(_tokenizer_routes(engine, settings))
-    app.include_router(
-        _openai_routes(engine, settings), dependencies=[Depends(_api_key_check(settings))]
-    )
+    for router in _openai_routes(engine, settings):
+        app.include_router(router, dependencies=[Depends(_api_key_check(settings))])
     return app
 
 
@@ -242,8 +241,10 @@ def _tokenizer_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRoute
     return router
 
 
-def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
+def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRouter]:
+    """The /v1 routes, and vLLM's unprefixed aliases of some of them (``/score``)."""
     router = APIRouter(prefix="/v1")
+    aliases = APIRouter()
     max_model_len = engine.engine.max_model_len
     defaults = engine.engine.generation_defaults.sampling  # fill the fields a request leaves unset
 
@@ -375,6 +376,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
                              "model": model, "data": data, "usage": _usage(outputs)})  # fmt: skip
 
     router.add_api_route("/score", score, methods=["POST"])
+    aliases.add_api_route("/score", score, methods=["POST"])
 
     async def _generate(
         request: Request,
@@ -405,7 +407,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
             return Response(status_code=499)  # nobody is listening any more
         return JSONResponse(whole_response(group.request_id, created, model, choices, chat))
 
-    return router
+    return [router, aliases]
 
 
 class _GroupStream(StreamingResponse):

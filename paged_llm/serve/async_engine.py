@@ -441,7 +441,7 @@ class AsyncEngine:
             strings = self._account(entry, out)
             if out.finished:
                 del self._live[out.request_id]
-                self.metrics.record_latencies(getattr(out, "metrics", None))
+                self.metrics.record_latencies(out.metrics)
             batch.append((entry.group, Update(entry.index, out, strings)))
         if batch:
             self._post(self._deliver, batch)
