@@ -575,7 +575,7 @@ def check_moe(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict
         out = fused_experts_triton(x, gate_up, down, weights, ids)
         results.append(_compare(f"fused_moe_tokens_{tokens}", out, ref, dtype))
     # int8 experts (quantization="int8"): int8 tiles, per-channel scales after the K loop
-    from paged_llm.quant.experts import int8_per_channel
+    from paged_llm.quant.layers import int8_per_channel
 
     (q_gate_up, s_gate_up), (q_down, s_down) = int8_per_channel(gate_up), int8_per_channel(down)
     x = torch.randn(7, hidden, device=device).to(dtype)

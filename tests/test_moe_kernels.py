@@ -221,7 +221,7 @@ def test_align_empty_and_block_m_choice():
 def test_int8_experts_match_the_dequantized_reference(dtype, tokens):
     """int8 expert weights with per-channel scales (quantization="int8"): the kernel equals the
     reference, and the reference equals float weights holding the dequantized values."""
-    from paged_llm.quant.experts import int8_per_channel
+    from paged_llm.quant.layers import int8_per_channel
 
     x, gate_up, down, weights, ids = _case(tokens, 2, 4, dtype, seed=7)
     q_gate_up, s_gate_up = int8_per_channel(gate_up)

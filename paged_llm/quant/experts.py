@@ -1,6 +1,6 @@
 """Weight quantization of stacked mixture-of-experts weights (``layers/moe.FusedExperts``).
 
-int8 as ``Int8Linear`` does it, per expert: symmetric absmax, one scale per output channel, so
+int8 as ``Int8Linear`` does it (``int8_per_channel``), per expert: one scale per output channel, so
 expert e's ``W = q[e] * scale[e][:, None]``. The fused kernels read the int8 tensors and scales
 directly (``ops/moe``). The routers are not touched (``RouterLinear``).
 """
@@ -10,13 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def int8_per_channel(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] float -> (int8 [E, N, K], float32 scales [E, N]) by absmax of each row."""
-    w = weights.detach().float()
-    scale = (w.abs().amax(dim=2) / 127).clamp(min=1e-12)  # an all-zero row keeps scale > 0
-    q = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+from paged_llm.quant.layers import int8_per_channel
 
 
 @torch.no_grad()

@@ -19,6 +19,15 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
 
+def int8_per_channel(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float -> (int8 [..., N, K], float32 scales [..., N]): symmetric round to
+    nearest with one absmax scale per output row (of a linear layer, or of each expert)."""
+    w = weights.detach().float()
+    scale = (w.abs().amax(dim=-1) / 127).clamp(min=1e-12)  # an all-zero row keeps scale > 0
+    q = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
@@ -76,9 +85,7 @@ class Int8Linear(QuantLinear):
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8Linear:
         """Round-to-nearest int8 of a float linear layer (absmax per row)."""
-        w = linear.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # an all-zero row keeps scale > 0
-        q = torch.round(w / scale[:, None]).clamp(-127, 127)
+        q, scale = int8_per_channel(linear.weight)
         return cls(q, scale, linear.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from paged_llm.ops.quant_matmul.reference import dequantize_int8
+
 
 def select_experts(
     router_logits: torch.Tensor,  # [T, E]
@@ -29,10 +31,9 @@ def expert_weight(
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [N, K] in dtype
     """One expert's weight in the activations' dtype (int8 weights dequantized: w * scale)."""
-    w = weights[expert]
     if scales is None:
-        return w
-    return (w.float() * scales[expert].float()[:, None]).to(dtype)
+        return weights[expert]
+    return dequantize_int8(weights[expert], scales[expert], dtype)
 
 
 def fused_experts_reference(
