@@ -296,11 +296,7 @@ class LLMEngine:
         params.validate()
         self._check_priority(priority)
         lora_id = self._check_lora(lora_request)
-        text, ids = to_token_ids(prompt, self.tokenizer)
-        kept = truncate_prompt(ids, params.truncate_prompt_tokens)  # before the length check
-        if len(kept) < len(ids):
-            ids = kept
-            text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
+        text, ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
         validate_token_ids(ids, self.vocab_size, self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise ValueError(
@@ -387,11 +383,7 @@ class LLMEngine:
         self._check_dimensions(params)
         self._check_priority(priority)
         lora_id = self._check_lora(lora_request)
-        text, ids = to_token_ids(prompt, self.tokenizer)
-        kept = truncate_prompt(ids, params.truncate_prompt_tokens)
-        if len(kept) < len(ids):
-            ids = kept
-            text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
+        text, ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
         validate_token_ids(ids, self.vocab_size, self.max_model_len, generates=False)
         request = Request(
             request_id=request_id, prompt_token_ids=ids, sampling_params=SamplingParams(),
@@ -401,6 +393,15 @@ class LLMEngine:
         )  # fmt: skip
         return _Group(request_id, [_Tracked(request, text)], unforked=[],
                       lora_request=lora_request)  # fmt: skip
+
+    def _prompt_ids(self, prompt: Any, keep: int | None) -> tuple[str | None, list[int]]:
+        """The prompt's (text, token ids), cut to its last ``keep`` ids (truncate_prompt_tokens)
+        before any length check; the text of a cut prompt is its kept ids decoded."""
+        text, ids = to_token_ids(prompt, self.tokenizer)
+        kept = truncate_prompt(ids, keep)
+        if len(kept) < len(ids):
+            return (self.tokenizer.decode(kept) if self.tokenizer is not None else None), kept
+        return text, ids
 
     def _check_dimensions(self, params: PoolingParams) -> None:
         """PoolingParams.dimensions only for Matryoshka models, and at most the hidden size."""
