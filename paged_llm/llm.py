@@ -20,6 +20,7 @@ from paged_llm.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from paged_llm.pooling.scoring import score_pairs
 from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -31,11 +32,6 @@ def as_prompt_list(prompts: Any) -> list[Any]:
     ):
         return [prompts]
     return list(prompts)
-
-
-def _prompt_key(prompt: Any) -> str:
-    """A hashable identity of a prompt (text, token ids or a prompt dict)."""
-    return repr(prompt)
 
 
 def per_prompt(value: Any, count: int, what: str) -> list[Any]:
@@ -182,11 +178,8 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (``outputs.embedding``, a list of floats) from a pooling
         model; its pooling must give one vector per prompt (not ALL)."""
-        if self.llm_engine.pooler is not None and self.llm_engine.pooler.method.per_token:
-            raise ValueError(
-                "embed needs one vector per prompt, but pooling_type is ALL (one per token); "
-                "use LLM.encode"
-            )
+        if self.llm_engine.pooler is not None:
+            self.llm_engine.pooler.require_one_vector("embed")
         outputs = self.encode(prompts, pooling_params, use_tqdm, lora_request,
                               truncate_prompt_tokens)  # fmt: skip
         return [EmbeddingRequestOutput.from_base(o) for o in outputs]
@@ -202,24 +195,14 @@ class LLM:
         """vLLM's ``LLM.score`` for embedding models: the cosine similarity of each pair's
         embeddings. One text against many (``data_1`` a single prompt), or pairwise (two lists
         of the same length)."""
-        firsts, seconds = as_prompt_list(data_1), as_prompt_list(data_2)
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if len(firsts) != len(seconds) or not seconds:
-            raise ValueError(
-                f"score pairs one text with many, or two lists of the same length; got "
-                f"{len(as_prompt_list(data_1))} and {len(seconds)}"
-            )
-        # every distinct prompt once (one text against many embeds the one text once)
-        unique = list({_prompt_key(q): q for q in [*firsts, *seconds]}.values())
+        distinct, pairs = score_pairs(as_prompt_list(data_1), as_prompt_list(data_2))
+        if self.llm_engine.pooler is not None:
+            self.llm_engine.pooler.require_one_vector("score")
         params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
-        outs = self.encode(unique, params, use_tqdm, lora_request)
-        by_key = {_prompt_key(q): o for q, o in zip(unique, outs)}
+        outs = self.encode(distinct, params, use_tqdm, lora_request)  # each input once
         scored = []
-        for i, (a, b) in enumerate(zip(firsts, seconds)):
-            ea, eb = by_key[_prompt_key(a)], by_key[_prompt_key(b)]
-            if ea.outputs.data.dim() != 1:
-                raise ValueError("score needs one vector per prompt, but pooling_type is ALL")
+        for i, (a, b) in enumerate(pairs):
+            ea, eb = outs[a], outs[b]
             value = float(ea.outputs.data @ eb.outputs.data)  # unit vectors: the cosine
             ids = ea.prompt_token_ids + eb.prompt_token_ids
             scored.append(ScoringRequestOutput(f"score-{i}", ScoringOutput(value), ids))

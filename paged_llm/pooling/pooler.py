@@ -42,6 +42,15 @@ class Pooler:
             done[request_id] = self._finish(self.method.result(state), params[request_id])
         return done
 
+    def require_one_vector(self, what: str) -> None:
+        """ValueError when this pooler gives one vector per token (pooling_type ALL), which
+        ``what`` cannot use."""
+        if self.method.per_token:
+            raise ValueError(
+                f"{what} needs one vector per prompt, but pooling_type is ALL (one per token); "
+                "LLM.encode returns those"
+            )
+
     def _finish(self, pooled: torch.Tensor, params: Any) -> torch.Tensor:
         """Truncate to ``dimensions``, then normalise if asked (per row for per-token output)."""
         out = pooled.float()

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_llm.metrics.run_info import hardware_info
+from paged_llm.pooling.scoring import score_pairs
 from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest
 from paged_llm.serve.errors import (
     APIError,
@@ -310,15 +311,17 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
                            lora_request=lora)]  # fmt: skip
         return await _generate(request, req, subs, Choices([params]), model, chat=True)
 
-    def _pooling_subs(prompts: list[Any], req: Any, model: str) -> list[SubRequest]:
-        """One pooling engine request per prompt; 400 unless this server pools into vectors."""
+    def _pooling_subs(prompts: list[Any], req: Any, model: str, what: str) -> list[SubRequest]:
+        """One pooling engine request per prompt; 400 unless this server pools into vectors
+        (``what``: the route, for the message)."""
         pooler = engine.engine.pooler
         if pooler is None:
             raise BadRequest("this server generates text; start it with --runner pooling to "
                              "serve embeddings and scores")  # fmt: skip
-        if pooler.method.per_token:
-            raise BadRequest("this model pools every token (pooling_type ALL); embeddings and "
-                             "scores need one vector per input")  # fmt: skip
+        try:
+            pooler.require_one_vector(what)
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
         params = pooling_params(req)
         lora = settings.lora_modules.get(model)
         return [
@@ -345,7 +348,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
     async def embeddings(request: Request) -> Response:
         req = parse_request(await request.body(), EmbeddingRequest)
         model = model_name(req.model)
-        subs = _pooling_subs(completion_prompts(req.input), req, model)
+        subs = _pooling_subs(completion_prompts(req.input), req, model, "/v1/embeddings")
         request_id, outputs = await _pool(request, subs, "embd")
         if outputs is None:
             return Response(status_code=499)  # nobody is listening any more
@@ -358,22 +361,21 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
     async def score(request: Request) -> Response:
         req = parse_request(await request.body(), ScoreRequest)
         model = model_name(req.model)
-        firsts, seconds = completion_prompts(req.text_1), completion_prompts(req.text_2)
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if len(firsts) != len(seconds):
-            raise BadRequest(f"text_1 has {len(firsts)} inputs and text_2 {len(seconds)}: score "
-                             "pairs one with many, or two lists of the same length")  # fmt: skip
-        subs = _pooling_subs([*firsts, *seconds], req, model)
+        try:
+            distinct, pairs = score_pairs(completion_prompts(req.text_1),
+                                          completion_prompts(req.text_2))  # fmt: skip
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
+        subs = _pooling_subs(distinct, req, model, "score")  # each input embedded once
         request_id, outputs = await _pool(request, subs, "score")
         if outputs is None:
             return Response(status_code=499)
-        n = len(firsts)
         data = [{"object": "score", "index": i,
-                 "score": float(outputs[i].outputs.data @ outputs[n + i].outputs.data)}
-                for i in range(n)]  # fmt: skip  # unit vectors: the cosine similarity
+                 "score": float(outputs[a].outputs.data @ outputs[b].outputs.data)}
+                for i, (a, b) in enumerate(pairs)]  # fmt: skip  # unit vectors: the cosine
+        paired = [outputs[j] for pair in pairs for j in pair]  # usage: every input of every pair
         return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
-                             "model": model, "data": data, "usage": _usage(outputs)})  # fmt: skip
+                             "model": model, "data": data, "usage": _usage(paired)})  # fmt: skip
 
     router.add_api_route("/score", score, methods=["POST"])
     aliases.add_api_route("/score", score, methods=["POST"])
