@@ -9,6 +9,9 @@ from typing import Any
 
 from paged_llm.utils.checks import is_int
 
+# vLLM's older ``task=`` names -> the runner each means
+_RUNNER_OF_TASK = {"generate": "generate", "embed": "pooling", "encode": "pooling"}
+
 
 @dataclass
 class ModelConfig:
@@ -47,15 +50,14 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_optional_count("max_model_len", self.max_model_len)
-        tasks = {None: self.runner, "generate": "generate", "embed": "pooling",
-                 "encode": "pooling"}  # fmt: skip
-        if self.task not in tasks:
+        if self.task is not None and self.task not in _RUNNER_OF_TASK:
             raise ValueError(f"unknown task '{self.task}'; choose one of generate, embed, encode")
         if self.runner not in ("generate", "pooling"):
             raise ValueError(f"unknown runner '{self.runner}'; choose generate or pooling")
-        if self.task is not None and tasks[self.task] != self.runner and self.runner != "generate":
-            raise ValueError(f"task='{self.task}' contradicts runner='{self.runner}'")
-        self.runner = tasks[self.task]
+        if self.task is not None:  # runner's default is generate: only pooling can disagree
+            if self.runner == "pooling" and self.task == "generate":
+                raise ValueError(f"task='{self.task}' contradicts runner='{self.runner}'")
+            self.runner = _RUNNER_OF_TASK[self.task]
 
 
 def _check_optional_count(name: str, value: Any) -> None:
