@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 from typing import Any
 
+from experiments.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
 from paged_llm.metrics.run_info import run_info, write_json
 
@@ -47,13 +49,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     llm = LLM(args.model, max_model_len=args.tokens + 16, cpu_kv_cache_gib=0.5, seed=0)
     prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(args.requests)]
-    best = dict.fromkeys(WAYS, float("inf"))
-    texts: dict[str, list[str]] = {}
-    for _ in range(args.repeats):
-        for way in WAYS:
-            seconds, texts[way] = run_once(llm, way, prompts, args.tokens)
-            best[way] = min(best[way], seconds)
-            print(f"{way:>24}: {seconds:.2f} s", flush=True)
+    runs = {way: partial(run_once, llm, way, prompts, args.tokens) for way in WAYS}
+    best, texts = fastest_interleaved(runs, args.repeats)
     floor = best["no text"]
     doc = {
         **run_info("real"),

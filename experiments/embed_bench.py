@@ -22,13 +22,13 @@ import json
 import math
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from experiments.timing import fastest_interleaved, timed
 from paged_llm import LLM
 from paged_llm.metrics.run_info import run_info, write_json
 
@@ -121,14 +121,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for fn in systems.values():  # warm-up: first-call allocations
         fn()
-    best = dict.fromkeys(systems, float("inf"))
-    vectors: dict[str, list[torch.Tensor]] = {}
-    for _ in range(args.repeats):
-        for name, fn in systems.items():
-            start = time.perf_counter()
-            vectors[name] = fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-            print(f"{name:>10}: {best[name]:.2f} s", flush=True)
+    runs = {name: timed(fn) for name, fn in systems.items()}
+    best, vectors = fastest_interleaved(runs, args.repeats)
     tokens = sum(lengths)
     padded = {"hf_padded": padded_tokens(lengths, args.batch),
               "hf_sorted": padded_tokens(sorted(lengths), args.batch)}  # fmt: skip

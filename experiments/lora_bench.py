@@ -22,11 +22,13 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from experiments.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
 from paged_llm.lora.request import LoRARequest
 from paged_llm.metrics.run_info import run_info, write_json
@@ -160,13 +162,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                for i in range(n)]  # fmt: skip
     for llm, loras in systems.values():  # warm-up: first-call allocations, adapter loads
         run_once(llm, prompts[:2], loras[:2], 4)
-    best = dict.fromkeys(systems, float("inf"))
-    tokens: dict[str, list] = {}
-    for _ in range(args.repeats):
-        for name, (llm, loras) in systems.items():
-            seconds, tokens[name] = run_once(llm, prompts, loras, args.tokens)
-            best[name] = min(best[name], seconds)
-            print(f"{name:>12}: {seconds:.2f} s", flush=True)
+    runs = {name: partial(run_once, llm, prompts, loras, args.tokens)
+            for name, (llm, loras) in systems.items()}  # fmt: skip
+    best, tokens = fastest_interleaved(runs, args.repeats)
     output_tokens = n * args.tokens
     doc = {
         **run_info("real"),

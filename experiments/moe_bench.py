@@ -25,11 +25,13 @@ import json
 import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from experiments.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
 from paged_llm.metrics.run_info import run_info, write_json
 
@@ -165,13 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                for i in range(args.requests)]  # fmt: skip
     for llm in systems.values():  # warm-up: first-call allocations
         run_once(llm, prompts[:2], 4)
-    best = dict.fromkeys(systems, float("inf"))
-    tokens: dict[str, list] = {}
-    for _ in range(args.repeats):
-        for name, llm in systems.items():
-            seconds, tokens[name] = run_once(llm, prompts, args.tokens)
-            best[name] = min(best[name], seconds)
-            print(f"{name:>12}: {seconds:.2f} s", flush=True)
+    runs = {name: partial(run_once, llm, prompts, args.tokens) for name, llm in systems.items()}
+    best, tokens = fastest_interleaved(runs, args.repeats)
     checked = prompts[: args.check_prompts]
     agreement = transformers_agreement(dirs["moe"], checked, tokens["moe"][: len(checked)])
     layers = [layer_times(int(t), args.experts, args.top_k) for t in args.layer_tokens.split(",")]
