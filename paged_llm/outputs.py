@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,16 +126,11 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """The result of one ``LLM.embed`` request (vLLM's names)."""
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """The result of one ``LLM.embed`` request (vLLM's names): a pooling output whose
+    ``outputs`` is the embedding as a list of floats."""
 
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool
-    prompt: str | None = None
-    num_cached_tokens: int = 0
-    lora_request: Any = None
+    outputs: EmbeddingOutput  # type: ignore[assignment]
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
@@ -142,9 +138,8 @@ class EmbeddingRequestOutput:
         data = output.outputs.data
         if data.dim() != 1:
             raise ValueError(f"an embedding is one vector, got pooled data of shape {data.shape}")
-        return cls(output.request_id, EmbeddingOutput(data.tolist()), output.prompt_token_ids,
-                   output.finished, output.prompt, output.num_cached_tokens,
-                   output.lora_request)  # fmt: skip
+        fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
+        return cls(**{**fields, "outputs": EmbeddingOutput(data.tolist())})
 
 
 @dataclass
