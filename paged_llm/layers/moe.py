@@ -42,8 +42,9 @@ class FusedExperts(nn.Module):
         self.full_intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
-        self.gate_up_scale: torch.Tensor | None = None  # [E, 2I] once int8-quantized
-        self.down_scale: torch.Tensor | None = None  # [E, H]
+        # [E, 2I] and [E, H] once int8-quantized; buffers, so they move with the module
+        self.register_buffer("gate_up_scale", None, persistent=False)
+        self.register_buffer("down_scale", None, persistent=False)
 
     def forward(
         self,

@@ -19,7 +19,7 @@ def quantize_experts_int8(experts: nn.Module) -> None:
     for name in ("gate_up", "down"):
         q, scale = int8_per_channel(getattr(experts, f"{name}_proj"))
         setattr(experts, f"{name}_proj", nn.Parameter(q, requires_grad=False))
-        setattr(experts, f"{name}_scale", scale.to(q.device))
+        setattr(experts, f"{name}_scale", scale)  # a registered buffer of FusedExperts
 
 
 def experts_weight_bytes(experts: nn.Module) -> int:
