@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from paged_llm.layers.moe import SparseMoeBlock, stack_expert_weights
-from paged_llm.models.llama import LlamaForCausalLM, LlamaMLP
+from paged_llm.models.llama import LlamaForCausalLM, LlamaMLP, MistralForCausalLM
 
 
 class MoECausalLM(LlamaForCausalLM):
@@ -50,10 +50,7 @@ class MixtralForCausalLM(MoECausalLM):
         (".w2.weight", ".down_proj.weight"),
     )
 
-    @staticmethod
-    def bias_flags(config: Any) -> tuple[bool, bool, bool]:
-        """Mixtral has no bias anywhere."""
-        return False, False, False
+    bias_flags = staticmethod(MistralForCausalLM.bias_flags)  # no bias anywhere
 
     @staticmethod
     def num_experts(config: Any) -> int:
@@ -85,20 +82,23 @@ def qwen_moe_layer_is_sparse(config: Any, layer_idx: int) -> bool:
     return layer_idx not in mlp_only and config.num_experts > 0 and (layer_idx + 1) % step == 0
 
 
-class Qwen2MoeForCausalLM(MoECausalLM):
-    """Qwen2-MoE: Qwen2 attention; sparse layers add a sigmoid-gated shared expert."""
+class QwenMoeForCausalLM(MoECausalLM):
+    """What Qwen2-MoE and Qwen3-MoE share: dense layers by ``mlp_only_layers`` /
+    ``decoder_sparse_step``, top-k weights renormalised only with ``norm_topk_prob``."""
 
-    @staticmethod
-    def bias_flags(config: Any) -> tuple[bool, bool, bool]:
-        """q/k/v biased when ``qkv_bias`` (the default), as in Qwen2; o_proj and MLPs never."""
-        return bool(getattr(config, "qkv_bias", True)), False, False
+    has_shared_expert = False
 
     @classmethod
     def make_mlp(cls, config: Any, layer_idx: int) -> nn.Module:
-        """A sparse block with a shared expert, or a dense MLP (``intermediate_size``)."""
+        """A sparse block (with the shared expert where the variant has one), or a dense MLP
+        (``intermediate_size``)."""
         if not qwen_moe_layer_is_sparse(config, layer_idx):
             return LlamaMLP(config, bias=False)
-        shared = LlamaMLP(config, False, config.shared_expert_intermediate_size)
+        shared = (
+            LlamaMLP(config, False, config.shared_expert_intermediate_size)
+            if cls.has_shared_expert
+            else None
+        )
         return SparseMoeBlock(
             config,
             config.num_experts,
@@ -108,19 +108,18 @@ class Qwen2MoeForCausalLM(MoECausalLM):
         )
 
 
-class Qwen3MoeForCausalLM(MoECausalLM):
+class Qwen2MoeForCausalLM(QwenMoeForCausalLM):
+    """Qwen2-MoE: Qwen2 attention; sparse layers add a sigmoid-gated shared expert."""
+
+    has_shared_expert = True
+
+    @staticmethod
+    def bias_flags(config: Any) -> tuple[bool, bool, bool]:
+        """q/k/v biased when ``qkv_bias`` (the default), as in Qwen2; o_proj and MLPs never."""
+        return bool(getattr(config, "qkv_bias", True)), False, False
+
+
+class Qwen3MoeForCausalLM(QwenMoeForCausalLM):
     """Qwen3-MoE: Qwen3 attention (q/k norms); sparse layers have no shared expert."""
 
     qk_norm = True
-
-    @classmethod
-    def make_mlp(cls, config: Any, layer_idx: int) -> nn.Module:
-        """A sparse block, or a dense MLP (``intermediate_size``) for ``mlp_only_layers``."""
-        if not qwen_moe_layer_is_sparse(config, layer_idx):
-            return LlamaMLP(config, bias=False)
-        return SparseMoeBlock(
-            config,
-            config.num_experts,
-            config.moe_intermediate_size,
-            renormalize=bool(config.norm_topk_prob),
-        )
