@@ -499,6 +499,15 @@ def check_decode(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[d
     ref = paged_attention_reference(query, kq, vq, tables, ones, seq_lens, scale, ks, vs)
     out = paged_decode_attention_triton(query, kq, vq, tables, lens, scale, k_scale=ks, v_scale=vs)
     results.append(_compare("paged_decode_int8_cache", out, ref, dtype))
+    window = 100  # a sliding window inside the longer contexts, not a multiple of any tile
+    ref = paged_attention_reference(
+        query, k, v, tables, ones, seq_lens, scale, sliding_window=window
+    )
+    for splits in (1, None):
+        out = paged_decode_attention_triton(
+            query, k, v, tables, lens, scale, num_splits=splits, sliding_window=window
+        )
+        results.append(_compare(f"paged_decode_window_splits_{splits or 'auto'}", out, ref, dtype))
     return results
 
 
@@ -518,7 +527,12 @@ def check_prefill(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[
     out = paged_prefill_attention_triton(
         q, k, v, tables, starts.to(device), lens, max(q_lens), scale
     )
-    return [_compare("paged_prefill", out, ref, dtype)]
+    results = [_compare("paged_prefill", out, ref, dtype)]
+    ref = paged_attention_reference(q, k, v, tables, q_lens, seq_lens, scale, sliding_window=21)
+    out = paged_prefill_attention_triton(
+        q, k, v, tables, starts.to(device), lens, max(q_lens), scale, sliding_window=21
+    )
+    return results + [_compare("paged_prefill_window_21", out, ref, dtype)]
 
 
 def check_copy_blocks(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict]:

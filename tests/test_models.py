@@ -71,6 +71,18 @@ def _config(name: str):
             **LLAMA_LIKE, num_key_value_heads=2, tie_word_embeddings=True
         ),
         "mistral": lambda: t.MistralConfig(**LLAMA_LIKE, num_key_value_heads=2),
+        # Windows shorter than the prompts: 4 = one block of the harness, 6 ends mid-block;
+        # Qwen2's max_window_layers=1 leaves layer 0 on full attention.
+        "mistral-sliding": lambda: t.MistralConfig(
+            **LLAMA_LIKE, num_key_value_heads=2, sliding_window=4
+        ),
+        "qwen2-sliding": lambda: t.Qwen2Config(
+            **LLAMA_LIKE,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+        ),  # fmt: skip
         "qwen2": lambda: t.Qwen2Config(
             **LLAMA_LIKE, num_key_value_heads=2, tie_word_embeddings=True
         ),
@@ -230,7 +242,9 @@ CASES = [
     "llama-linear-rope",
     "llama-tied",
     "mistral",
+    "mistral-sliding",
     "qwen2",
+    "qwen2-sliding",
     "qwen3",
     "mixtral",
     "qwen2-moe",
@@ -455,10 +469,30 @@ def test_kv_cache_shape_and_context_len():
     assert kv_cache_shape_info(_config("opt")) == (2, 4, 16)
     assert kv_cache_shape_info(preset_config("llama-7b")) == (32, 32, 128)
     assert max_context_len(_config("opt")) == 128
-    mistral = _config("mistral")
-    mistral.sliding_window = 64
-    assert max_context_len(mistral) == 64
-    assert max_context_len(_config("qwen2")) == 128  # window stored but not enabled
+    # A sliding window no longer caps the context: windowed layers run at any length.
+    assert max_context_len(_config("mistral-sliding")) == 128
+
+
+@pytest.mark.parametrize(
+    "case, windows",
+    [
+        ("llama", [None, None]),
+        ("opt", [None, None]),
+        ("mistral", [4096, 4096]),
+        ("mistral-sliding", [4, 4]),
+        ("qwen2", [None, None]),  # a window is stored but use_sliding_window is off
+        ("qwen2-sliding", [None, 6]),  # layer_types: full below max_window_layers
+        ("mixtral", [None, None]),
+    ],
+)
+def test_sliding_window_per_layer(case, windows):
+    from paged_llm.models.base import sliding_window_of
+
+    config = _config(case)
+    assert [sliding_window_of(config, i) for i in range(2)] == windows
+    model, _ = build_random_model(config, device="meta")
+    layers = [m for m in model.modules() if type(m).__name__ == "PagedAttention"]
+    assert [layer.sliding_window for layer in layers] == windows
 
 
 # ---------------------------------------------------------------------------- presets

@@ -15,6 +15,8 @@ class AttentionBackend(ABC):
     Shapes: ``query`` [T, Hq, D]; ``key``/``value`` [T, Hkv, D]; caches
     [num_blocks, block_size, Hkv, D]; returns [T, Hq, D]. A quantized cache (int8 / fp8,
     ``kv_cache_dtype``) also passes ``k_scale``/``v_scale`` [num_blocks, block_size, Hkv].
+    A layer with sliding-window attention passes ``sliding_window=W``: each query then sees
+    only its last W positions (itself included; see ``ops/paged_attention/reference.py``).
     """
 
     name: str = "base"
@@ -38,5 +40,6 @@ class AttentionBackend(ABC):
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write key/value into their slots, then return attention output for every query."""

@@ -9,7 +9,7 @@ import torch
 from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata
 from paged_llm.ops.kv_store.reference import store_kv_reference
-from paged_llm.ops.paged_attention.reference import attention_one_sequence
+from paged_llm.ops.paged_attention.reference import attention_one_sequence, window_start
 from paged_llm.quant.kv_cache import KVCacheSpec
 
 
@@ -31,6 +31,7 @@ class ContiguousAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Store K/V, then attend over each sequence's contiguous slice of the pool."""
         store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
@@ -44,13 +45,15 @@ class ContiguousAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         q_start = 0
         for start, q_len, s_len in zip(starts, meta.query_lens_cpu, meta.seq_lens_cpu):
-            k, v = flat_k[start : start + s_len], flat_v[start : start + s_len]
+            # Read from the first position inside the first query's window (0 without one).
+            lo, hi = start + window_start(s_len, s_len - q_len, sliding_window), start + s_len
+            k, v = flat_k[lo:hi], flat_v[lo:hi]
             if k_scale is not None:
-                k = KVCacheSpec.dequantize(k, flat_ks[start : start + s_len], query.dtype)
-                v = KVCacheSpec.dequantize(v, flat_vs[start : start + s_len], query.dtype)
+                k = KVCacheSpec.dequantize(k, flat_ks[lo:hi], query.dtype)
+                v = KVCacheSpec.dequantize(v, flat_vs[lo:hi], query.dtype)
             k, v = k.to(query.dtype), v.to(query.dtype)
             out[q_start : q_start + q_len] = attention_one_sequence(
-                query[q_start : q_start + q_len], k, v, scale
+                query[q_start : q_start + q_len], k, v, scale, sliding_window
             )
             q_start += q_len
         return out

@@ -34,6 +34,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out: torch.Tensor,  # [T, Hq, D]: the decodes' rows are written in place
         k_scale: torch.Tensor | None,  # [num_blocks, block_size, Hkv]: quantized cache
         v_scale: torch.Tensor | None,
+        sliding_window: int | None = None,
     ) -> int:
         """All decoding sequences' attention in one kernel call; returns how many it did."""
         num = meta.num_decodes
@@ -42,6 +43,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         decodes = out[:num]  # contiguous rows of a fresh contiguous tensor
         cpu_native.paged_decode_cpu(
             decodes, query[:num].contiguous(), k_cache, v_cache, meta.block_tables,
-            meta.seq_lens, scale, k_scale, v_scale,
+            meta.seq_lens, scale, k_scale, v_scale, sliding_window,
         )  # fmt: skip
         return num

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata, context_blocks
 from paged_llm.ops.kv_store.reference import store_kv_reference
-from paged_llm.ops.paged_attention.reference import gather_blocks
+from paged_llm.ops.paged_attention.reference import attention_mask, gather_blocks, window_start
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -34,14 +34,16 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """Store K/V, then per sequence: gather its blocks, attend (decodes: two bmm calls,
-        others: one fused SDPA call)."""
+        """Store K/V, then per sequence: gather its blocks (only those inside the sliding
+        window, if any), attend (decodes: two bmm calls, others: one fused SDPA call)."""
         scales = (k_scale, v_scale)  # both None unless the cache is quantized
         store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping, *scales)
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        window = sliding_window
         # Decodes are the first sequences, one token each; a subclass may take them all at once.
-        first = self._decodes(query, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
+        first = self._decodes(query, k_cache, v_cache, meta, scale, out, k_scale, v_scale, window)
         if first == meta.num_seqs:
             return out
         # The step's block ids are built once (one int64 tensor for all sequences, shared by
@@ -53,10 +55,14 @@ class TorchAttentionBackend(AttentionBackend):
         for b in range(first, meta.num_seqs):
             q_len, s_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
             seq_ids = ids[block_starts[b] : block_starts[b + 1]]
+            # Positions before the window of the first query are never read: skip their blocks
+            # (key positions shift by the same offset as the queries', so the mask is unchanged).
+            skip = window_start(s_len, s_len - q_len, window) // k_cache.shape[1]
+            seq_ids, s_len = seq_ids[skip:], s_len - skip * k_cache.shape[1]
             k = gather_blocks(k_cache, seq_ids, s_len, k_scale, query.dtype)
             v = gather_blocks(v_cache, seq_ids, s_len, v_scale, query.dtype)
             out[start : start + q_len] = sdpa_one_sequence(
-                query[start : start + q_len], k, v, scale
+                query[start : start + q_len], k, v, scale, window
             )
             start += q_len
         return out
@@ -71,6 +77,7 @@ class TorchAttentionBackend(AttentionBackend):
         out: torch.Tensor,  # [T, Hq, D]: rows of the decodes handled are written in place
         k_scale: torch.Tensor | None,  # [num_blocks, block_size, Hkv]: quantized cache
         v_scale: torch.Tensor | None,
+        sliding_window: int | None = None,
     ) -> int:
         """Attend the first ``meta.num_decodes`` sequences' one query token each, gathered into
         reused buffers and written straight into ``out``; return how many sequences were done
@@ -80,7 +87,8 @@ class TorchAttentionBackend(AttentionBackend):
         num = meta.num_decodes
         if num == 0 or k_scale is not None or k_cache.dtype != query.dtype:
             return 0
-        ids, block_starts = context_blocks(meta, k_cache.shape[1])
+        block_size = k_cache.shape[1]
+        ids, block_starts = context_blocks(meta, block_size)
         hq, d = query.shape[1:]
         hkv = k_cache.shape[2]
         most = max(block_starts[b + 1] - block_starts[b] for b in range(num))
@@ -88,10 +96,13 @@ class TorchAttentionBackend(AttentionBackend):
         queries = query[:num].view(-1, hkv, hq // hkv, d)  # a KV head's query-head group as rows
         outs = out[:num].view(-1, hkv, hq // hkv, d)
         for b in range(num):
-            seq_ids = ids[block_starts[b] : block_starts[b + 1]]
-            n, s_len = seq_ids.shape[0], meta.seq_lens_cpu[b]
-            k = gather_blocks(k_cache, seq_ids, s_len, out=k_buf[:n])
-            v = gather_blocks(v_cache, seq_ids, s_len, out=v_buf[:n])
+            s_len = meta.seq_lens_cpu[b]
+            lo = window_start(s_len, s_len - 1, sliding_window)  # first position the token sees
+            skip = lo // block_size
+            seq_ids = ids[block_starts[b] + skip : block_starts[b + 1]]
+            n, local_len = seq_ids.shape[0], s_len - skip * block_size
+            k = gather_blocks(k_cache, seq_ids, local_len, out=k_buf[:n])[lo % block_size :]
+            v = gather_blocks(v_cache, seq_ids, local_len, out=v_buf[:n])[lo % block_size :]
             decode_one_sequence_into(outs[b], queries[b], k, v, scale)
         return num
 
@@ -110,6 +121,7 @@ def sdpa_one_sequence(
     k: torch.Tensor,  # [Lk, Hkv, D]
     v: torch.Tensor,  # [Lk, Hkv, D]
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [Lq, Hq, D]
     """``attention_one_sequence`` through torch's fused scaled_dot_product_attention (decode
     queries through two batched matmuls, see ``decode_one_sequence_into``).
@@ -121,10 +133,11 @@ def sdpa_one_sequence(
     if lq == 1:
         out = torch.empty_like(q)
         grouped = (k.shape[1], -1, q.shape[2])  # [Hkv, G, D]
+        if sliding_window is not None:
+            k, v = k[-sliding_window:], v[-sliding_window:]
         decode_one_sequence_into(out.view(grouped), q.view(grouped), k, v, scale)
         return out
-    q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]  # causal, aligned to the end
-    mask = torch.arange(lk, device=q.device)[None, :] <= q_pos
+    mask = attention_mask(lq, lk, sliding_window, q.device)  # causal, aligned to the end
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],

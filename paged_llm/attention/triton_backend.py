@@ -43,6 +43,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: int8 / fp8 cache
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store K/V, then attend: decode kernel for the decodes, prefill kernel for the rest."""
         scales = {"k_scale": k_scale, "v_scale": v_scale}  # None unless the cache is quantized
@@ -59,6 +60,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_seq_len=meta.max_seq_len,
                 out=out[:nd],
+                sliding_window=sliding_window,
                 **scales,
             )
         if nd < meta.num_seqs:
@@ -74,6 +76,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.max_query_len,
                 scale,
                 out=out[nd:],
+                sliding_window=sliding_window,
                 **scales,
             )
         return out

@@ -25,14 +25,24 @@ class ForwardContext:
 
 
 class PagedAttention(nn.Module):
-    """Multi-head / grouped-query attention over the paged cache of layer ``layer_idx``."""
+    """Multi-head / grouped-query attention over the paged cache of layer ``layer_idx``
+    (with ``sliding_window=W``, each token sees only its last W positions)."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        layer_idx: int,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} not divisible by num_kv_heads={num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -49,11 +59,13 @@ class PagedAttention(nn.Module):
         """Store this step's K/V in the cache and attend over each sequence's context."""
         t = q.shape[0]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        # Scales only travel with a quantized cache, so backends without support never see them.
-        scales = {}
+        # Scales only travel with a quantized cache, and a window only with a windowed layer.
+        extra = {}
         if ctx.kv_scales:
             k_scale, v_scale = ctx.kv_scales[self.layer_idx]
-            scales = {"k_scale": k_scale, "v_scale": v_scale}
+            extra = {"k_scale": k_scale, "v_scale": v_scale}
+        if self.sliding_window is not None:
+            extra["sliding_window"] = self.sliding_window
         out = ctx.backend.forward(
             q.view(t, self.num_heads, self.head_dim),
             k.view(t, self.num_kv_heads, self.head_dim),
@@ -62,6 +74,6 @@ class PagedAttention(nn.Module):
             v_cache,
             ctx.attn_metadata,
             self.scale,
-            **scales,
+            **extra,
         )
         return out.reshape(t, self.num_heads * self.head_dim)

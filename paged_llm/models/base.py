@@ -33,6 +33,20 @@ def num_kv_heads_of(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def sliding_window_of(config: Any, layer_idx: int) -> int | None:
+    """Sliding window of layer ``layer_idx`` (None: full attention), read as transformers does:
+    ``sliding_window`` when set and not switched off by ``use_sliding_window`` (Qwen), on the
+    layers ``layer_types`` marks "sliding_attention", or on every layer without ``layer_types``
+    (Mistral, Mixtral, Qwen3-MoE)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+        return None
+    return int(window)
+
+
 class CausalLM(nn.Module):
     """Base class: subclasses build ``self.model`` and ``self.lm_head`` and then call
     :meth:`tie_weights`; module names mirror HF's so checkpoint names map one to one."""

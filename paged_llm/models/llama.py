@@ -3,8 +3,8 @@ attention over the paged KV cache, and a SwiGLU MLP. The variants differ in whic
 carry a bias, whether q and k are RMS-normed per head (Qwen3), and which MLP a layer has (the
 mixture-of-experts models in ``moe.py``); the subclasses at the bottom pick.
 
-Not implemented: sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window). It only
-matters for contexts longer than the window; see ``loader.max_context_len``.
+Sliding-window attention (Mistral v0.1, Qwen2/3 with ``use_sliding_window``) is a per-layer
+argument of the attention layer (``base.sliding_window_of``); every backend honours it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from paged_llm.layers.activation import get_activation
 from paged_llm.layers.attention import ForwardContext, PagedAttention
 from paged_llm.layers.norms import RMSNorm
 from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from paged_llm.models.base import CausalLM, head_dim_of, num_kv_heads_of
+from paged_llm.models.base import CausalLM, head_dim_of, num_kv_heads_of, sliding_window_of
 from paged_llm.ops.elementwise import silu_mul
 
 
@@ -51,8 +51,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
-        )
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx,
+            sliding_window=sliding_window_of(config, layer_idx),
+        )  # fmt: skip
 
     def forward(
         self,
@@ -176,7 +177,7 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: LLaMA without any biases (sliding window not implemented, see module doc)."""
+    """Mistral: LLaMA without any biases (and, in v0.1, a sliding window on every layer)."""
 
     @staticmethod
     def bias_flags(config: Any) -> tuple[bool, bool, bool]:

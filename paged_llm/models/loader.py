@@ -90,11 +90,6 @@ def kv_cache_shape_info(hf_config: Any) -> tuple[int, int, int]:
 
 
 def max_context_len(hf_config: Any) -> int:
-    """Longest context the model runs correctly here: its position limit, capped by the sliding
-    window where the config enables one (sliding-window attention is not implemented)."""
-    limit = hf_config.max_position_embeddings
-    window = getattr(hf_config, "sliding_window", None)
-    # Qwen2 stores a window but only uses it with use_sliding_window=True.
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, window)
-    return limit
+    """Longest context the model runs correctly here: its position limit (a sliding window
+    does not cap it: windowed layers attend to their last W positions at any length)."""
+    return hf_config.max_position_embeddings

@@ -9,7 +9,8 @@
 //
 // Shapes: out, query [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
 // block_tables [B, max_blocks] int32; seq_lens [B] int32; k_scale, v_scale (quantized cache
-// only) [num_blocks, block_size, Hkv] float32.
+// only) [num_blocks, block_size, Hkv] float32. sliding_window > 0 limits each query to its last
+// sliding_window positions (itself included); 0 means the whole context.
 //
 // Work split: one sequence per task (a slice of its KV heads when there are fewer sequences
 // than threads), handed out dynamically since sequences differ in length. A task walks its
@@ -86,22 +87,22 @@ inline void prefetch_to_l2(const TC* row, int64_t count) {
     __builtin_prefetch(p + off, /*rw=*/0, /*locality=*/1);
 }
 
-// fn(t, token t's [Hkv, D] row of ``pool``, its [Hkv] scales or nullptr) for every token of a
-// sequence, in order: block by block, each block's rows in address order. Only KV heads
-// [kh0, kh1) are prefetched: those are the ones the caller reads.
+// fn(i, token (first + i)'s [Hkv, D] row of ``pool``, its [Hkv] scales or nullptr) for every
+// token of a sequence from ``first`` on, in order: block by block, each block's rows in address
+// order. Only KV heads [kh0, kh1) are prefetched: those are the ones the caller reads.
 template <typename TC, typename Fn>
 inline void for_each_token(const TC* pool, const float* scales, const Cache<TC>& cache,
-                           const int32_t* blocks, int64_t seq_len, int64_t kh0, int64_t kh1,
-                           Fn fn) {
+                           const int32_t* blocks, int64_t first, int64_t seq_len, int64_t kh0,
+                           int64_t kh1, Fn fn) {
   const int64_t row = cache.hkv * cache.d;  // one token's values
   const int64_t bs = cache.block_size;
   auto slot_of = [&](int64_t t) { return blocks[t / bs] * bs + t % bs; };  // in the pool
-  for (int64_t t = 0; t < seq_len; ++t) {
+  for (int64_t t = first; t < seq_len; ++t) {
     if (t + kPrefetchTokens < seq_len)
       prefetch_to_l2(pool + slot_of(t + kPrefetchTokens) * row + kh0 * cache.d,
                      (kh1 - kh0) * cache.d);
     const int64_t slot = slot_of(t);
-    fn(t, pool + slot * row, scales ? scales + slot * cache.hkv : nullptr);
+    fn(t - first, pool + slot * row, scales ? scales + slot * cache.hkv : nullptr);
   }
 }
 
@@ -111,8 +112,8 @@ void decode_one_sequence(TQ* out,                // [Hq, D]: this sequence's out
                          const TQ* query,        // [Hq, D]
                          const Cache<TC>& cache,
                          const int32_t* blocks,  // this sequence's block table
-                         int64_t seq_len, int64_t hq, int64_t kh0, int64_t kh1, float scale,
-                         Scratch& scratch) {
+                         int64_t seq_len, int64_t window, int64_t hq, int64_t kh0, int64_t kh1,
+                         float scale, Scratch& scratch) {
   const int64_t d = cache.d;
   const int64_t group = hq / cache.hkv;
   const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;  // query heads [h0, h0 + nh)
@@ -122,45 +123,48 @@ void decode_one_sequence(TQ* out,                // [Hq, D]: this sequence's out
     std::fill(out, out + nh * d, static_cast<TQ>(0.f));
     return;
   }
+  // The token sees positions [first, seq_len): n of them. Scores index them from first.
+  const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
+  const int64_t n = seq_len - first;
   // Buffers index the query heads from h0: row i is query head h0 + i.
   std::vector<float>& scores = scratch.scores;
   std::vector<float>& acc = scratch.acc;
   std::vector<float>& q = scratch.q;
   std::vector<float>& inv_sum = scratch.inv_sum;
-  if (scores.size() < static_cast<size_t>(nh * seq_len)) scores.resize(nh * seq_len);
+  if (scores.size() < static_cast<size_t>(nh * n)) scores.resize(nh * n);
   acc.assign(nh * d, 0.f);
   q.resize(nh * d);
   inv_sum.resize(nh);
   // The query, scaled once, in float32: [nh, D].
   for (int64_t i = 0; i < nh * d; ++i) q[i] = to_float(query[i]) * scale;
 
-  // Pass 1: scores[i, t] = q[i] . k[t, (h0 + i) / group] (times the vector's scale).
-  for_each_token(cache.k, cache.k_scale, cache, blocks, seq_len, kh0, kh1,
+  // Pass 1: scores[i, t] = q[i] . k[first + t, (h0 + i) / group] (times the vector's scale).
+  for_each_token(cache.k, cache.k_scale, cache, blocks, first, seq_len, kh0, kh1,
                  [&](int64_t t, const TC* k, const float* k_scale) {
                    for (int64_t i = 0; i < nh; ++i) {
                      const int64_t kh = (h0 + i) / group;
                      const float s = dot(&q[i * d], k + kh * d, d);
-                     scores[i * seq_len + t] = k_scale ? s * k_scale[kh] : s;
+                     scores[i * n + t] = k_scale ? s * k_scale[kh] : s;
                    }
                  });
   // Softmax over t for each query head, in place; keep 1 / sum for the end.
   for (int64_t i = 0; i < nh; ++i) {
-    float* s = &scores[i * seq_len];
+    float* s = &scores[i * n];
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < seq_len; ++t) m = std::max(m, s[t]);
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
     float sum = 0.f;
-    for (int64_t t = 0; t < seq_len; ++t) {
+    for (int64_t t = 0; t < n; ++t) {
       s[t] = std::exp(s[t] - m);
       sum += s[t];
     }
     inv_sum[i] = 1.f / sum;
   }
-  // Pass 2: acc[i] += p[i, t] * v[t, (h0 + i) / group] (times the vector's scale).
-  for_each_token(cache.v, cache.v_scale, cache, blocks, seq_len, kh0, kh1,
+  // Pass 2: acc[i] += p[i, t] * v[first + t, (h0 + i) / group] (times the vector's scale).
+  for_each_token(cache.v, cache.v_scale, cache, blocks, first, seq_len, kh0, kh1,
                  [&](int64_t t, const TC* v, const float* v_scale) {
                    for (int64_t i = 0; i < nh; ++i) {
                      const int64_t kh = (h0 + i) / group;
-                     const float p = scores[i * seq_len + t];
+                     const float p = scores[i * n + t];
                      axpy(&acc[i * d], v_scale ? p * v_scale[kh] : p, v + kh * d, d);
                    }
                  });
@@ -171,7 +175,8 @@ void decode_one_sequence(TQ* out,                // [Hq, D]: this sequence's out
 
 template <typename TQ, typename TC>
 void decode_batch(at::Tensor& out, const at::Tensor& query, const Cache<TC>& cache,
-                  const int32_t* tables, int64_t table_stride, const int32_t* lens, float scale) {
+                  const int32_t* tables, int64_t table_stride, const int32_t* lens, float scale,
+                  int64_t window) {
   const int64_t batch = query.size(0), hq = query.size(1), d = query.size(2);
   const int64_t threads = at::get_num_threads();
   // A task is one sequence, or with fewer sequences than threads a slice of its KV heads, so
@@ -191,8 +196,8 @@ void decode_batch(at::Tensor& out, const at::Tensor& query, const Cache<TC>& cac
       const int64_t b = task / parts, kh0 = (task % parts) * heads_per_part;
       const int64_t kh1 = std::min(cache.hkv, kh0 + heads_per_part);
       decode_one_sequence<TQ, TC>(o + b * hq * d, q + b * hq * d, cache,
-                                  tables + b * table_stride, lens[b], hq, kh0, kh1, scale,
-                                  scratch);
+                                  tables + b * table_stride, lens[b], window, hq, kh0, kh1,
+                                  scale, scratch);
     }
   });
 }
@@ -209,7 +214,7 @@ void paged_decode_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, double scale,
                       const std::optional<at::Tensor>& k_scale,
-                      const std::optional<at::Tensor>& v_scale) {
+                      const std::optional<at::Tensor>& v_scale, int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [B, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "caches must be [num_blocks, block_size, Hkv, D]");
@@ -221,6 +226,7 @@ void paged_decode_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor
               "out must share query's dtype, and v_cache k_cache's");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: no window)");
   const int64_t batch = query.size(0), hq = query.size(1), d = query.size(2);
   const int64_t hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "head_dim or head counts do not match");
@@ -252,7 +258,8 @@ void paged_decode_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor
                             k_cache.size(1),
                             hkv,
                             d};
-      decode_batch<scalar_t, TC>(out, query, cache, table_ptr, stride, len_ptr, qk_scale);
+      decode_batch<scalar_t, TC>(out, query, cache, table_ptr, stride, len_ptr, qk_scale,
+                                 sliding_window);
     };
     if (cache_type == at::kChar)
       run(int8_t{});
@@ -269,7 +276,7 @@ TORCH_LIBRARY(paged_llm, m) {
   m.def(
       "paged_decode_cpu(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale=None, "
-      "Tensor? v_scale=None) -> ()");
+      "Tensor? v_scale=None, int sliding_window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(paged_llm, CPU, m) { m.impl("paged_decode_cpu", &paged_decode_cpu); }

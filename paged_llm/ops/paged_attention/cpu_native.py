@@ -105,10 +105,12 @@ def paged_decode_cpu(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] float32: quantized
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,  # attend to the last W positions only
 ) -> None:
     """One-token attention of each sequence over its paged context, written into ``out``
     (a quantized cache is dequantized on the fly: code * scale of its token and head)."""
     load()
     torch.ops.paged_llm.paged_decode_cpu(
-        out, query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
-    )
+        out, query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+        sliding_window or 0,
+    )  # fmt: skip

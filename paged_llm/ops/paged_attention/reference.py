@@ -1,6 +1,11 @@
 """Torch reference for paged attention: gather each sequence's K/V through its block table,
 then plain causal softmax attention in float32. Readable first; every kernel is tested
-against this."""
+against this.
+
+Sliding window (Mistral, Qwen2/3 with ``use_sliding_window``): with ``sliding_window=W`` the
+query at position p attends to the W positions p - W + 1 ... p (itself included), as
+transformers' ``sliding_window_causal_mask_function`` and vLLM define it. ``None`` = no window.
+"""
 
 from __future__ import annotations
 
@@ -39,11 +44,33 @@ def gather_blocks(
     return KVCacheSpec.dequantize(vectors, scales, dtype or torch.float32)
 
 
+def attention_mask(
+    lq: int, lk: int, sliding_window: int | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[Lq, Lk] bool, True where a query (the last Lq of Lk positions) may attend to a key:
+    causal, and within the sliding window when there is one."""
+    q_pos = torch.arange(lk - lq, lk, device=device)[:, None]
+    k_pos = torch.arange(lk, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def window_start(seq_len: int, first_query_pos: int, sliding_window: int | None) -> int:
+    """First context position any query at or after ``first_query_pos`` can see (0 without a
+    window); earlier positions are never read again."""
+    if sliding_window is None:
+        return 0
+    return min(seq_len, max(0, first_query_pos - sliding_window + 1))
+
+
 def attention_one_sequence(
     q: torch.Tensor,  # [Lq, Hq, D]
     k: torch.Tensor,  # [Lk, Hkv, D]
     v: torch.Tensor,  # [Lk, Hkv, D]
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention where the Lq queries are the last Lq of the Lk positions: [Lq, Hq, D]."""
     lq, hq, _ = q.shape
@@ -52,9 +79,7 @@ def attention_one_sequence(
     k = k.repeat_interleave(group, dim=1).float()  # [Lk, Hq, D]
     v = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Lq, Lk]
-    q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
-    k_pos = torch.arange(lk, device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    scores = scores.masked_fill(~attention_mask(lq, lk, sliding_window, q.device), float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
@@ -69,6 +94,7 @@ def paged_attention_reference(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's query tokens over its paged context: [T, Hq, D]."""
     out = torch.empty_like(query)
@@ -77,7 +103,7 @@ def paged_attention_reference(
         k = gather_kv(k_cache, block_tables[b], s_len, k_scale, query.dtype).to(query.dtype)
         v = gather_kv(v_cache, block_tables[b], s_len, v_scale, query.dtype).to(query.dtype)
         out[start : start + q_len] = attention_one_sequence(
-            query[start : start + q_len], k, v, scale
+            query[start : start + q_len], k, v, scale, sliding_window
         )
         start += q_len
     return out
@@ -92,6 +118,7 @@ def paged_decode_attention_batched(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention for a whole batch at once (padded gather + mask): [B, Hq, D].
 
@@ -110,7 +137,10 @@ def paged_decode_attention_batched(
     q = query.float().view(bsz, hkv, group, dim)
     scores = torch.einsum("bhgd,bshd->bhgs", q, k.float()) * scale  # [B, Hkv, G, S]
     pos = torch.arange(k.shape[1], device=query.device)
-    mask = pos[None, :] >= seq_lens[:, None].to(pos.dtype)  # [B, S]
+    lens = seq_lens[:, None].to(pos.dtype)
+    mask = pos[None, :] >= lens  # [B, S]
+    if sliding_window is not None:
+        mask |= pos[None, :] <= lens - 1 - sliding_window
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
     v = v.float().masked_fill(mask[:, :, None, None], 0.0)  # unused slots may hold NaN/garbage

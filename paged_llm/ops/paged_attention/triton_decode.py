@@ -6,6 +6,7 @@ so each K/V tile is loaded once for the whole group. The context is walked in ti
 so the tile size is independent of the cache's block size (1 ... 256 all work the same way).
 With ``num_splits > 1`` the context is cut into partitions processed in parallel (split-K, as
 in PagedAttention v2 / flash-decoding) and a small reduce kernel merges their partial softmaxes.
+With a sliding window of W (``SLIDING``) only the tiles holding the last W positions are read.
 
 The helpers ``load_paged_tile``, ``online_softmax_step`` and ``check_paged_inputs`` are shared
 with the prefill kernel.
@@ -138,6 +139,7 @@ def _paged_decode_kernel(
     qk_scale,
     group_size,  # query heads per KV head
     head_dim,
+    window,  # sliding window W (read only when SLIDING)
     stride_qb,
     stride_qh,
     stride_qd,
@@ -165,6 +167,7 @@ def _paged_decode_kernel(
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,  # int8 / fp8 cache: dequantize tiles to the query dtype
+    SLIDING: tl.constexpr,  # attend to the last ``window`` positions only
 ):
     """Attend the query heads of one KV head over one partition of one sequence's context."""
     seq = tl.program_id(0).to(tl.int64)
@@ -185,12 +188,17 @@ def _paged_decode_kernel(
     if not KV_QUANT:  # compute in the cache dtype (a quantized cache comes to q's dtype instead)
         q = q.to(k_cache_ptr.dtype.element_ty)
 
-    # Partition this sequence's own tiles evenly over the splits; trailing splits of a short
+    # The token sees positions [first, seq_len).
+    first = 0
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    # Partition the tiles it sees evenly over the splits; trailing splits of a short
     # sequence may get none and then report l = 0, m = -inf, which the reduce step ignores.
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    first_tile = first // BLOCK_N
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
     table_ptr = block_tables_ptr + seq * stride_bt
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -198,7 +206,7 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        pos_mask = pos < seq_len
+        pos_mask = (pos < seq_len) & (pos >= first)
         k = load_paged_tile(
             k_cache_ptr, table_ptr, pos, pos_mask, kv_head, offs_d, d_mask,
             stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim, BLOCK_SIZE,
@@ -209,7 +217,7 @@ def _paged_decode_kernel(
             stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim, BLOCK_SIZE,
             v_scale_ptr, stride_s_block, stride_s_slot, stride_s_head, KV_QUANT,
         ).to(q.dtype)  # fmt: skip
-        # All query rows of a decode see the same keys: every position < seq_len.
+        # All query rows of a decode see the same keys: positions [first, seq_len).
         valid = tl.broadcast_to(pos_mask[None, :], (BLOCK_G, BLOCK_N))
         acc, m_i, l_i = online_softmax_step(
             q, k, v, valid, acc, m_i, l_i, qk_scale, DOT_FP32, DOT_PRECISION
@@ -324,6 +332,7 @@ def paged_decode_attention_triton(
     out: torch.Tensor | None = None,  # optional [B, Hq, D] destination (any strides)
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,  # attend to the last W positions only
 ) -> torch.Tensor:
     """Decode attention of each sequence's last token over its paged context: [B, Hq, D].
 
@@ -334,6 +343,7 @@ def paged_decode_attention_triton(
     bsz, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_inputs(query, k_cache, v_cache, block_tables)
+    check_window(sliding_window)
     if seq_lens.shape != (bsz,):
         raise ValueError(f"seq_lens {tuple(seq_lens.shape)} should be [{bsz}]")
     if out is None:
@@ -344,6 +354,8 @@ def paged_decode_attention_triton(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if num_splits is None:
         max_context = max_seq_len or block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            max_context = min(max_context, sliding_window)
         num_splits = choose_num_splits(bsz * num_kv_heads, max_context, query.device)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -374,6 +386,7 @@ def paged_decode_attention_triton(
         scale * LOG2E,
         group,
         head_dim,
+        sliding_window or 0,
         *query.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -388,6 +401,7 @@ def paged_decode_attention_triton(
         DOT_FP32=dot_in_fp32(compute_dtype),
         DOT_PRECISION=dot_precision(compute_dtype),
         KV_QUANT=quant,
+        SLIDING=sliding_window is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -443,3 +457,9 @@ def check_paged_inputs(
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError("block_tables must be a 2-D int32 tensor")
+
+
+def check_window(sliding_window: int | None) -> None:
+    """A sliding window is None (none) or a positive number of positions."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")

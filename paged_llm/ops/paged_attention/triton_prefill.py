@@ -8,6 +8,8 @@ prefix and single-token queries are all the same causal kernel.
 
 One program owns BLOCK_M consecutive queries of one sequence and one query head, and walks the
 context in tiles of BLOCK_N positions looked up through the block table (see triton_decode.py).
+With a sliding window of W (``SLIDING``) a query at position p sees p - W + 1 ... p, and tiles
+before the window of the program's first query are skipped.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from paged_llm.ops.paged_attention.triton_decode import (
     LOG2E,
     check_paged_inputs,
     check_tile,
+    check_window,
     default_tile,
     dot_in_fp32,
     dot_precision,
@@ -43,6 +46,7 @@ def _paged_prefill_kernel(
     qk_scale,
     group_size,  # query heads per KV head
     head_dim,
+    window,  # sliding window W (read only when SLIDING)
     stride_qt,
     stride_qh,
     stride_qd,
@@ -68,6 +72,7 @@ def _paged_prefill_kernel(
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,  # int8 / fp8 cache: dequantize tiles to the query dtype
+    SLIDING: tl.constexpr,  # attend to the last ``window`` positions of each query only
 ):
     """Causal attention of BLOCK_M queries of one sequence and head over its paged context."""
     q_block = tl.program_id(0)
@@ -97,15 +102,20 @@ def _paged_prefill_kernel(
 
     # Causality: nothing after this block's last query position is ever needed.
     kv_end = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_M)
+    # Sliding window: nothing before the window of this block's first query either.
+    kv_lo = 0  # first position any query of this block sees
+    if SLIDING:
+        kv_lo = tl.maximum(seq_len - q_len + q_block * BLOCK_M - window + 1, 0)
+    kv_start = (kv_lo // BLOCK_N) * BLOCK_N
     table_ptr = block_tables_ptr + seq * stride_bt
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # One loop with the causal mask on every tile keeps this readable; a tuned kernel would
     # run the tiles fully left of the diagonal without the mask.
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        pos_mask = pos < seq_len
+        pos_mask = (pos < seq_len) & (pos >= kv_lo)  # never read blocks before the window
         k = load_paged_tile(
             k_cache_ptr, table_ptr, pos, pos_mask, kv_head, offs_d, d_mask,
             stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim, BLOCK_SIZE,
@@ -117,6 +127,8 @@ def _paged_prefill_kernel(
             v_scale_ptr, stride_s_block, stride_s_slot, stride_s_head, KV_QUANT,
         ).to(q.dtype)  # fmt: skip
         valid = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]  # [BLOCK_M, BLOCK_N]
+        if SLIDING:
+            valid = valid & (pos[None, :] > q_pos[:, None] - window)
         acc, m_i, l_i = online_softmax_step(
             q, k, v, valid, acc, m_i, l_i, qk_scale, DOT_FP32, DOT_PRECISION
         )
@@ -144,12 +156,14 @@ def paged_prefill_attention_triton(
     out: torch.Tensor | None = None,  # optional [T, Hq, D] destination (any strides)
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,  # each query sees its last W positions only
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context: [T, Hq, D]."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     check_paged_inputs(query, k_cache, v_cache, block_tables)
+    check_window(sliding_window)
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc should be [{num_seqs + 1}], got {query_start_loc.shape}")
     if out is None:
@@ -171,6 +185,7 @@ def paged_prefill_attention_triton(
         scale * LOG2E,
         num_heads // num_kv_heads,
         head_dim,
+        sliding_window or 0,
         *query.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -184,6 +199,7 @@ def paged_prefill_attention_triton(
         DOT_FP32=dot_in_fp32(compute_dtype),
         DOT_PRECISION=dot_precision(compute_dtype),
         KV_QUANT=quant,
+        SLIDING=sliding_window is not None,
         num_warps=4,
     )
     return out
