@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_llm.core.kv import POLICIES
+from paged_llm.core.kv.paged import NULL_BLOCK, live_blocks
 from paged_llm.core.request import Request, RequestStatus
 from paged_llm.core.scheduler import Scheduler, SchedulerLimits
 from paged_llm.sampling_params import SamplingParams
@@ -28,9 +29,11 @@ def _quiet_preemption_warnings():
 
 
 def make_scheduler(policy, mode="recompute", num_blocks=24, block_size=4, chunked=False, **kw):
+    window = {"sliding_window": kw["window"]} if kw.get("window") else {}
     kv = import_target(POLICIES[policy])(
-        num_blocks=num_blocks, block_size=block_size, max_model_len=MAX_LEN, num_cpu_blocks=32
-    )
+        num_blocks=num_blocks, block_size=block_size, max_model_len=MAX_LEN, num_cpu_blocks=32,
+        **window,
+    )  # fmt: skip
     limits = SchedulerLimits(
         max_num_seqs=kw.get("max_num_seqs", 6),
         max_num_batched_tokens=kw.get("budget", 64),
@@ -69,9 +72,20 @@ def check_priority_order(s: Scheduler, before: set[str], out):
         assert max(key(r) for r in s.running) <= min(key(r) for r in preempted)
 
 
+def check_sliding_window(s: Scheduler):
+    """Blocks before a sequence's window are freed (NULL_BLOCK), and none it may still read
+    is: its window from the last computed token on (a fork may recompute that token)."""
+    kv, window = s.kv, s.kv.sliding_window
+    for r in s.running:
+        table = kv.get_block_table(r)
+        first_read = max(0, r.num_computed_tokens - window) // kv.block_size  # a block index
+        assert all(b == NULL_BLOCK for b in table[:first_read])
+        assert NULL_BLOCK not in table[first_read:]
+
+
 def check_invariants(s: Scheduler):
     kv = s.kv
-    held = [b for t in kv.block_tables.values() for b in t]
+    held = [b for t in kv.block_tables.values() for b in live_blocks(t)]
     live = {r.request_id for r in s.running}
     assert set(kv.block_tables) <= live | {r.request_id for r in s.waiting}
     if kv.name == "paged":  # shared blocks: one reference per owning table
@@ -93,6 +107,8 @@ def check_invariants(s: Scheduler):
     assert len(s.running) <= s.limits.max_num_seqs
     if s.limits.max_loras:
         assert len({r.lora_int_id for r in s.running if r.lora_int_id}) <= s.limits.max_loras
+    if getattr(kv, "sliding_window", None):
+        check_sliding_window(s)
 
 
 def run_ops(s: Scheduler, ops, rng_tokens):
@@ -170,6 +186,26 @@ POLICY_MODES = [("paged", "recompute"), ("paged", "swap")] + [
 )
 def test_random_operations_keep_invariants(policy, mode, chunked, ops, tokens):
     s = make_scheduler(policy, mode, chunked=chunked, budget=16 if chunked else 64)
+    run_ops(s, ops, tokens)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("chunked", [False, True])
+@settings(max_examples=150, deadline=None)
+@given(
+    window=st.sampled_from([1, 3, 6, 13]),
+    ops=st.lists(
+        st.tuples(st.sampled_from([0, 1, 1, 1, 2, 3]), st.integers(0, 99), st.integers(0, 99)),
+        max_size=80,
+    ),
+    tokens=st.lists(st.sampled_from([EOS, 5, 6]), min_size=1, max_size=8),
+)
+def test_sliding_window_frees_blocks_and_keeps_invariants(mode, chunked, window, ops, tokens):
+    """A paged pool whose model attends to its last ``window`` positions: blocks before every
+    running sequence's window are back in the pool after each operation, none it still reads
+    is, and forks, swaps, aborts and recomputation keep reference counts exact."""
+    s = make_scheduler("paged", mode, num_blocks=16, chunked=chunked,
+                       budget=16 if chunked else 64, window=window)  # fmt: skip
     run_ops(s, ops, tokens)
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_llm import LLM, BeamSearchParams, SamplingParams
-from paged_llm.core.kv.paged import PagedKVCacheManager
+from paged_llm.core.kv.paged import PagedKVCacheManager, live_blocks
 from paged_llm.core.request import Request
 
 PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(5)]
@@ -31,7 +31,7 @@ def _req(rid, n_prompt):
 def _check(kv: PagedKVCacheManager, live):
     refs = [0] * kv.num_blocks
     for r in live:
-        for b in kv.get_block_table(r):
+        for b in live_blocks(kv.get_block_table(r)):
             refs[b] += 1
     assert refs == kv.pool.ref_counts  # reference counts equal the owners; never negative
     assert kv.pool.num_free == sum(c == 0 for c in refs)
@@ -47,12 +47,17 @@ def _swap_in_then_one_token_fits(kv, group) -> bool:
     return all(kv.allocate_slots(r, 1) for r in group)
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @settings(max_examples=300, deadline=None)
 @given(
     ops=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 30), st.integers(1, 9)), max_size=60)
 )
-def test_fork_append_free_swap_keep_refcounts(ops):
-    kv = PagedKVCacheManager(num_blocks=20, block_size=4, max_model_len=64, num_cpu_blocks=40)
+def test_fork_append_free_swap_keep_refcounts(window, ops):
+    """With a sliding window too: blocks freed behind the window (NULL entries) are never
+    counted, copied, swapped or freed twice."""
+    kv = PagedKVCacheManager(
+        num_blocks=20, block_size=4, max_model_len=64, num_cpu_blocks=40, sliding_window=window
+    )
     live: list[Request] = []
     swapped: list[list[Request]] = []
     next_id = 0
@@ -81,6 +86,7 @@ def test_fork_append_free_swap_keep_refcounts(ops):
                 assert all(kv.pool.ref_counts[b] == 1 for b in table[first:last])  # COW
                 r.output_token_ids += [4] * n
                 r.num_computed_tokens += n
+                kv.on_computed(r)  # frees the blocks behind a sliding window
             kv.take_block_ops()
         elif op == 3 and live:  # free
             kv.free(live.pop(a % len(live)))

@@ -10,12 +10,13 @@ import torch
 from paged_cache_helpers import paged_setup
 from test_engine import generate_ids, hf_greedy
 
-from paged_llm import LLM
+from paged_llm import LLM, SamplingParams
 from paged_llm.attention.contiguous_backend import ContiguousAttentionBackend
 from paged_llm.attention.cpu_backend import CpuAttentionBackend
 from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.attention.torch_backend import TorchAttentionBackend
 from paged_llm.attention.triton_backend import TritonAttentionBackend
+from paged_llm.core.kv.paged import live_blocks
 from paged_llm.ops.kv_store.reference import store_kv_reference
 from paged_llm.ops.paged_attention import cpu_native
 from paged_llm.ops.paged_attention.reference import (
@@ -268,11 +269,84 @@ def test_engine_greedy_matches_transformers(tiny_mistral, options):
         assert generate_ids(llm, PROMPTS, NEW_TOKENS) == reference
 
 
-def test_engine_runs_past_the_window_under_preemption(tiny_mistral):
-    path, reference = tiny_mistral
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_engine_runs_past_the_window_under_preemption(tiny_mistral, mode):
+    """24 requests in an 11-block pool: sequences whose early blocks were freed are swapped
+    out and back, or recomputed, and still give transformers' tokens."""
+    path, _ = tiny_mistral
+    prompts = [[5, 9, 17, 33, 2 + i] * (1 + i % 4) for i in range(24)]
     llm = LLM(
-        str(path), block_size=4, num_gpu_blocks_override=24, max_model_len=64,
-        preemption_mode="swap", swap_space=0.01,
+        str(path), block_size=4, num_gpu_blocks_override=11, max_model_len=44,
+        preemption_mode=mode, swap_space=0.01,
     )  # fmt: skip
-    assert generate_ids(llm, PROMPTS, NEW_TOKENS) == reference
+    expected = [hf_greedy(tf_model(path), p, 24) for p in prompts]
+    assert generate_ids(llm, prompts, 24) == expected
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def tf_model(path):
+    """The saved tiny Mistral, loaded by transformers."""
+    import transformers as tf
+
+    return tf.MistralForCausalLM.from_pretrained(str(path)).eval()
+
+
+def test_blocks_behind_the_window_go_back_to_the_pool(tiny_mistral):
+    """While decoding, a sequence holds only the blocks of its last W + 1 positions (at most
+    ceil((W + 1) / block_size) + 1 of them), whatever its length; the rest are free."""
+    path, reference = tiny_mistral
+    llm = LLM(str(path), block_size=4, max_model_len=128)
+    engine, kv = llm.llm_engine, llm.llm_engine.scheduler.kv
+    assert kv.sliding_window == WINDOW
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    most, outputs = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+        for r in engine.scheduler.running:
+            if r.num_output_tokens:
+                held = live_blocks(kv.get_block_table(r))
+                most = max(most, len(held))
+                assert len(held) <= -(-(WINDOW + 1) // 4) + 1
+    assert [outputs[str(i)] for i in range(len(PROMPTS))] == reference
+    assert most >= 3  # the bound was reached, not trivially met
+    assert kv.num_free_blocks() == kv.num_blocks
+
+
+def test_a_draft_model_keeps_every_block(tiny_mistral):
+    """A draft model reads the same block tables with its own (full) attention, so nothing is
+    freed behind the target's window then."""
+    path, _ = tiny_mistral
+    llm = LLM(str(path), block_size=4, max_model_len=128,
+              speculative_config={"method": "draft_model", "model": str(path),
+                                  "num_speculative_tokens": 2})  # fmt: skip
+    assert llm.llm_engine.scheduler.kv.sliding_window is None
+    ngram = LLM(str(path), block_size=4, max_model_len=128,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 2})  # fmt: skip
+    assert ngram.llm_engine.scheduler.kv.sliding_window == WINDOW
+
+
+def test_parallel_samples_and_beams_share_blocks_past_the_window(tiny_mistral):
+    """Forked samples and beams share, copy and free windowed tables: greedy samples equal
+    transformers' greedy output, and the best beam equals transformers' beam search."""
+    from test_sharing import hf_beam
+
+    from paged_llm import BeamSearchParams
+
+    path, reference = tiny_mistral
+    llm = LLM(str(path), block_size=4, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for out, ref in zip(outs, reference):
+        assert [c.token_ids for c in out.outputs] == [ref] * 3
+    prompts = PROMPTS[1:3]
+    beams = llm.beam_search(
+        [{"prompt_token_ids": p} for p in prompts],
+        BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True),
+    )
+    model = tf_model(path)
+    for prompt, out in zip(prompts, beams):
+        assert out.sequences[0].tokens[len(prompt) :] == hf_beam(model, prompt, 3, 12)[0]
+    assert llm.llm_engine.kv_usage() == 0

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paged_llm.core.kv.paged import NULL_BLOCK
+
 
 @dataclass
 class AttentionMetadata:
@@ -43,6 +45,14 @@ class AttentionMetadata:
         return int(sum(self.query_lens_cpu))
 
 
+def device_block_table(table: list[int]) -> list[int]:
+    """A block table as the kernels get it: entries freed by a sliding window (NULL_BLOCK, a
+    prefix of the table) become block 0, a valid id that the window keeps them from reading."""
+    if table and table[0] == NULL_BLOCK:
+        return [max(b, 0) for b in table]
+    return table
+
+
 def build_attention_metadata(
     query_lens: list[int],
     seq_lens: list[int],
@@ -67,7 +77,7 @@ def build_attention_metadata(
             break
         num_decodes += 1
     max_blocks = max((len(t) for t in block_tables), default=0)
-    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+    padded = [device_block_table(t) + [0] * (max_blocks - len(t)) for t in block_tables]
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)

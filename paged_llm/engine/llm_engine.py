@@ -26,6 +26,7 @@ from paged_llm.engine.inputs import to_token_ids, truncate_prompt, validate_toke
 from paged_llm.engine.loading import checkpoint_path, load_model_and_tokenizer, resolve_device
 from paged_llm.engine.stop_strings import StopStringChecker
 from paged_llm.engine.structured_output import StructuredOutputCompiler
+from paged_llm.layers.attention import PagedAttention
 from paged_llm.lora.manager import LoRAManager
 from paged_llm.lora.request import LoRARequest
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
@@ -160,6 +161,9 @@ class LLMEngine:
         if sc.preemption_mode == "swap":
             num_cpu_blocks = int(cc.swap_space * 2**30 // block_bytes)
         extra = {"enable_prefix_caching": True} if cc.enable_prefix_caching else {}
+        window = self._releasable_window()
+        if window is not None:
+            extra["sliding_window"] = window
         kv = build(
             "policy", sc.policy, POLICIES, num_blocks=num_blocks, block_size=cc.block_size,
             max_model_len=self.max_model_len, num_cpu_blocks=num_cpu_blocks, **extra,
@@ -195,6 +199,12 @@ class LLMEngine:
             num_blocks, cc.block_size, tokens, num_blocks * block_bytes / 2**30, kv_spec.dtype,
             self.max_model_len, tokens / self.max_model_len, self.backend.name,
         )  # fmt: skip
+        if window is not None:
+            logger.info(
+                "sliding window of %d tokens: a sequence holds at most about %d blocks once "
+                "decoding, blocks before its window are freed", window,
+                -(-window // cc.block_size) + 1,
+            )  # fmt: skip
         self.kv_cache_tokens = tokens
         self._groups: dict[str, _Group] = {}  # user request id -> its samples
         self._seqs: dict[str, tuple[_Group, _Tracked]] = {}  # sequence id -> (group, state)
@@ -239,6 +249,17 @@ class LLMEngine:
         if self.config.speculative_config:
             raise ValueError("speculative decoding does not apply to a pooling model")
         return Pooler(resolve_pooler_config(self.config.model.pooler_config, model_dir))
+
+    def _releasable_window(self) -> int | None:
+        """The sliding window W after which a sequence's blocks can be freed: set when every
+        attention layer has one (the largest, if they differ) and no draft model reads the
+        same block tables with full attention; None otherwise."""
+        windows = [m.sliding_window for m in self.model.modules() if isinstance(m, PagedAttention)]
+        if not windows or None in windows:
+            return None
+        if self.drafter is not None and self.drafter.bytes_per_block(1) > 0:
+            return None  # the draft model's layers read every position of the shared tables
+        return max(windows)
 
     def _num_blocks(self, block_bytes: int) -> int:
         cc = self.config.cache

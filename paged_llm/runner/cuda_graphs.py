@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from paged_llm.attention.base import AttentionBackend
-from paged_llm.attention.metadata import AttentionMetadata
+from paged_llm.attention.metadata import AttentionMetadata, device_block_table
 from paged_llm.layers.attention import ForwardContext
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,8 @@ def pad_decode_batch(batch: Any, bucket: int, block_size: int, width: int) -> Pa
         table[pos // block_size] * block_size + pos % block_size
         for pos, table in zip(batch.positions, batch.block_tables)
     ]
-    tables = [t + [0] * (width - len(t)) for t in batch.block_tables] + [[0] * width] * pad
+    tables = [device_block_table(t) + [0] * (width - len(t)) for t in batch.block_tables]
+    tables += [[0] * width] * pad
     return PaddedDecode(
         input_ids=list(batch.input_ids) + [0] * pad,
         positions=list(batch.positions) + [0] * pad,

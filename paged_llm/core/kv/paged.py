@@ -1,7 +1,9 @@
 """vLLM's policy: blocks are allocated on demand, so waste is confined to each request's last
 block. Blocks can be shared (forked sequences, prefix caching) by reference count; a shared
 block that must be written is copied first (copy-on-write). Preempted requests can be swapped
-to a CPU block pool, each shared block once (no torch)."""
+to a CPU block pool, each shared block once. With a sliding window (a model whose every layer
+attends to its last W positions), blocks that fell wholly out of the window are freed as soon
+as they do, their table entries becoming NULL_BLOCK (no torch)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,16 @@ from collections.abc import Iterable
 from paged_llm.core.block_pool import BlockPool
 from paged_llm.core.kv.base import KVCacheManager, MemoryBreakdown
 from paged_llm.core.request import Request
+
+# A block-table entry whose block fell out of the sliding window and went back to the pool.
+# Such entries are a prefix of the table; kernels never read them (the runner writes block 0
+# in their place). Keeping the entry keeps logical block i at table index i.
+NULL_BLOCK = -1
+
+
+def live_blocks(table: list[int]) -> list[int]:
+    """The real block ids of a table (without the NULL_BLOCK entries of a sliding window)."""
+    return [b for b in table if b != NULL_BLOCK]
 
 
 class PagedKVCacheManager(KVCacheManager):
@@ -28,8 +40,14 @@ class PagedKVCacheManager(KVCacheManager):
         num_cpu_blocks: int = 0,
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__(num_blocks, block_size, max_model_len)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        # Every token sees only its last sliding_window positions, so earlier blocks can go.
+        self.sliding_window = sliding_window
+        self._num_released: dict[str, int] = {}  # request -> leading NULL_BLOCK entries
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.cpu_block_tables: dict[str, list[int]] = {}
@@ -108,9 +126,11 @@ class PagedKVCacheManager(KVCacheManager):
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's blocks, shared by reference (no copy until a write)."""
         table = list(self.block_tables.get(parent.request_id, []))
-        self.pool.share(table)
+        self.pool.share(live_blocks(table))
         self._sharing = True
         self.block_tables[child.request_id] = table
+        if parent.request_id in self._num_released:
+            self._num_released[child.request_id] = self._num_released[parent.request_id]
         if parent.request_id in self._hashes:
             self._hashes[child.request_id] = list(self._hashes[parent.request_id])
 
@@ -120,11 +140,12 @@ class PagedKVCacheManager(KVCacheManager):
         if table:
             # tail first: a prefix's later blocks are evicted before its first ones, which
             # every longer match needs (vLLM does the same)
-            self.pool.release(table[::-1])
+            self.pool.release(live_blocks(table)[::-1])
         cpu_table = self.cpu_block_tables.pop(request.request_id, None)
         if cpu_table and self.cpu_pool is not None:
-            self.cpu_pool.release(cpu_table)
+            self.cpu_pool.release(live_blocks(cpu_table))
         self._hashes.pop(request.request_id, None)
+        self._num_released.pop(request.request_id, None)
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Free the blocks past ``num_tokens`` (slots of rejected draft tokens)."""
@@ -186,16 +207,40 @@ class PagedKVCacheManager(KVCacheManager):
         request.num_cached_tokens = 0
 
     def on_computed(self, request: Request) -> None:
-        """Register the request's newly completed full blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
+        """Register the request's newly completed full blocks in the prefix cache, then free
+        the blocks that fell out of the sliding window."""
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request)
+        if self.sliding_window is not None:
+            self._release_out_of_window(request)
+
+    def _register_full_blocks(self, request: Request) -> None:
+        """Offer every full, computed block of the request to the prefix cache."""
         table = self.block_tables.get(request.request_id, [])
         hashes = self._block_hashes(request, request.num_computed_tokens)
         tokens = request.all_token_ids
         bs = self.block_size
-        for i, h in enumerate(hashes[: len(table)]):
+        start = self._num_released.get(request.request_id, 0)  # freed blocks were registered
+        for i in range(start, min(len(hashes), len(table))):
             if not self.pool.is_cached(table[i]):
-                self.pool.register(table[i], h, tuple(tokens[i * bs : (i + 1) * bs]))
+                self.pool.register(table[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Free the blocks no later token can see: the next query sits at position
+        num_computed_tokens or later and sees back to num_computed_tokens - W + 1. One more
+        position is kept, so a sequence forked to recompute the last token (a parallel
+        sample) still finds its whole window."""
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return
+        first_seen = max(0, request.num_computed_tokens - self.sliding_window)
+        dead = min(len(table), first_seen // self.block_size)
+        start = self._num_released.get(request.request_id, 0)
+        if dead <= start:
+            return
+        self.pool.release(table[start:dead][::-1])  # later blocks first, as in free()
+        table[start:dead] = [NULL_BLOCK] * (dead - start)
+        self._num_released[request.request_id] = dead
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block; False while requests hold blocks."""
@@ -209,26 +254,28 @@ class PagedKVCacheManager(KVCacheManager):
     def swap_out(self, requests: list[Request]) -> list[tuple[int, int]] | None:
         """All-or-nothing: move the requests' blocks to CPU, each shared block once."""
         tables = [self.block_tables.get(r.request_id, []) for r in requests]
-        unique = list(dict.fromkeys(b for t in tables for b in t))
+        unique = list(dict.fromkeys(b for t in tables for b in live_blocks(t)))
         if self.cpu_pool is None or len(unique) > self.cpu_pool.num_free:
             return None
         cpu_of = dict(zip(unique, self.cpu_pool.allocate(len(unique))))
+        cpu_of[NULL_BLOCK] = NULL_BLOCK  # a freed block stays freed
         for r, table in zip(requests, tables):
             cpu_table = [cpu_of[b] for b in table]
             self.cpu_block_tables[r.request_id] = cpu_table
             self.block_tables.pop(r.request_id, None)
-            self.pool.release(table[::-1])
+            self.pool.release(live_blocks(table)[::-1])
+        del cpu_of[NULL_BLOCK]
         # the CPU copy is owned by as many requests as owned the device block
         for table in tables:
-            self.cpu_pool.share([cpu_of[b] for b in table])
+            self.cpu_pool.share([cpu_of[b] for b in live_blocks(table)])
         self.cpu_pool.release(list(cpu_of.values()))
         self._log("swap_out", list(cpu_of.items()))
         return list(cpu_of.items())
 
     def can_swap_in(self, requests: list[Request], num_new_tokens: int) -> bool:
         """True when the swapped blocks and the next tokens' blocks fit on the device."""
-        tables = [self.cpu_block_tables.get(r.request_id, ()) for r in requests]
-        holders = Counter(b for table in tables for b in table)
+        tables = [self.cpu_block_tables.get(r.request_id, []) for r in requests]
+        holders = Counter(b for table in tables for b in live_blocks(table))
         need = len(holders)  # each shared block comes back once
         writers: Counter[int] = Counter()
         for r, table in zip(requests, tables):
@@ -245,13 +292,13 @@ class PagedKVCacheManager(KVCacheManager):
         """Move the requests' swapped blocks back to the device, each shared block once."""
         assert self.cpu_pool is not None
         tables = [self.cpu_block_tables.pop(r.request_id) for r in requests]
-        unique = list(dict.fromkeys(b for t in tables for b in t))
+        unique = list(dict.fromkeys(b for t in tables for b in live_blocks(t)))
         dev_of = dict(zip(unique, self.pool.allocate(len(unique))))
         for r, cpu_table in zip(requests, tables):
-            table = [dev_of[b] for b in cpu_table]
+            table = [dev_of.get(b, NULL_BLOCK) for b in cpu_table]
             self.block_tables[r.request_id] = table
-            self.pool.share(table)
-            self.cpu_pool.release(cpu_table)
+            self.pool.share(live_blocks(table))
+            self.cpu_pool.release(live_blocks(cpu_table))
         self.pool.release(list(dev_of.values()))
         self._log("swap_in", list(dev_of.items()))
         return list(dev_of.items())
@@ -266,9 +313,10 @@ class PagedKVCacheManager(KVCacheManager):
         if not self._sharing:  # every block has one owner: no need to deduplicate
             allocated = token_states = 0
             for req in requests:
-                slots = len(self.block_tables.get(req.request_id, ())) * bs
+                released = self._num_released.get(req.request_id, 0)  # out of the window
+                slots = (len(self.block_tables.get(req.request_id, ())) - released) * bs
                 allocated += slots
-                token_states += min(req.num_tokens, slots)
+                token_states += min(req.num_tokens - released * bs, slots)
             return MemoryBreakdown(
                 token_states, 0, allocated - token_states, self.num_slots - allocated
             )
@@ -276,6 +324,8 @@ class PagedKVCacheManager(KVCacheManager):
         for req in requests:
             table = self.block_tables.get(req.request_id, ())
             for i, b in enumerate(table):
+                if b == NULL_BLOCK:
+                    continue
                 used = min(bs, max(0, req.num_tokens - i * bs))
                 filled[b] = max(filled.get(b, 0), used)
         allocated = len(filled) * bs

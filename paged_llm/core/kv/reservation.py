@@ -17,9 +17,16 @@ class ReservationKVCacheManager(KVCacheManager):
     contiguous_blocks = True
 
     def __init__(
-        self, num_blocks: int, block_size: int, max_model_len: int, num_cpu_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        num_cpu_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
-        # num_cpu_blocks is accepted for a uniform constructor; reservations never swap.
+        # num_cpu_blocks and sliding_window are accepted for a uniform constructor:
+        # reservations never swap, and a reserved run is held whole until the request ends
+        # (the baselines' behaviour), whatever the model's window.
         super().__init__(num_blocks, block_size, max_model_len)
         # The largest run is one max_model_len request (the paper's buddy allocator: 2048 tokens).
         self.buddy = BuddyAllocator(num_blocks, ceil_log2(self.blocks_for(max_model_len)))
