@@ -350,3 +350,17 @@ def test_parallel_samples_and_beams_share_blocks_past_the_window(tiny_mistral):
     for prompt, out in zip(prompts, beams):
         assert out.sequences[0].tokens[len(prompt) :] == hf_beam(model, prompt, 3, 12)[0]
     assert llm.llm_engine.kv_usage() == 0
+
+
+def test_sliding_window_benchmark_writes_json(tmp_path):
+    from experiments import sliding_window_bench
+
+    doc = sliding_window_bench.main(
+        ["--requests", "3", "--prompt-len", "12", "--output-len", "20", "--window", "8",
+         "--num-blocks", "12", "--block-size", "4", "--repeats", "1", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert doc["mode"] == "real" and doc["identical_tokens"]
+    free, keep = doc["systems"]["free_behind_window"], doc["systems"]["keep_all_blocks"]
+    assert free["max_blocks_per_decoding_seq"] <= -(-(8 + 1) // 4) + 1
+    assert keep["max_blocks_per_decoding_seq"] == -(-(12 + 20 - 1) // 4)  # every block kept
+    assert (tmp_path / "sliding_window_bench.json").is_file()
