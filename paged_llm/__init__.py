@@ -25,6 +25,7 @@ _EXPORTS = {
     "PoolingParams": "paged_llm.pooling_params",
     "PoolingRequestOutput": "paged_llm.outputs",
     "EmbeddingRequestOutput": "paged_llm.outputs",
+    "ClassificationRequestOutput": "paged_llm.outputs",
     "ScoringRequestOutput": "paged_llm.outputs",
     "CompletionOutput": "paged_llm.outputs",
     "Logprob": "paged_llm.outputs",
@@ -49,6 +50,7 @@ __all__ = [  # the names of _EXPORTS, spelled out so linters and IDEs see them
     "PoolingParams",
     "PoolingRequestOutput",
     "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
     "ScoringRequestOutput",
     "CompletionOutput",
     "Logprob",
@@ -70,6 +72,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from paged_llm.engine.llm_engine import LLMEngine
     from paged_llm.llm import LLM
     from paged_llm.outputs import (
+        ClassificationRequestOutput,
         CompletionOutput,
         EmbeddingRequestOutput,
         Logprob,

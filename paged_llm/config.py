@@ -10,7 +10,8 @@ from typing import Any
 from paged_llm.utils.checks import is_int
 
 # vLLM's older ``task=`` names -> the runner each means
-_RUNNER_OF_TASK = {"generate": "generate", "embed": "pooling", "encode": "pooling"}
+_RUNNER_OF_TASK = {"generate": "generate", "embed": "pooling", "encode": "pooling",
+                   "classify": "pooling", "score": "pooling", "reward": "pooling"}  # fmt: skip
 
 
 @dataclass
@@ -41,7 +42,8 @@ class ModelConfig:
     generation_config: str = "auto"
     override_generation_config: Any = None  # e.g. {"temperature": 0.5}
     # vLLM's. "generate" (tokens) or "pooling" (embeddings: LLM.embed / LLM.encode, the
-    # server's /v1/embeddings); vLLM's older task="embed" means runner="pooling". pooler_config:
+    # server's /v1/embeddings; sequence classifiers: LLM.classify / LLM.score); vLLM's older
+    # task="embed" / "classify" / "score" / "reward" mean runner="pooling". pooler_config:
     # {"pooling_type": LAST | MEAN | CLS | ALL, "normalize": bool}, else the checkpoint's
     # sentence-transformers files, else LAST, normalised; see paged_llm/pooling/
     runner: str = "generate"
@@ -51,7 +53,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check_optional_count("max_model_len", self.max_model_len)
         if self.task is not None and self.task not in _RUNNER_OF_TASK:
-            raise ValueError(f"unknown task '{self.task}'; choose one of generate, embed, encode")
+            raise ValueError(f"unknown task '{self.task}'; choose one of {list(_RUNNER_OF_TASK)}")
         if self.runner not in ("generate", "pooling"):
             raise ValueError(f"unknown runner '{self.runner}'; choose generate or pooling")
         if self.task is not None:  # runner's default is generate: only pooling can disagree

@@ -14,13 +14,14 @@ from paged_llm.engine.chat import render_chat
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.lora.request import LoRARequest
 from paged_llm.outputs import (
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from paged_llm.pooling.scoring import score_pairs
+from paged_llm.pooling.scoring import cross_encoder_input, score_pairs
 from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -179,10 +180,33 @@ class LLM:
         """One embedding per prompt (``outputs.embedding``, a list of floats) from a pooling
         model; its pooling must give one vector per prompt (not ALL)."""
         if self.llm_engine.pooler is not None:
+            if self.llm_engine.pooler.head is not None:
+                raise ValueError("this is a sequence-classification model: use LLM.classify")
             self.llm_engine.pooler.require_one_vector("embed")
         outputs = self.encode(prompts, pooling_params, use_tqdm, lora_request,
                               truncate_prompt_tokens)  # fmt: skip
         return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def classify(
+        self,
+        prompts: Any,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities of each prompt (``outputs.probs``) from a sequence-classification
+        model (a ``*ForSequenceClassification`` checkpoint run with ``runner="pooling"``)."""
+        pooler = self.llm_engine.pooler
+        if pooler is None or pooler.head is None:
+            raise ValueError(
+                "LLM.classify needs a sequence-classification model (a *ForSequenceClassification "
+                "checkpoint, runner='pooling'); this one "
+                + ("embeds: use LLM.embed" if pooler is not None else "generates")
+            )
+        outputs = self.encode(prompts, pooling_params, use_tqdm, lora_request,
+                              truncate_prompt_tokens)  # fmt: skip
+        return [ClassificationRequestOutput.from_base(o) for o in outputs]
 
     def score(
         self,
@@ -192,12 +216,17 @@ class LLM:
         lora_request: LoRARequest | None = None,
         truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's ``LLM.score`` for embedding models: the cosine similarity of each pair's
-        embeddings. One text against many (``data_1`` a single prompt), or pairwise (two lists
-        of the same length)."""
+        """vLLM's ``LLM.score``: for embedding models the cosine similarity of each pair's
+        embeddings; for a cross-encoder (a classifier with one label) the sigmoid of its logit
+        on the pair tokenized together. One text against many (``data_1`` a single prompt), or
+        pairwise (two lists of the same length)."""
         distinct, pairs = score_pairs(as_prompt_list(data_1), as_prompt_list(data_2))
-        if self.llm_engine.pooler is not None:
-            self.llm_engine.pooler.require_one_vector("score")
+        pooler = self.llm_engine.pooler
+        if pooler is not None and pooler.head is not None:
+            return self._cross_encode(distinct, pairs, use_tqdm, lora_request,
+                                      truncate_prompt_tokens)  # fmt: skip
+        if pooler is not None:
+            pooler.require_one_vector("score")
         params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
         outs = self.encode(distinct, params, use_tqdm, lora_request)  # each input once
         scored = []
@@ -207,6 +236,32 @@ class LLM:
             ids = ea.prompt_token_ids + eb.prompt_token_ids
             scored.append(ScoringRequestOutput(f"score-{i}", ScoringOutput(value), ids))
         return scored
+
+    def _cross_encode(
+        self,
+        distinct: list[Any],
+        pairs: list[tuple[int, int]],
+        use_tqdm: bool,
+        lora_request: LoRARequest | None,
+        truncate_prompt_tokens: int | None,
+    ) -> list[ScoringRequestOutput]:
+        """Score each pair as one input of a one-label classifier (a cross-encoder)."""
+        labels = self.llm_engine.pooler.head.num_labels
+        if labels != 1:
+            raise ValueError(
+                f"LLM.score with a classifier needs a cross-encoder (one label); this model has "
+                f"{labels}: use LLM.classify"
+            )
+        tokenizer = self.llm_engine.tokenizer
+        joined = [cross_encoder_input(distinct[a], distinct[b], tokenizer) for a, b in pairs]
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        outs = self.encode(joined, params, use_tqdm, lora_request)
+        return [
+            ScoringRequestOutput(
+                f"score-{i}", ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids
+            )  # fmt: skip
+            for i, o in enumerate(outs)
+        ]
 
     def _run(
         self,

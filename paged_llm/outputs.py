@@ -143,8 +143,35 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
 
 
 @dataclass
+class ClassificationOutput:
+    """One prompt's class probabilities (vLLM's ``ClassificationOutput``; the raw logits when
+    the request turned the activation off)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        """Number of labels."""
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """The result of one ``LLM.classify`` request (vLLM's names)."""
+
+    outputs: ClassificationOutput  # type: ignore[assignment]
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        """The classification view of a classifier's pooling output (one score per label)."""
+        fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
+        return cls(**{**fields, "outputs": ClassificationOutput(output.outputs.data.tolist())})
+
+
+@dataclass
 class ScoringOutput:
-    """One pair's score (vLLM's ``ScoringOutput``): the cosine similarity of its embeddings."""
+    """One pair's score (vLLM's ``ScoringOutput``): the cosine similarity of its embeddings,
+    or a cross-encoder's relevance probability."""
 
     score: float
 

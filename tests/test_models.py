@@ -440,16 +440,14 @@ def test_untied_checkpoint_without_lm_head_falls_back_to_tying(tmp_path, caplog)
 
 
 def test_registry():
+    bases = ["Llama", "Mistral", "Qwen2", "Qwen3", "Mixtral", "Qwen2Moe", "Qwen3Moe", "OPT"]
     assert set(supported_architectures()) == {
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "MixtralForCausalLM",
-        "Qwen2MoeForCausalLM",
-        "Qwen3MoeForCausalLM",
-        "OPTForCausalLM",
+        f"{b}For{head}" for b in bases for head in ("CausalLM", "SequenceClassification")
     }
+    for arch in supported_architectures():  # every name resolves to a class of that name
+        config = transformers.LlamaConfig()
+        config.architectures = [arch]
+        assert get_model_class(config).__name__ == arch
     config = _config("qwen2")
     config.architectures = ["SomethingElse", "Qwen2ForCausalLM"]
     assert get_model_class(config).__name__ == "Qwen2ForCausalLM"

@@ -221,7 +221,7 @@ def test_what_is_refused(qwen3):
     with pytest.raises(ValueError, match="unknown runner"):
         LLM(path, runner="embed", **SMALL)
     with pytest.raises(ValueError, match="unknown task"):
-        LLM(path, task="classify", **SMALL)
+        LLM(path, task="transcribe", **SMALL)
     with pytest.raises(ValueError, match=r"prompt 1: .*truncate_prompt_tokens"):
         pooling.embed([[5], [6]], [PoolingParams(), PoolingParams(truncate_prompt_tokens=0)])
     assert not pooling.llm_engine.has_unfinished_requests()  # nothing was queued

@@ -29,6 +29,7 @@ from paged_llm.engine.structured_output import StructuredOutputCompiler
 from paged_llm.layers.attention import PagedAttention
 from paged_llm.lora.manager import LoRAManager
 from paged_llm.lora.request import LoRARequest
+from paged_llm.models.classification import is_classifier
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
 from paged_llm.outputs import (
     CompletionOutput,
@@ -38,6 +39,7 @@ from paged_llm.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from paged_llm.pooling.classifier import classifier_head
 from paged_llm.pooling.config import resolve_pooler_config
 from paged_llm.pooling.pooler import Pooler
 from paged_llm.pooling_params import PoolingParams
@@ -243,12 +245,19 @@ class LLMEngine:
         )  # fmt: skip
 
     def _build_pooler(self, model_dir: Any) -> Pooler | None:
-        """The pooler of a pooling model (runner="pooling"), its settings resolved."""
+        """The pooler of a pooling model (runner="pooling"), its settings resolved; with the
+        score head of a sequence classifier."""
         if self.config.model.runner != "pooling":
+            if is_classifier(self.model):
+                raise ValueError(
+                    f"{type(self.model).__name__} is a sequence-classification model: run it "
+                    "with runner='pooling' (LLM.classify, or LLM.score for a cross-encoder)"
+                )
             return None
         if self.config.speculative_config:
             raise ValueError("speculative decoding does not apply to a pooling model")
-        return Pooler(resolve_pooler_config(self.config.model.pooler_config, model_dir))
+        config = resolve_pooler_config(self.config.model.pooler_config, model_dir)
+        return Pooler(config, classifier_head(self.model, self.hf_config))
 
     def _releasable_window(self) -> int | None:
         """The sliding window W after which a sequence's blocks can be freed: set when every
@@ -401,6 +410,8 @@ class LLMEngine:
                 f"{type(params).__name__}; use LLM.embed / LLM.encode"
             )
         params.validate()
+        if self.pooler.head is not None and params.dimensions is not None:
+            raise ValueError("dimensions applies to embeddings, not to a classifier's labels")
         self._check_dimensions(params)
         self._check_priority(priority)
         lora_id = self._check_lora(lora_request)

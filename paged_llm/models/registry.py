@@ -19,6 +19,15 @@ MODEL_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "paged_llm.models.moe.Qwen3MoeForCausalLM",
     "OPTForCausalLM": "paged_llm.models.opt.OPTForCausalLM",
 }
+# Sequence classifiers (pooling models: runner="pooling", LLM.classify / LLM.score).
+MODEL_ARCHITECTURES.update(
+    {
+        f"{name}ForSequenceClassification": (
+            f"paged_llm.models.classification.{name}ForSequenceClassification"
+        )
+        for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Mixtral", "Qwen2Moe", "Qwen3Moe", "OPT")
+    }
+)
 
 
 def supported_architectures() -> list[str]:

@@ -1,6 +1,6 @@
 """The runner's side of pooling: fold each pooling request's prompt chunks (their final hidden
-states) with the configured method, and post-process finished requests (Matryoshka truncation,
-L2 normalisation)."""
+states) with the configured method, and post-process finished requests (Matryoshka truncation
+and L2 normalisation for embeddings; the score head and activation for a classifier)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from paged_llm.pooling.classifier import ClassifierHead
 from paged_llm.pooling.config import PoolerConfig
 from paged_llm.pooling.methods import POOLING_METHODS, PoolingMethod
 
@@ -16,10 +17,13 @@ from paged_llm.pooling.methods import POOLING_METHODS, PoolingMethod
 class Pooler:
     """Per-request pooling state, keyed by request id, across a request's prompt chunks."""
 
-    def __init__(self, config: PoolerConfig) -> None:
+    def __init__(self, config: PoolerConfig, head: ClassifierHead | None = None) -> None:
         self.config = config
         self.method: PoolingMethod = POOLING_METHODS[config.pooling_type]()
+        self.head = head  # a classifier's score head + activation; None for embedding models
         self._states: dict[str, Any] = {}
+        if head is not None:
+            self.require_one_vector("a sequence classifier")
 
     def update(
         self,
@@ -52,7 +56,10 @@ class Pooler:
             )
 
     def _finish(self, pooled: torch.Tensor, params: Any) -> torch.Tensor:
-        """Truncate to ``dimensions``, then normalise if asked (per row for per-token output)."""
+        """A classifier's probabilities (or logits); else truncate to ``dimensions``, then
+        normalise if asked (per row for per-token output)."""
+        if self.head is not None:
+            return self.head(pooled, activation=params.activation is not False).cpu()
         out = pooled.float()
         if params.dimensions is not None:
             out = out[..., : params.dimensions]

@@ -28,3 +28,32 @@ def score_pairs(firsts: list[Any], seconds: list[Any]) -> tuple[list[Any], list[
         return index[key]
 
     return distinct, [(slot(a), slot(b)) for a, b in zip(firsts, seconds)]
+
+
+def cross_encoder_input(first: Any, second: Any, tokenizer: Any) -> dict[str, list[int]]:
+    """One cross-encoder input from a pair: two texts are tokenized together as a text pair
+    (``tokenizer(text, text_pair)``, the model's own pair template); token ids, or a text
+    with token ids, are joined first then second."""
+    texts = [_text_of(p) for p in (first, second)]
+    if texts[0] is not None and texts[1] is not None:
+        if tokenizer is None:
+            raise ValueError("scoring texts needs a tokenizer; pass token ids instead")
+        return {"prompt_token_ids": list(tokenizer(text=texts[0], text_pair=texts[1])["input_ids"])}
+    ids = []
+    for prompt, text in zip((first, second), texts):
+        if text is not None:
+            if tokenizer is None:
+                raise ValueError("scoring texts needs a tokenizer; pass token ids instead")
+            ids += tokenizer(text=text)["input_ids"]
+        else:
+            ids += list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+    return {"prompt_token_ids": ids}
+
+
+def _text_of(prompt: Any) -> str | None:
+    """The text of a prompt given as text (a string or {"prompt": ...}); None for token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and "prompt" in prompt:
+        return prompt["prompt"]
+    return None

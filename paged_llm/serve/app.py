@@ -29,13 +29,15 @@ from paged_llm.serve.errors import (
     Unauthorized,
     error_body,
 )
-from paged_llm.serve.prompts import chat_prompt, text_prompt, token_prompt
+from paged_llm.serve.prompts import chat_prompt, pair_prompt, text_prompt, token_prompt
 from paged_llm.serve.protocol import (
     ChatCompletionRequest,
+    ClassifyRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    RerankRequest,
     ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
@@ -243,7 +245,8 @@ def _tokenizer_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRoute
 
 
 def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRouter]:
-    """The /v1 routes, and vLLM's unprefixed aliases of some of them (``/score``)."""
+    """The /v1 routes, and vLLM's unprefixed aliases of some of them (``/score``,
+    ``/rerank``, ``/classify``; and ``/v2/rerank``)."""
     router = APIRouter(prefix="/v1")
     aliases = APIRouter()
     max_model_len = engine.engine.max_model_len
@@ -311,28 +314,37 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
                            lora_request=lora)]  # fmt: skip
         return await _generate(request, req, subs, Choices([params]), model, chat=True)
 
-    def _pooling_subs(prompts: list[Any], req: Any, model: str, what: str) -> list[SubRequest]:
-        """One pooling engine request per prompt; 400 unless this server pools into vectors
-        (``what``: the route, for the message)."""
+    def _pooler(what: str, classifier: bool | None = None) -> Any:
+        """This server's pooler; 400 unless it pools the way ``what`` (the route) needs:
+        ``classifier`` True a sequence classifier, False an embedding model, None either."""
         pooler = engine.engine.pooler
         if pooler is None:
             raise BadRequest("this server generates text; start it with --runner pooling to "
-                             "serve embeddings and scores")  # fmt: skip
+                             "serve embeddings, scores and classes")  # fmt: skip
+        if classifier is True and pooler.head is None:
+            raise BadRequest(f"{what} needs a sequence-classification model; this server "
+                             "embeds (/v1/embeddings, /score, /rerank)")  # fmt: skip
+        if classifier is False and pooler.head is not None:
+            raise BadRequest(f"{what} needs an embedding model; this server classifies "
+                             "(/classify, and /score, /rerank with a cross-encoder)")  # fmt: skip
         try:
             pooler.require_one_vector(what)
         except ValueError as err:
             raise BadRequest(str(err)) from None
+        return pooler
+
+    def _pooling_subs(prompts: list[Any], req: Any, model: str) -> list[SubRequest]:
+        """One pooling engine request per prompt (text, token ids or a prompt renderer)."""
         params = pooling_params(req)
         lora = settings.lora_modules.get(model)
-        return [
-            SubRequest(
-                text_prompt(p, req.add_special_tokens) if isinstance(p, str) else token_prompt(p),
-                params,
-                priority=req.priority,
-                lora_request=lora,
-            )  # fmt: skip
-            for p in prompts
-        ]
+
+        def render(p: Any) -> Any:
+            if isinstance(p, str):
+                return text_prompt(p, req.add_special_tokens)
+            return p if callable(p) else token_prompt(p)
+
+        return [SubRequest(render(p), params, priority=req.priority, lora_request=lora)
+                for p in prompts]  # fmt: skip
 
     async def _pool(request: Request, subs: list[SubRequest], prefix: str) -> tuple[str, Any]:
         """Run the pooling requests; (request id, outputs in order), or None outputs if the
@@ -348,7 +360,8 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
     async def embeddings(request: Request) -> Response:
         req = parse_request(await request.body(), EmbeddingRequest)
         model = model_name(req.model)
-        subs = _pooling_subs(completion_prompts(req.input), req, model, "/v1/embeddings")
+        _pooler("/v1/embeddings", classifier=False)
+        subs = _pooling_subs(completion_prompts(req.input), req, model)
         request_id, outputs = await _pool(request, subs, "embd")
         if outputs is None:
             return Response(status_code=499)  # nobody is listening any more
@@ -358,27 +371,91 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
                              "model": model, "data": data, "usage": _usage(outputs)})  # fmt: skip
 
-    async def score(request: Request) -> Response:
-        req = parse_request(await request.body(), ScoreRequest)
+    async def _scores(
+        request: Request, req: Any, firsts: list[Any], seconds: list[Any], what: str
+    ) -> tuple[str, list[float], list[Any]] | None:
+        """(request id, one score per pair, the outputs that count as usage), or None if the
+        client went away. An embedding model scores the cosine of the two embeddings (each
+        distinct input embedded once); a cross-encoder scores each pair as one input."""
         model = model_name(req.model)
+        pooler = _pooler(what)
         try:
-            distinct, pairs = score_pairs(completion_prompts(req.text_1),
-                                          completion_prompts(req.text_2))  # fmt: skip
+            distinct, pairs = score_pairs(firsts, seconds)
         except ValueError as err:
             raise BadRequest(str(err)) from None
-        subs = _pooling_subs(distinct, req, model, "score")  # each input embedded once
-        request_id, outputs = await _pool(request, subs, "score")
+        if pooler.head is not None:
+            labels = pooler.head.num_labels
+            if labels != 1:
+                raise BadRequest(f"{what} with a classifier needs a cross-encoder (one label); "
+                                 f"this model has {labels}: use /classify")  # fmt: skip
+            joined = [pair_prompt(distinct[a], distinct[b]) for a, b in pairs]
+            request_id, outputs = await _pool(request, _pooling_subs(joined, req, model), "score")
+            if outputs is None:
+                return None
+            return request_id, [float(out.outputs.data[0]) for out in outputs], outputs
+        request_id, outputs = await _pool(request, _pooling_subs(distinct, req, model), "score")
         if outputs is None:
+            return None
+        scores = [float(outputs[a].outputs.data @ outputs[b].outputs.data) for a, b in pairs]
+        return request_id, scores, [outputs[j] for pair in pairs for j in pair]  # unit vectors
+
+    async def score(request: Request) -> Response:
+        req = parse_request(await request.body(), ScoreRequest)
+        result = await _scores(request, req, completion_prompts(req.text_1),
+                               completion_prompts(req.text_2), "/score")  # fmt: skip
+        if result is None:
             return Response(status_code=499)
-        data = [{"object": "score", "index": i,
-                 "score": float(outputs[a].outputs.data @ outputs[b].outputs.data)}
-                for i, (a, b) in enumerate(pairs)]  # fmt: skip  # unit vectors: the cosine
-        paired = [outputs[j] for pair in pairs for j in pair]  # usage: every input of every pair
+        request_id, scores, counted = result
+        data = [{"object": "score", "index": i, "score": value} for i, value in enumerate(scores)]
         return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
-                             "model": model, "data": data, "usage": _usage(paired)})  # fmt: skip
+                             "model": model_name(req.model), "data": data,
+                             "usage": _usage(counted)})  # fmt: skip
 
     router.add_api_route("/score", score, methods=["POST"])
     aliases.add_api_route("/score", score, methods=["POST"])
+
+    async def rerank(request: Request) -> Response:
+        req = parse_request(await request.body(), RerankRequest)
+        if not req.documents:
+            raise BadRequest("documents must not be empty", param="documents")
+        if req.top_n is not None and req.top_n < 0:
+            raise BadRequest(f"top_n must be >= 0, got {req.top_n}", param="top_n")
+        result = await _scores(request, req, [req.query], list(req.documents), "/rerank")
+        if result is None:
+            return Response(status_code=499)
+        request_id, scores, counted = result
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or None]
+        results = [{"index": i, "relevance_score": scores[i],
+                    "document": {"text": d if isinstance(d := req.documents[i], str) else None}}
+                   for i in order]  # fmt: skip
+        tokens = _usage(counted)["total_tokens"]
+        return JSONResponse({"id": request_id, "model": model_name(req.model),
+                             "usage": {"total_tokens": tokens}, "results": results})  # fmt: skip
+
+    router.add_api_route("/rerank", rerank, methods=["POST"])
+    aliases.add_api_route("/rerank", rerank, methods=["POST"])
+    aliases.add_api_route("/v2/rerank", rerank, methods=["POST"])
+
+    async def classify(request: Request) -> Response:
+        req = parse_request(await request.body(), ClassifyRequest)
+        model = model_name(req.model)
+        _pooler("/classify", classifier=True)
+        subs = _pooling_subs(completion_prompts(req.input), req, model)
+        request_id, outputs = await _pool(request, subs, "classify")
+        if outputs is None:
+            return Response(status_code=499)
+        labels = getattr(engine.engine.hf_config, "id2label", None) or {}
+        data = []
+        for i, out in enumerate(outputs):
+            probs = out.outputs.data.tolist()
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append({"index": i, "label": labels.get(best, str(best)), "probs": probs,
+                         "num_classes": len(probs)})  # fmt: skip
+        return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
+                             "model": model, "data": data, "usage": _usage(outputs)})  # fmt: skip
+
+    router.add_api_route("/classify", classify, methods=["POST"])
+    aliases.add_api_route("/classify", classify, methods=["POST"])
 
     async def _generate(
         request: Request,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from paged_llm.engine.chat import MissingChatTemplate, render_chat
+from paged_llm.pooling.scoring import cross_encoder_input
 from paged_llm.serve.errors import BadRequest
 
 # (tokenizer or None) -> {"prompt_token_ids": [...], "prompt": text or None}
@@ -43,6 +44,19 @@ def token_prompt(token_ids: list[int], decode: bool = False) -> PromptRenderer:
             except Exception:  # ids outside the vocabulary: the engine names the problem
                 text = None
         return {"prompt_token_ids": list(token_ids), "prompt": text}
+
+    return render
+
+
+def pair_prompt(first: str | list[int], second: str | list[int]) -> PromptRenderer:
+    """A cross-encoder's input: two texts tokenized together as a pair, or token ids joined
+    (``pooling.scoring.cross_encoder_input``)."""
+
+    def render(tokenizer: Any) -> dict[str, Any]:
+        try:
+            return cross_encoder_input(first, second, tokenizer)
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
 
     return render
 

@@ -178,10 +178,42 @@ class ScoreRequest(BaseModel):
     priority: int = 0
 
 
-def pooling_params(req: EmbeddingRequest | ScoreRequest) -> PoolingParams:
+class RerankRequest(BaseModel):
+    """``POST /rerank``, ``/v1/rerank`` and ``/v2/rerank`` (vLLM's, Jina / Cohere style):
+    ``documents`` ranked by their score against ``query``; ``top_n`` 0 or None keeps all."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    query: str | list[int]
+    documents: list[str] | list[list[int]]
+    top_n: int | None = None
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+
+
+class ClassifyRequest(BaseModel):
+    """``POST /classify`` and ``/v1/classify`` (vLLM's): class probabilities of each input
+    from a sequence-classification model (``activation=false``: the raw logits)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None
+    activation: bool | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+
+
+def pooling_params(
+    req: EmbeddingRequest | ScoreRequest | RerankRequest | ClassifyRequest,
+) -> PoolingParams:
     """The request's PoolingParams; out-of-range fields are a BadRequest naming them."""
-    if isinstance(req, ScoreRequest):  # a cosine: unit vectors, all features
+    if isinstance(req, (ScoreRequest, RerankRequest)):  # a cosine: unit vectors, all features
         params = PoolingParams(normalize=True, truncate_prompt_tokens=req.truncate_prompt_tokens)
+    elif isinstance(req, ClassifyRequest):
+        params = PoolingParams(truncate_prompt_tokens=req.truncate_prompt_tokens,
+                               activation=req.activation)  # fmt: skip
     else:
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
                                truncate_prompt_tokens=req.truncate_prompt_tokens)  # fmt: skip
