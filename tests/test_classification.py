@@ -195,3 +195,14 @@ def test_server_classify_score_and_rerank(cross_encoder, tmp_path):
             assert d["label"] == config.id2label[int(probs.argmax())]
         r = httpx.post(srv.url + "/rerank", json={"query": [5], "documents": [[6]]}, timeout=60)
         assert r.status_code == 400 and "cross-encoder" in r.json()["error"]["message"]
+
+
+def test_tensor_parallel_classifier_matches_transformers(tmp_path):
+    """Two ranks: the decoder is split, the score head replicated; rank 0 classifies."""
+    config = configs()["llama-3-labels"]
+    hf = save_classifier(config, tmp_path)
+    with LLM(str(tmp_path), runner="pooling", tensor_parallel_size=2, **SMALL) as llm:
+        outs = llm.classify([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        expected = hf_logits(hf, prompt).softmax(-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), expected, atol=1e-5, rtol=0)
