@@ -356,15 +356,24 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
             group.close()
         return group.request_id, (None if outputs is False else outputs)
 
+    async def _pool_inputs(
+        request: Request, req: Any, what: str, classifier: bool, prefix: str
+    ) -> tuple[str, list[Any]] | None:
+        """Pool each of the request's ``input`` prompts on a server of the right kind (see
+        ``_pooler``); (request id, outputs in order), or None if the client went away."""
+        _pooler(what, classifier)
+        subs = _pooling_subs(completion_prompts(req.input), req, model_name(req.model))
+        request_id, outputs = await _pool(request, subs, prefix)
+        return None if outputs is None else (request_id, outputs)
+
     @router.post("/embeddings")
     async def embeddings(request: Request) -> Response:
         req = parse_request(await request.body(), EmbeddingRequest)
         model = model_name(req.model)
-        _pooler("/v1/embeddings", classifier=False)
-        subs = _pooling_subs(completion_prompts(req.input), req, model)
-        request_id, outputs = await _pool(request, subs, "embd")
-        if outputs is None:
+        pooled = await _pool_inputs(request, req, "/v1/embeddings", False, "embd")
+        if pooled is None:
             return Response(status_code=499)  # nobody is listening any more
+        request_id, outputs = pooled
         data = [{"object": "embedding", "index": i,
                  "embedding": _embedding_json(out.outputs.data, req.encoding_format)}
                 for i, out in enumerate(outputs)]  # fmt: skip
@@ -439,11 +448,10 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
     async def classify(request: Request) -> Response:
         req = parse_request(await request.body(), ClassifyRequest)
         model = model_name(req.model)
-        _pooler("/classify", classifier=True)
-        subs = _pooling_subs(completion_prompts(req.input), req, model)
-        request_id, outputs = await _pool(request, subs, "classify")
-        if outputs is None:
+        pooled = await _pool_inputs(request, req, "/classify", True, "classify")
+        if pooled is None:
             return Response(status_code=499)
+        request_id, outputs = pooled
         labels = getattr(engine.engine.hf_config, "id2label", None) or {}
         data = []
         for i, out in enumerate(outputs):
