@@ -266,7 +266,9 @@ def test_engine_greedy_matches_transformers(tiny_mistral, options):
     llm = LLM(str(path), max_model_len=128, cpu_kv_cache_gib=0.01, **options)
     assert generate_ids(llm, PROMPTS, NEW_TOKENS) == reference
     if options.get("enable_prefix_caching"):  # a second pass reads the cached prompt blocks
+        # (only those of each prompt's last window are taken: earlier hits are skipped)
         assert generate_ids(llm, PROMPTS, NEW_TOKENS) == reference
+        assert llm.llm_engine.scheduler.kv.prefix_hits >= 8
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -282,6 +284,23 @@ def test_engine_runs_past_the_window_under_preemption(tiny_mistral, mode):
     expected = [hf_greedy(tf_model(path), p, 24) for p in prompts]
     assert generate_ids(llm, prompts, 24) == expected
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_requests_longer_than_the_pool_run_with_chunked_prefill(tiny_mistral, mode):
+    """An 8-block pool (32 slots) and requests of up to 51 tokens: with chunked prefill
+    (8 tokens a step) each holds at most its window plus one chunk, so all of them run and
+    give transformers' tokens; without chunking a prompt's whole prefill must fit, which the
+    engine refuses up front."""
+    path, reference = tiny_mistral
+    common = dict(block_size=4, num_gpu_blocks_override=8, max_model_len=64)
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(str(path), **common)
+    llm = LLM(str(path), enable_chunked_prefill=True, max_num_batched_tokens=8,
+              preemption_mode=mode, swap_space=0.01, **common)  # fmt: skip
+    assert max(map(len, PROMPTS)) + NEW_TOKENS > llm.llm_engine.scheduler.kv.num_slots
+    assert generate_ids(llm, PROMPTS, NEW_TOKENS) == reference
+    assert llm.llm_engine.kv_usage() == 0
 
 
 def tf_model(path):
@@ -364,3 +383,27 @@ def test_sliding_window_benchmark_writes_json(tmp_path):
     assert free["max_blocks_per_decoding_seq"] <= -(-(8 + 1) // 4) + 1
     assert keep["max_blocks_per_decoding_seq"] == -(-(12 + 20 - 1) // 4)  # every block kept
     assert (tmp_path / "sliding_window_bench.json").is_file()
+
+
+def test_prefix_cache_hits_before_the_window_are_skipped():
+    """A cached 40-token prompt (10 blocks of 4) with an 8-token window: a repeat computes
+    from token 36 (its last token must run) and takes only the hits its first query can see;
+    the earlier ones stay cached and untaken, their table entries NULL."""
+    from paged_llm.core.kv.paged import NULL_BLOCK, PagedKVCacheManager
+    from paged_llm.core.request import Request
+
+    kv = PagedKVCacheManager(16, 4, 64, enable_prefix_caching=True, sliding_window=8)
+    prompt = list(range(3, 43))
+    first = Request("a", prompt, SamplingParams(max_tokens=1), max_model_len=64)
+    assert kv.allocate_slots(first, 40)
+    first.num_computed_tokens = 40
+    kv.on_computed(first)  # registers its 10 full blocks, frees those behind the window
+    kv.free(first)
+    again = Request("b", prompt, SamplingParams(max_tokens=1), max_model_len=64)
+    kv.prepare_admission(again)
+    table = kv.get_block_table(again)
+    assert again.num_computed_tokens == 36  # 9 full blocks hit; the 10th holds the last token
+    assert table[:7] == [NULL_BLOCK] * 7 and NULL_BLOCK not in table[7:]  # (36 - 8) // 4 = 7
+    assert sum(kv.pool.ref_counts) == 2  # only the two hits inside the window were taken
+    kv.cancel_admission(again)
+    assert sum(kv.pool.ref_counts) == 0 and again.num_computed_tokens == 0

@@ -121,12 +121,17 @@ class Scheduler:
                 f"max_num_batched_tokens ({limits.max_num_batched_tokens}) is smaller than "
                 f"max_model_len ({kv.max_model_len}); enable chunked prefill or raise it"
             )
-        if kv.num_slots < kv.max_model_len:
+        # Chunked prefill bounds what one request computes per step (a decode: 1 + lookahead),
+        # which lets a sliding-window policy hold less than a request's whole length.
+        step = max(limits.max_num_batched_tokens, 1 + limits.num_lookahead_slots)
+        kv.bound_step_tokens(step if limits.enable_chunked_prefill else None)
+        if kv.blocks_at_most(kv.max_model_len) > kv.num_blocks:
             raise ValueError(
                 f"the KV pool holds {kv.num_slots} tokens, fewer than max_model_len "
-                f"({kv.max_model_len}); enlarge the cache or lower max_model_len"
+                f"({kv.max_model_len}) needs; enlarge the cache or lower max_model_len"
             )
-        if kv.max_request_slots < kv.max_model_len:  # a reservation is one buddy run
+        # A reservation is one buddy run, which may be smaller than the pool.
+        if kv.max_request_slots < kv.blocks_at_most(kv.max_model_len) * kv.block_size:
             raise ValueError(
                 f"policy '{kv.name}' reserves one power-of-two run of blocks per request, and "
                 f"the largest run of this {kv.num_blocks}-block pool holds "

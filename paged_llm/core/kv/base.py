@@ -88,12 +88,22 @@ class KVCacheManager(ABC):
     def fits_ever(self, request: Request) -> bool:
         """False when the request could not run even in an empty pool."""
 
+    def bound_step_tokens(self, max_step_tokens: int | None) -> None:
+        """The scheduler's promise: no request computes more than ``max_step_tokens`` tokens in
+        one step (chunked prefill), or None (a prefill computes its whole prompt). Only a
+        policy that frees blocks while a request runs (a sliding window) can use it."""
+
+    def blocks_at_most(self, num_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once: all of them,
+        unless the policy frees some while it runs."""
+        return self.blocks_for(num_tokens)
+
     def group_blocks_needed(self, requests: list[Request]) -> int:
         """Blocks that sequences preempted together (a request's samples or beams) may need at
         once: each at its longest length, with no credit for sharing, because after a
         preemption by recomputation each recomputes its own blocks. A group needing more than
         the pool would be preempted and resumed (or left waiting) forever."""
-        return sum(self.blocks_for(r.max_total_tokens) for r in requests)
+        return sum(self.blocks_at_most(r.max_total_tokens) for r in requests)
 
     def group_fits_ever(self, requests: list[Request]) -> bool:
         """The group could run together in the empty pool."""

@@ -48,6 +48,7 @@ class PagedKVCacheManager(KVCacheManager):
         # Every token sees only its last sliding_window positions, so earlier blocks can go.
         self.sliding_window = sliding_window
         self._num_released: dict[str, int] = {}  # request -> leading NULL_BLOCK entries
+        self.max_step_tokens: int | None = None  # see bound_step_tokens
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.cpu_block_tables: dict[str, list[int]] = {}
@@ -68,7 +69,21 @@ class PagedKVCacheManager(KVCacheManager):
     def fits_ever(self, request: Request) -> bool:
         """The request at its longest must fit in the whole pool (alone, it would otherwise
         preempt itself forever)."""
-        return self.blocks_for(request.max_total_tokens) <= self.num_blocks
+        return self.blocks_at_most(request.max_total_tokens) <= self.num_blocks
+
+    def bound_step_tokens(self, max_step_tokens: int | None) -> None:
+        """Remember the most tokens a request computes in one step (None: unbounded)."""
+        self.max_step_tokens = max_step_tokens
+
+    def blocks_at_most(self, num_tokens: int) -> int:
+        """All of a request's blocks, or with a sliding window and a bound C on the tokens a
+        step computes: the blocks of its last W positions plus one step's C, at most
+        ceil((W + C) / block_size) + 2 (one partial block at each end). So with chunked
+        prefill a windowed model's requests may be longer than the whole pool."""
+        full = self.blocks_for(num_tokens)
+        if self.sliding_window is None or self.max_step_tokens is None:
+            return full
+        return min(full, self.blocks_for(self.sliding_window + self.max_step_tokens) + 2)
 
     def group_blocks_needed(self, requests: list[Request]) -> int:
         """The base rule plus the admission watermark, which a group re-admitted after a
@@ -190,20 +205,28 @@ class PagedKVCacheManager(KVCacheManager):
             hits.append(b)
         self.prefix_queries += len(hashes)
         self.prefix_hits += len(hits)
-        for b in hits:
+        # With a sliding window the first query (at the end of the hits) reads only the last
+        # W positions: hits before them are skipped, not taken (their entries stay NULL).
+        skipped = 0
+        if self.sliding_window is not None:
+            skipped = max(0, len(hits) * bs - self.sliding_window) // bs
+        for b in hits[skipped:]:
             self.pool.take_cached(b)
         self._sharing = self._sharing or bool(hits)
         request.num_cached_tokens = len(hits) * bs
         if hits:
-            self.block_tables[request.request_id] = hits
+            self.block_tables[request.request_id] = [NULL_BLOCK] * skipped + hits[skipped:]
+            if skipped:
+                self._num_released[request.request_id] = skipped
             request.num_computed_tokens = len(hits) * bs
 
     def cancel_admission(self, request: Request) -> None:
         """Undo prepare_admission for a request that did not get in after all."""
         table = self.block_tables.pop(request.request_id, None)
         if table:
-            self.pool.release(table)
+            self.pool.release(live_blocks(table))
             request.num_computed_tokens = 0
+        self._num_released.pop(request.request_id, None)
         request.num_cached_tokens = 0
 
     def on_computed(self, request: Request) -> None:
