@@ -588,15 +588,20 @@ def check_moe(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict
         ref = fused_experts_reference(x, gate_up, down, weights, ids)
         out = fused_experts_triton(x, gate_up, down, weights, ids)
         results.append(_compare(f"fused_moe_tokens_{tokens}", out, ref, dtype))
-    # int8 experts (quantization="int8"): int8 tiles, per-channel scales after the K loop
-    from paged_llm.quant.layers import int8_per_channel
+    # int8 / fp8 experts (quantization="int8" / "fp8"): quantized tiles, per-channel scales
+    # after the K loop; fp8 tiles need an FP8-capable GPU (compute capability >= 8.9)
+    from paged_llm.quant.layers import fp8_matmul_supported, fp8_per_channel, int8_per_channel
 
-    (q_gate_up, s_gate_up), (q_down, s_down) = int8_per_channel(gate_up), int8_per_channel(down)
+    methods = {"int8": int8_per_channel}
+    if fp8_matmul_supported(device):
+        methods["fp8"] = fp8_per_channel
     x = torch.randn(7, hidden, device=device).to(dtype)
     weights, ids = select_experts(torch.randn(7, experts, device=device), 2, True)
-    args = (x, q_gate_up, q_down, weights, ids, s_gate_up, s_down)
-    out, ref = fused_experts_triton(*args), fused_experts_reference(*args)
-    results.append(_compare("fused_moe_int8_tokens_7", out, ref, dtype))
+    for name, per_channel in methods.items():
+        (q_gate_up, s_gate_up), (q_down, s_down) = per_channel(gate_up), per_channel(down)
+        args = (x, q_gate_up, q_down, weights, ids, s_gate_up, s_down)
+        out, ref = fused_experts_triton(*args), fused_experts_reference(*args)
+        results.append(_compare(f"fused_moe_{name}_tokens_7", out, ref, dtype))
     return results
 
 

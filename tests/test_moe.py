@@ -158,25 +158,27 @@ def test_checkpoint_missing_an_expert_is_refused(mixtral, tmp_path):
         LLM(str(tmp_path), cpu_kv_cache_gib=0.01)
 
 
-@pytest.mark.parametrize("method", ["int4_rtn", "int4_gptq", "fp8"])
+@pytest.mark.parametrize("method", ["int4_rtn", "int4_gptq", "int4_awq"])
 def test_weight_quantization_without_expert_support_is_refused(mixtral, method):
     with pytest.raises(ValueError, match="does not support mixture-of-experts"):
         LLM(mixtral[0], quantization=method, cpu_kv_cache_gib=0.01)
 
 
-def test_int8_experts_equal_transformers_on_the_dequantized_weights(mixtral):
-    """quantization="int8" on a Mixtral: attention and expert weights become int8 (routers stay
-    float), and greedy tokens equal transformers' Mixtral holding the dequantized weights."""
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_experts_equal_transformers_on_the_dequantized_weights(mixtral, method):
+    """quantization="int8" / "fp8" on a Mixtral: attention and expert weights become int8 /
+    fp8 e4m3 (routers stay float), and greedy tokens equal transformers' Mixtral holding the
+    dequantized weights."""
     from paged_llm.quant.evaluation import linear_weight_bytes
-    from paged_llm.quant.layers import Int8Linear
+    from paged_llm.quant.layers import QuantLinear
 
     path, _ = mixtral
-    llm = LLM(path, quantization="int8", block_size=4, cpu_kv_cache_gib=0.01)
+    llm = LLM(path, quantization=method, block_size=4, cpu_kv_cache_gib=0.01)
     model = llm.llm_engine.model
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         for name, module in model.named_modules():
-            if isinstance(module, Int8Linear):
+            if isinstance(module, QuantLinear):
                 hf.get_submodule(name).weight.copy_(module.dequantize())
             elif isinstance(module, FusedExperts):
                 theirs = hf.get_submodule(name)
@@ -184,11 +186,12 @@ def test_int8_experts_equal_transformers_on_the_dequantized_weights(mixtral):
                     q, scale = getattr(module, f"{proj}_proj"), getattr(module, f"{proj}_scale")
                     getattr(theirs, f"{proj}_proj").copy_(q.float() * scale[..., None])
     experts = model.model.layers[0].mlp.experts
-    assert experts.gate_up_proj.dtype == torch.int8 and experts.down_scale.shape == (8, 64)
+    stored = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[method]
+    assert experts.gate_up_proj.dtype == stored and experts.down_scale.shape == (8, 64)
     assert model.model.layers[0].mlp.gate.weight.dtype == torch.float32  # the router stays
     assert generate_ids(llm, PROMPTS, 10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
     sizes = linear_weight_bytes(model)
-    assert sizes["weight_bytes"] < 0.55 * sizes["fp16_weight_bytes"]  # int8 + scales vs fp16
+    assert sizes["weight_bytes"] < 0.55 * sizes["fp16_weight_bytes"]  # 1 byte + scales vs fp16
 
 
 def test_unsupported_expert_activation_is_refused(tmp_path):

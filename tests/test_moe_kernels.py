@@ -218,14 +218,17 @@ def test_align_empty_and_block_m_choice():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 37])
-def test_int8_experts_match_the_dequantized_reference(dtype, tokens):
-    """int8 expert weights with per-channel scales (quantization="int8"): the kernel equals the
-    reference, and the reference equals float weights holding the dequantized values."""
-    from paged_llm.quant.layers import int8_per_channel
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_experts_match_the_dequantized_reference(method, dtype, tokens):
+    """int8 / fp8 e4m3 expert weights with per-channel scales (quantization="int8" / "fp8"):
+    the kernel equals the reference, and the reference equals float weights holding the
+    dequantized values."""
+    from paged_llm.quant.layers import fp8_per_channel, int8_per_channel
 
+    per_channel = {"int8": int8_per_channel, "fp8": fp8_per_channel}[method]
     x, gate_up, down, weights, ids = _case(tokens, 2, 4, dtype, seed=7)
-    q_gate_up, s_gate_up = int8_per_channel(gate_up)
-    q_down, s_down = int8_per_channel(down)
+    q_gate_up, s_gate_up = per_channel(gate_up)
+    q_down, s_down = per_channel(down)
     scaled = dict(gate_up_scale=s_gate_up, down_scale=s_down)
     ref = fused_experts_reference(x, q_gate_up, q_down, weights, ids, **scaled)
     out = fused_experts_triton(x, q_gate_up, q_down, weights, ids, **scaled)
@@ -234,5 +237,5 @@ def test_int8_experts_match_the_dequantized_reference(dtype, tokens):
     deq_down = (q_down.float() * s_down[..., None]).to(dtype)
     plain = fused_experts_reference(x, deq_gate_up, deq_down, weights, ids)
     torch.testing.assert_close(ref, plain, **TOL[dtype])
-    with pytest.raises(ValueError, match="must be int8 with scales"):
+    with pytest.raises(ValueError, match="must be int8 or float8_e4m3fn with scales"):
         fused_experts_triton(x, gate_up, q_down, weights, ids, **scaled)

@@ -6,9 +6,9 @@ reads one tensor per projection: ``experts.gate_up_proj`` [E, 2I, H] (each exper
 then its up rows) and ``experts.down_proj`` [E, H, I]. Checkpoints store one tensor per expert
 and projection; :func:`stack_expert_weights` stacks them while the checkpoint streams in.
 
-With ``quantization="int8"`` the two stacked tensors hold int8 values and ``*_scale`` one float32
-scale per expert and output channel (``quant/experts.py``); routers stay in float (a rounded
-router picks other experts).
+With ``quantization="int8"`` (or ``"fp8"``) the two stacked tensors hold int8 (fp8 e4m3) values
+and ``*_scale`` one float32 scale per expert and output channel (``quant/experts.py``); routers
+stay in float (a rounded router picks other experts).
 
 Under tensor parallelism every rank holds every expert, with a 1/N slice of each expert's
 intermediate features (gate/up rows column-parallel, down columns row-parallel, as a dense
@@ -42,7 +42,7 @@ class FusedExperts(nn.Module):
         self.full_intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
-        # [E, 2I] and [E, H] once int8-quantized; buffers, so they move with the module
+        # [E, 2I] and [E, H] once int8 / fp8-quantized; buffers, so they move with the module
         self.register_buffer("gate_up_scale", None, persistent=False)
         self.register_buffer("down_scale", None, persistent=False)
 

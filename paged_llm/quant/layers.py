@@ -19,6 +19,14 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
 
+def fp8_per_channel(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float -> (float8_e4m3fn [..., N, K], float32 scales [..., N]): each output
+    row scaled so its absmax maps to the largest e4m3 value (448), then cast."""
+    w = weights.detach().float()
+    scale = (w.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale[..., None]).to(FP8_DTYPE), scale
+
+
 def int8_per_channel(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., N, K] float -> (int8 [..., N, K], float32 scales [..., N]): symmetric round to
     nearest with one absmax scale per output row (of a linear layer, or of each expert)."""
@@ -221,9 +229,7 @@ class Fp8Linear(QuantLinear):
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Fp8Linear:
         """Scale each row so its absmax maps to the largest e4m3 value, then cast."""
-        w = linear.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-        return cls(w / scale[:, None], scale, linear.bias)
+        return cls(*fp8_per_channel(linear.weight), linear.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Weight-only kernel (decode) or scaled FP8 matmul on capable GPUs, dequantize + matmul

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from paged_llm.quant.base import PerLayerMethod
-from paged_llm.quant.experts import quantize_experts_int8
+from paged_llm.quant.experts import quantize_experts_fp8, quantize_experts_int8
 from paged_llm.quant.int4 import rtn_quantize
 from paged_llm.quant.layers import (
     Fp8Linear,
@@ -55,6 +55,7 @@ class Fp8Weights(PerLayerMethod):
     """FP8 e4m3 weights, one scale per output channel (emulated on the CPU)."""
 
     name = "fp8"
+    supports_experts = True
 
     def check_device(self, device: torch.device) -> None:
         """CUDA needs FP8 tensor cores; the CPU runs the emulated (dequantizing) path."""
@@ -70,3 +71,7 @@ class Fp8Weights(PerLayerMethod):
     def quantize_linear(self, linear: nn.Linear) -> nn.Module:
         """Per-row scaled cast to float8_e4m3fn."""
         return Fp8Linear.from_float(linear)
+
+    def quantize_experts(self, experts: nn.Module) -> None:
+        """The same per output channel of every expert (quant/experts.py)."""
+        quantize_experts_fp8(experts)

@@ -13,8 +13,8 @@ def fused_experts(
     down: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k] int
-    gate_up_scale: torch.Tensor | None = None,  # [E, 2I]: gate_up is int8, w = q * scale
-    down_scale: torch.Tensor | None = None,  # [E, H]: down is int8
+    gate_up_scale: torch.Tensor | None = None,  # [E, 2I]: gate_up is int8 / fp8, w = q * scale
+    down_scale: torch.Tensor | None = None,  # [E, H]: down is int8 / fp8
 ) -> torch.Tensor:  # [T, H]
     """Each token's weighted sum of its experts' SwiGLU MLPs (Triton on CUDA, torch on the CPU);
     int8 expert weights carry one scale per output channel."""

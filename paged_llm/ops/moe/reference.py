@@ -25,12 +25,13 @@ def select_experts(
 
 
 def expert_weight(
-    weights: torch.Tensor,  # [E, N, K] float, or int8 with scales
+    weights: torch.Tensor,  # [E, N, K] float, or int8 / fp8 e4m3 with scales
     scales: torch.Tensor | None,  # [E, N] per output channel, or None for float weights
     expert: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [N, K] in dtype
-    """One expert's weight in the activations' dtype (int8 weights dequantized: w * scale)."""
+    """One expert's weight in the activations' dtype (quantized weights dequantized:
+    w * scale)."""
     if scales is None:
         return weights[expert]
     return dequantize_int8(weights[expert], scales[expert], dtype)

@@ -13,8 +13,10 @@ the pairs are sorted by expert and each expert's run is padded to a multiple of 
 3. GEMM2, the same kernel: ``y[p] = topk_weights[p] * (down[e] @ a[p])``, [T*k, H] float32;
 4. ``y.view(T, k, H).sum(1)`` in float32, rounded to x's dtype once.
 
-Int8 expert weights (``quantization="int8"``) are loaded as int8, converted to the activations'
-dtype for the dot (exact: |q| <= 127) and scaled per output channel after the K loop.
+Int8 or fp8 e4m3 expert weights (``quantization="int8"`` / ``"fp8"``) are loaded as such,
+converted to the activations' dtype for the dot (exact: |q| <= 127, and an e4m3 value has 3
+mantissa bits and an exponent that fp16 / bf16 / fp32 all hold) and scaled per output channel
+after the K loop.
 
 Both GEMMs accumulate in float32 with ``tl.dot`` (which needs tiles of at least 16 rows, so
 ``BLOCK_M >= 16``). Padding rows hold the sentinel pair id T*k: they load zeros and store
@@ -34,6 +36,7 @@ import triton.language as tl
 from paged_llm.ops.elementwise import silu_mul
 from paged_llm.ops.tuning import KernelConfig, kernel_config
 
+SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # expert weights that come with scales
 MIN_BLOCK_M = 16  # tl.dot's smallest tile
 MAX_BLOCK_M = 64  # rows per program at prefill; more pairs per expert take several blocks
 
@@ -89,7 +92,7 @@ def _fused_moe_kernel(
     b_ptr,  # [E, N, K] any strides: gate_up [E, 2I, H] or down [E, H, I]
     c_ptr,  # [T*k, N] any strides, one row per pair
     weights_ptr,  # [T*k] routing weight of each pair (read when MUL_ROUTED_WEIGHT)
-    scale_ptr,  # [E, N] per-channel scale of int8 B (read when B_SCALED)
+    scale_ptr,  # [E, N] per-channel scale of int8 / fp8 B (read when B_SCALED)
     sorted_ids_ptr,  # [L] int32 pair ids by expert, sentinel num_pairs in the padding
     block_expert_ptr,  # [L / BLOCK_M] int32 expert of each block
     num_padded_ptr,  # [1] int32 used length of sorted_ids
@@ -107,7 +110,7 @@ def _fused_moe_kernel(
     stride_sn,
     A_ROW_DIV: tl.constexpr,  # A row of pair p: p // A_ROW_DIV (top_k for x, 1 for activations)
     MUL_ROUTED_WEIGHT: tl.constexpr,
-    B_SCALED: tl.constexpr,  # B is int8: converted to A's dtype for the dot, scaled per column
+    B_SCALED: tl.constexpr,  # B is int8 / fp8: converted to A's dtype, scaled per column
     BLOCK_M: tl.constexpr,  # >= 16, the padding unit of moe_align_block_size
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -135,7 +138,7 @@ def _fused_moe_kernel(
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
-        if B_SCALED:  # int8 values are exact in fp16/bf16/fp32; the scale comes after the sum
+        if B_SCALED:  # int8 / e4m3 values are exact in fp16/bf16/fp32; the scale comes after
             b = b.to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
@@ -164,7 +167,7 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
 
 def _grouped_gemm(
     a: torch.Tensor,  # [rows, K]
-    b: torch.Tensor,  # [E, N, K] float, or int8 with scale
+    b: torch.Tensor,  # [E, N, K] float, or int8 / fp8 with scale
     scale: torch.Tensor | None,  # [E, N] or None
     out: torch.Tensor,  # [T*k, N]
     weights: torch.Tensor | None,  # [T*k] or None
@@ -225,10 +228,10 @@ def check_moe_args(
                                  ("down", down, down_scale, hidden)):  # fmt: skip
         if scale is None and w.dtype != x.dtype:
             raise ValueError(f"fused_experts: {name} ({w.dtype}) must have x's dtype {x.dtype}")
-        if scale is not None and (w.dtype != torch.int8 or scale.shape != (experts, rows)):
+        if scale is not None and (w.dtype not in SCALED_DTYPES or scale.shape != (experts, rows)):
             raise ValueError(
-                f"fused_experts: a scaled {name} must be int8 with scales [{experts}, {rows}], "
-                f"got {w.dtype} and {tuple(scale.shape)}"
+                f"fused_experts: a scaled {name} must be int8 or float8_e4m3fn with scales "
+                f"[{experts}, {rows}], got {w.dtype} and {tuple(scale.shape)}"
             )
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"fused_experts: topk_ids must be int32/int64, got {topk_ids.dtype}")
@@ -246,8 +249,8 @@ def fused_experts_triton(
     down: torch.Tensor,  # [E, H, I], any strides
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k] int32/int64 in [0, E) (not checked: a device sync)
-    gate_up_scale: torch.Tensor | None = None,  # [E, 2I] with an int8 gate_up
-    down_scale: torch.Tensor | None = None,  # [E, H] with an int8 down
+    gate_up_scale: torch.Tensor | None = None,  # [E, 2I] with an int8 / fp8 gate_up
+    down_scale: torch.Tensor | None = None,  # [E, H] with an int8 / fp8 down
     *,
     block_m: int | None = None,  # tile / launch overrides for sweeps and tests (powers of two)
     block_n: int | None = None,
