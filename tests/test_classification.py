@@ -206,3 +206,33 @@ def test_tensor_parallel_classifier_matches_transformers(tmp_path):
     for prompt, out in zip(PROMPTS, outs):
         expected = hf_logits(hf, prompt).softmax(-1)
         torch.testing.assert_close(torch.tensor(out.outputs.probs), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["Mistral", "Qwen2", "OPT"])
+def test_bare_decoder_checkpoints_embed_like_transformers(kind, tmp_path):
+    """HF ``*Model`` checkpoints (the decoder alone, tensors without ``model.``, as e5-mistral
+    and gte-Qwen2 ship): their last-token embeddings equal transformers' last_hidden_state;
+    they cannot generate."""
+    import torch.nn.functional as F
+
+    t = transformers
+    config = {
+        "Mistral": lambda: t.MistralConfig(**LLAMA_LIKE, vocab_size=256),
+        "Qwen2": lambda: t.Qwen2Config(**LLAMA_LIKE, vocab_size=256),
+        "OPT": lambda: t.OPTConfig(**{k: v for k, v in COMMON.items() if k != "initializer_range"},
+                                   vocab_size=256, ffn_dim=96, num_hidden_layers=2),
+    }[kind]()  # fmt: skip
+    torch.manual_seed(0)
+    hf = t.AutoModel.from_config(config).eval()
+    assert type(hf).__name__ == f"{kind}Model"
+    hf.save_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), runner="pooling", **SMALL)
+    outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            last = hf(torch.tensor([prompt])).last_hidden_state[0, -1].float()
+        torch.testing.assert_close(
+            torch.tensor(out.outputs.embedding), F.normalize(last, dim=-1), atol=1e-5, rtol=0
+        )
+    with pytest.raises(ValueError, match="no LM head"):
+        LLM(str(tmp_path), **SMALL)

@@ -29,7 +29,7 @@ from paged_llm.engine.structured_output import StructuredOutputCompiler
 from paged_llm.layers.attention import PagedAttention
 from paged_llm.lora.manager import LoRAManager
 from paged_llm.lora.request import LoRARequest
-from paged_llm.models.classification import is_classifier
+from paged_llm.models.classification import is_classifier, pools_only
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len, resolve_dtype
 from paged_llm.outputs import (
     CompletionOutput,
@@ -248,10 +248,11 @@ class LLMEngine:
         """The pooler of a pooling model (runner="pooling"), its settings resolved; with the
         score head of a sequence classifier."""
         if self.config.model.runner != "pooling":
-            if is_classifier(self.model):
+            if pools_only(self.model):
+                use = "LLM.classify, or LLM.score for a cross-encoder"
                 raise ValueError(
-                    f"{type(self.model).__name__} is a sequence-classification model: run it "
-                    "with runner='pooling' (LLM.classify, or LLM.score for a cross-encoder)"
+                    f"{type(self.model).__name__} has no LM head and cannot generate: run it "
+                    f"with runner='pooling' ({use if is_classifier(self.model) else 'LLM.embed'})"
                 )
             return None
         if self.config.speculative_config:

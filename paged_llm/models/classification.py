@@ -1,12 +1,16 @@
-"""Sequence classification models: Hugging Face's ``*ForSequenceClassification`` checkpoints
-(classifiers, reward models, cross-encoder rerankers) run as pooling models.
+"""Models that only pool (``runner="pooling"``), built from the causal LMs' decoders:
 
-Each is the decoder of the matching causal LM with a bias-free ``score`` head
-[num_labels, H] in place of the LM head, applied to the pooled hidden state of the prompt's
-last token, as transformers does (``LlamaForSequenceClassification`` scores every position and
-keeps the last non-padding one; a flat, unpadded batch has no padding to skip). The pooler
-(``pooling/pooler.py``) calls :meth:`SequenceClassifier.classify` on each pooled vector and
-applies the activation.
+* Hugging Face's ``*ForSequenceClassification`` checkpoints (classifiers, reward models,
+  cross-encoder rerankers): the decoder with a bias-free ``score`` head [num_labels, H] in place
+  of the LM head, applied to the pooled hidden state of the prompt's last token, as transformers
+  does (``LlamaForSequenceClassification`` scores every position and keeps the last
+  non-padding one; a flat, unpadded batch has no padding to skip). The pooler
+  (``pooling/pooler.py``) calls :meth:`SequenceClassifier.classify` on each pooled vector and
+  applies the activation.
+* Bare ``*Model`` checkpoints (``MistralModel``, ``Qwen2Model``, ...: the decoder alone, as many
+  embedding models ship, e.g. e5-mistral or gte-Qwen2): no head at all; their tensor names lack
+  the ``model.`` prefix, which :meth:`BareDecoder.checkpoint_tensors` adds. (Named
+  ``<Arch>EmbeddingModel`` here: ``llama.LlamaModel`` is the decoder body every Llama holds.)
 """
 
 from __future__ import annotations
@@ -29,41 +33,66 @@ from paged_llm.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3M
 from paged_llm.models.opt import OPTForCausalLM
 
 
-class SequenceClassifier:
-    """Mixin placed before a causal LM class: same decoder, ``score`` head instead of the LM
-    head. The score head is replicated under tensor parallelism (it is tiny)."""
+class PoolingOnly:
+    """Mixin placed before a causal LM class: the same decoder without the LM head (the model
+    pools, it never samples)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)  # type: ignore[call-arg]  # the causal LM's decoder and head
-        in_features = self.lm_head.weight.shape[1]  # H', the width of the final hidden states
-        del self.lm_head  # pooled, never sampled: no vocabulary projection
+        self.pooled_width = self.lm_head.weight.shape[1]  # H', the final hidden states' width
+        del self.lm_head  # no vocabulary projection
         self.tie_word_embeddings = False
-        self.num_labels = int(config.num_labels)
-        self.score = nn.Linear(in_features, self.num_labels, bias=False)
 
     def tie_weights(self) -> None:
         """Nothing to tie: there is no LM head."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A classifier has no vocabulary logits."""
+        """A pooling-only model has no vocabulary logits."""
         raise RuntimeError(
-            f"{type(self).__name__} is a classification model: it pools and classifies "
-            "(runner='pooling', LLM.classify), it does not generate"
+            f"{type(self).__name__} has no LM head: it pools (runner='pooling'), it does not "
+            "generate"
         )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters; raise on any mismatch or missing one."""
+        renamed = shard_checkpoint(self, self.checkpoint_tensors(weights))  # type: ignore
+        load_named_weights(self, renamed)  # type: ignore[arg-type]
+
+
+class SequenceClassifier(PoolingOnly):
+    """A decoder with a ``score`` head instead of the LM head. The score head is replicated
+    under tensor parallelism (it is tiny)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.num_labels = int(config.num_labels)
+        self.score = nn.Linear(self.pooled_width, self.num_labels, bias=False)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:  # [N, H'] -> [N, num_labels]
         """The score head's logits of pooled hidden states, in float32."""
         return self.score(pooled.to(self.score.weight.dtype)).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors (``model.*`` and ``score.weight``); raise on any mismatch."""
-        renamed = shard_checkpoint(self, self.checkpoint_tensors(weights))  # type: ignore
-        load_named_weights(self, renamed)  # type: ignore[arg-type]
+
+class BareDecoder(PoolingOnly):
+    """A decoder saved without its causal LM wrapper (HF ``*Model``): tensor names without the
+    ``model.`` prefix; embeddings only."""
+
+    def checkpoint_tensors(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str | None, torch.Tensor]]:
+        """The causal LM's renaming, after putting each name under ``model.``."""
+        prefixed = ((n if n.startswith("model.") else "model." + n, t) for n, t in weights)
+        return super().checkpoint_tensors(prefixed)  # type: ignore[misc]
 
 
 def is_classifier(model: nn.Module) -> bool:
     """Whether ``model`` is a sequence classifier (it pools and classifies, never samples)."""
     return isinstance(model, SequenceClassifier)
+
+
+def pools_only(model: nn.Module) -> bool:
+    """Whether ``model`` has no LM head (a classifier or a bare decoder): it cannot generate."""
+    return isinstance(model, PoolingOnly)
 
 
 class LlamaForSequenceClassification(SequenceClassifier, LlamaForCausalLM):
@@ -96,3 +125,23 @@ class Qwen3MoeForSequenceClassification(SequenceClassifier, Qwen3MoeForCausalLM)
 
 class OPTForSequenceClassification(SequenceClassifier, OPTForCausalLM):
     """OPT decoder + score head (on the projected-out width where OPT-350m projects)."""
+
+
+class LlamaEmbeddingModel(BareDecoder, LlamaForCausalLM):
+    """A bare LLaMA decoder."""
+
+
+class MistralEmbeddingModel(BareDecoder, MistralForCausalLM):
+    """A bare Mistral decoder (e5-mistral, SFR-Embedding-Mistral)."""
+
+
+class Qwen2EmbeddingModel(BareDecoder, Qwen2ForCausalLM):
+    """A bare Qwen2 decoder (gte-Qwen2)."""
+
+
+class Qwen3EmbeddingModel(BareDecoder, Qwen3ForCausalLM):
+    """A bare Qwen3 decoder."""
+
+
+class OPTEmbeddingModel(BareDecoder, OPTForCausalLM):
+    """A bare OPT decoder."""

@@ -28,6 +28,13 @@ MODEL_ARCHITECTURES.update(
         for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Mixtral", "Qwen2Moe", "Qwen3Moe", "OPT")
     }
 )
+# Bare decoders without a head (embedding checkpoints such as e5-mistral): runner="pooling".
+MODEL_ARCHITECTURES.update(
+    {
+        f"{name}Model": f"paged_llm.models.classification.{name}EmbeddingModel"
+        for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "OPT")
+    }
+)
 
 
 def supported_architectures() -> list[str]:
