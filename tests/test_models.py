@@ -83,6 +83,24 @@ def _config(name: str):
             sliding_window=6,
             max_window_layers=1,
         ),  # fmt: skip
+        "mixtral-sliding": lambda: t.MixtralConfig(
+            **LLAMA_LIKE,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=5,
+        ),
+        # Qwen2-MoE's layer_types alternate: layer 0 windowed, layer 1 full attention.
+        "qwen2-moe-sliding": lambda: t.Qwen2MoeConfig(
+            **LLAMA_LIKE,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=96,
+            use_sliding_window=True,
+            sliding_window=6,
+        ),
         "qwen2": lambda: t.Qwen2Config(
             **LLAMA_LIKE, num_key_value_heads=2, tie_word_embeddings=True
         ),
@@ -247,7 +265,9 @@ CASES = [
     "qwen2-sliding",
     "qwen3",
     "mixtral",
+    "mixtral-sliding",
     "qwen2-moe",
+    "qwen2-moe-sliding",
     "qwen3-moe",
     "opt",
     "opt-350m-like",
@@ -483,6 +503,8 @@ def test_kv_cache_shape_and_context_len():
         ("qwen2", [None, None]),  # a window is stored but use_sliding_window is off
         ("qwen2-sliding", [None, 6]),  # layer_types: full below max_window_layers
         ("mixtral", [None, None]),
+        ("mixtral-sliding", [5, 5]),
+        ("qwen2-moe-sliding", [6, None]),
     ],
 )
 def test_sliding_window_per_layer(case, windows):
