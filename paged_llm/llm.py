@@ -21,7 +21,12 @@ from paged_llm.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from paged_llm.pooling.scoring import cross_encoder_input, score_pairs
+from paged_llm.pooling.scoring import (
+    check_cross_encoder,
+    cosine_scores,
+    cross_encoder_input,
+    score_pairs,
+)
 from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -229,13 +234,12 @@ class LLM:
             pooler.require_one_vector("score")
         params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
         outs = self.encode(distinct, params, use_tqdm, lora_request)  # each input once
-        scored = []
-        for i, (a, b) in enumerate(pairs):
-            ea, eb = outs[a], outs[b]
-            value = float(ea.outputs.data @ eb.outputs.data)  # unit vectors: the cosine
-            ids = ea.prompt_token_ids + eb.prompt_token_ids
-            scored.append(ScoringRequestOutput(f"score-{i}", ScoringOutput(value), ids))
-        return scored
+        values = cosine_scores([o.outputs.data for o in outs], pairs)
+        return [
+            ScoringRequestOutput(f"score-{i}", ScoringOutput(value),
+                                 outs[a].prompt_token_ids + outs[b].prompt_token_ids)
+            for i, (value, (a, b)) in enumerate(zip(values, pairs))
+        ]  # fmt: skip
 
     def _cross_encode(
         self,
@@ -246,12 +250,7 @@ class LLM:
         truncate_prompt_tokens: int | None,
     ) -> list[ScoringRequestOutput]:
         """Score each pair as one input of a one-label classifier (a cross-encoder)."""
-        labels = self.llm_engine.pooler.head.num_labels
-        if labels != 1:
-            raise ValueError(
-                f"LLM.score with a classifier needs a cross-encoder (one label); this model has "
-                f"{labels}: use LLM.classify"
-            )
+        check_cross_encoder(self.llm_engine.pooler.head.num_labels, "LLM.score", "LLM.classify")
         tokenizer = self.llm_engine.tokenizer
         joined = [cross_encoder_input(distinct[a], distinct[b], tokenizer) for a, b in pairs]
         params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)

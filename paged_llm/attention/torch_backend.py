@@ -41,9 +41,8 @@ class TorchAttentionBackend(AttentionBackend):
         scales = (k_scale, v_scale)  # both None unless the cache is quantized
         store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping, *scales)
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        window = sliding_window
         # Decodes are the first sequences, one token each; a subclass may take them all at once.
-        first = self._decodes(query, k_cache, v_cache, meta, scale, out, k_scale, v_scale, window)
+        first = self._decodes(query, k_cache, v_cache, meta, scale, out, *scales, sliding_window)
         if first == meta.num_seqs:
             return out
         # The step's block ids are built once (one int64 tensor for all sequences, shared by
@@ -57,12 +56,12 @@ class TorchAttentionBackend(AttentionBackend):
             seq_ids = ids[block_starts[b] : block_starts[b + 1]]
             # Positions before the window of the first query are never read: skip their blocks
             # (key positions shift by the same offset as the queries', so the mask is unchanged).
-            skip = window_start(s_len, s_len - q_len, window) // k_cache.shape[1]
+            skip = window_start(s_len, s_len - q_len, sliding_window) // k_cache.shape[1]
             seq_ids, s_len = seq_ids[skip:], s_len - skip * k_cache.shape[1]
             k = gather_blocks(k_cache, seq_ids, s_len, k_scale, query.dtype)
             v = gather_blocks(v_cache, seq_ids, s_len, v_scale, query.dtype)
             out[start : start + q_len] = sdpa_one_sequence(
-                query[start : start + q_len], k, v, scale, window
+                query[start : start + q_len], k, v, scale, sliding_window
             )
             start += q_len
         return out

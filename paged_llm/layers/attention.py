@@ -10,6 +10,7 @@ from torch import nn
 
 from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata
+from paged_llm.ops.paged_attention.reference import check_window
 
 
 @dataclass
@@ -40,8 +41,7 @@ class PagedAttention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} not divisible by num_kv_heads={num_kv_heads}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        check_window(sliding_window)
         self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -1,5 +1,6 @@
-"""vLLM's score pairing (``LLM.score``, ``/v1/score``): which inputs are compared, and each
-distinct input embedded once."""
+"""vLLM's scoring (``LLM.score``, ``/v1/score``, ``/rerank``), shared by the offline API and the
+server: which inputs are compared (each distinct input embedded once), the cosine of two
+embeddings, and a cross-encoder's joint input."""
 
 from __future__ import annotations
 
@@ -28,6 +29,21 @@ def score_pairs(firsts: list[Any], seconds: list[Any]) -> tuple[list[Any], list[
         return index[key]
 
     return distinct, [(slot(a), slot(b)) for a, b in zip(firsts, seconds)]
+
+
+def cosine_scores(vectors: list[Any], pairs: list[tuple[int, int]]) -> list[float]:
+    """Each pair's cosine similarity, from the distinct inputs' unit-length embeddings."""
+    return [float(vectors[a] @ vectors[b]) for a, b in pairs]
+
+
+def check_cross_encoder(num_labels: int, what: str, instead: str) -> None:
+    """ValueError unless a classifier asked to score pairs (``what``) has one label, i.e. is a
+    cross-encoder; ``instead`` names what classifies with more labels."""
+    if num_labels != 1:
+        raise ValueError(
+            f"{what} with a classifier needs a cross-encoder (one label); this model has "
+            f"{num_labels}: use {instead}"
+        )
 
 
 def cross_encoder_input(first: Any, second: Any, tokenizer: Any) -> dict[str, list[int]]:

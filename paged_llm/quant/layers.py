@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from paged_llm.ops.quant_matmul import fp8_decode_linear, int4_linear, int8_linear
-from paged_llm.ops.quant_matmul.reference import dequantize_int4, dequantize_int8
+from paged_llm.ops.quant_matmul.reference import dequantize_int4, dequantize_per_channel
 from paged_llm.quant.packing import pack_int4
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -102,7 +102,7 @@ class Int8Linear(QuantLinear):
 
     def dequantize(self) -> torch.Tensor:
         """``w * s`` per row: [N, K] float32."""
-        return dequantize_int8(self.weight, self.weight_scale, torch.float32)
+        return dequantize_per_channel(self.weight, self.weight_scale, torch.float32)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """int8 weight and its scales."""
@@ -262,7 +262,7 @@ class Fp8Linear(QuantLinear):
 
     def dequantize(self) -> torch.Tensor:
         """``w * s`` per row: [N, K] float32."""
-        return self.weight.float() * self.weight_scale[:, None]
+        return dequantize_per_channel(self.weight, self.weight_scale, torch.float32)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """fp8 weight and its scales."""

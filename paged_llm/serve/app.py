@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_llm.metrics.run_info import hardware_info
-from paged_llm.pooling.scoring import score_pairs
+from paged_llm.pooling.scoring import check_cross_encoder, cosine_scores, score_pairs
 from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest
 from paged_llm.serve.errors import (
     APIError,
@@ -390,13 +390,11 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         pooler = _pooler(what)
         try:
             distinct, pairs = score_pairs(firsts, seconds)
+            if pooler.head is not None:
+                check_cross_encoder(pooler.head.num_labels, what, "/classify")
         except ValueError as err:
             raise BadRequest(str(err)) from None
         if pooler.head is not None:
-            labels = pooler.head.num_labels
-            if labels != 1:
-                raise BadRequest(f"{what} with a classifier needs a cross-encoder (one label); "
-                                 f"this model has {labels}: use /classify")  # fmt: skip
             joined = [pair_prompt(distinct[a], distinct[b]) for a, b in pairs]
             request_id, outputs = await _pool(request, _pooling_subs(joined, req, model), "score")
             if outputs is None:
@@ -405,8 +403,8 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         request_id, outputs = await _pool(request, _pooling_subs(distinct, req, model), "score")
         if outputs is None:
             return None
-        scores = [float(outputs[a].outputs.data @ outputs[b].outputs.data) for a, b in pairs]
-        return request_id, scores, [outputs[j] for pair in pairs for j in pair]  # unit vectors
+        scores = cosine_scores([out.outputs.data for out in outputs], pairs)
+        return request_id, scores, [outputs[j] for pair in pairs for j in pair]
 
     async def score(request: Request) -> Response:
         req = parse_request(await request.body(), ScoreRequest)

@@ -281,13 +281,11 @@ class PagedKVCacheManager(KVCacheManager):
         if self.cpu_pool is None or len(unique) > self.cpu_pool.num_free:
             return None
         cpu_of = dict(zip(unique, self.cpu_pool.allocate(len(unique))))
-        cpu_of[NULL_BLOCK] = NULL_BLOCK  # a freed block stays freed
         for r, table in zip(requests, tables):
-            cpu_table = [cpu_of[b] for b in table]
+            cpu_table = [cpu_of.get(b, NULL_BLOCK) for b in table]  # a freed block stays freed
             self.cpu_block_tables[r.request_id] = cpu_table
             self.block_tables.pop(r.request_id, None)
             self.pool.release(live_blocks(table)[::-1])
-        del cpu_of[NULL_BLOCK]
         # the CPU copy is owned by as many requests as owned the device block
         for table in tables:
             self.cpu_pool.share([cpu_of[b] for b in live_blocks(table)])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged_llm.ops.quant_matmul.reference import dequantize_int8
+from paged_llm.ops.quant_matmul.reference import dequantize_per_channel
 
 
 def select_experts(
@@ -34,7 +34,7 @@ def expert_weight(
     w * scale)."""
     if scales is None:
         return weights[expert]
-    return dequantize_int8(weights[expert], scales[expert], dtype)
+    return dequantize_per_channel(weights[expert], scales[expert], dtype)
 
 
 def fused_experts_reference(

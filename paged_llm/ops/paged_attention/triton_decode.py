@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_llm.ops.paged_attention.reference import check_window
 from paged_llm.ops.tuning import FP32_ATTENTION_BLOCK, kernel_config, num_sms
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the fast hardware instruction)
@@ -457,9 +458,3 @@ def check_paged_inputs(
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError("block_tables must be a 2-D int32 tensor")
-
-
-def check_window(sliding_window: int | None) -> None:
-    """A sliding window is None (none) or a positive number of positions."""
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")

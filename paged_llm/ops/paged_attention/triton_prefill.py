@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_llm.ops.paged_attention.reference import check_window
 from paged_llm.ops.paged_attention.triton_decode import (
     LOG2E,
     check_paged_inputs,
     check_tile,
-    check_window,
     default_tile,
     dot_in_fp32,
     dot_precision,

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 
-def dequantize_int8(
-    weight: torch.Tensor,  # [N, K] int8
+def dequantize_per_channel(
+    weight: torch.Tensor,  # [N, K] int8 or float8_e4m3fn
     scale: torch.Tensor,  # [N] per output channel
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [N, K]
-    """``weight * scale`` per output row, in ``dtype``."""
+    """``weight * scale`` per output row, in ``dtype`` (int8 and fp8 weights alike)."""
     return (weight.to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
 
 
