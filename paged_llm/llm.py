@@ -109,16 +109,18 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
-        a list of them, rendered with the tokenizer's chat template (or ``chat_template``)."""
+        a list of them, rendered with the tokenizer's chat template (or ``chat_template``);
+        ``tools`` (OpenAI function definitions) go to the template too, as in vLLM."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
                 text, ids = render_chat(
                     self.llm_engine.tokenizer, list(conversation), chat_template,
-                    add_generation_prompt, continue_final_message, chat_template_kwargs,
+                    add_generation_prompt, continue_final_message, chat_template_kwargs, tools,
                 )  # fmt: skip
             except ValueError as err:
                 raise ValueError(f"conversation {i}: {err}") from err

@@ -465,6 +465,12 @@ def test_chat_renders_the_template_and_generates_like_generate():
     assert len(llm.chat(first, sp, chat_template=template, use_tqdm=False)) == 1
     with pytest.raises(ValueError, match="conversation 0: .*chat template"):
         llm.chat(first, sp)  # the tiny tokenizer has no template of its own
+    # tools go to the template, as in vLLM's LLM.chat
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    with_tools = "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}" + template
+    out = llm.chat(first, sp, chat_template=with_tools, tools=[tool], use_tqdm=False)[0]
+    assert out.prompt.startswith("[lookup]<|user|>")
+    assert llm.chat(first, sp, chat_template=with_tools, use_tqdm=False)[0].prompt == outs[0].prompt
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -3,6 +3,7 @@ server's ``/v1/chat/completions`` share it)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -17,6 +18,7 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,  # OpenAI tool definitions, for the template
 ) -> tuple[str, list[int]]:
     """(prompt text, prompt token ids) of a conversation; ValueError naming what is missing."""
     if tokenizer is None:
@@ -29,14 +31,38 @@ def render_chat(
         )
     try:
         text = tokenizer.apply_chat_template(
-            messages,
+            template_messages(messages),
             chat_template=template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
-            **(template_kwargs or {}),
+            **({"tools": tools} if tools else {}),
+            **(template_kwargs or {}),  # a "tools" here would be a TypeError: caught below
         )
     except Exception as err:  # jinja errors: the template rejected these messages
         raise ValueError(f"the chat template failed on these messages: {err}") from None
     # the template writes any BOS itself, so the tokenizer must not add another
     return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a chat template: an assistant's earlier calls carry their arguments as
+    objects, as templates expect (OpenAI sends them as JSON text), like vLLM."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_decoded_arguments(c) for c in calls]}
+        out.append(message)
+    return out
+
+
+def _decoded_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the text
+    return {**call, "function": {**function, "arguments": arguments}}

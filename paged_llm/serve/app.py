@@ -55,6 +55,7 @@ from paged_llm.serve.render import (
     usage_chunk,
     whole_response,
 )
+from paged_llm.serve.tool_calls import ToolParser, parse_tools, tool_mode
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class ServerSettings:
     lora_modules: dict[str, Any] = field(default_factory=dict)
     # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
     allow_runtime_lora_updating: bool = False
+    # --enable-auto-tool-choice with --tool-call-parser: how "auto" finds calls (None: refused)
+    tool_parser: ToolParser | None = None
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -220,6 +223,7 @@ def _tokenizer_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRoute
             render = chat_prompt(
                 chat_messages(req.messages), settings.chat_template, req.add_generation_prompt,
                 req.continue_final_message, req.chat_template_kwargs,
+                [t.raw for t in parse_tools(req.tools)],
             )  # fmt: skip
         else:
             render = text_prompt(req.prompt, req.add_special_tokens)
@@ -300,19 +304,24 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
     async def chat_completions(request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
         model = model_name(req.model)
-        params = sampling_params(req, settings.max_logprobs, defaults)
+        tools = parse_tools(req.tools)
+        mode = tool_mode(tools, req.tool_choice, settings.tool_parser, req.parallel_tool_calls)
+        forced = mode.structured_output() if mode is not None else None
+        params = sampling_params(req, settings.max_logprobs, defaults, forced)
         render = chat_prompt(
             chat_messages(req.messages),
             settings.chat_template,
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
+            [t.raw for t in tools],  # offered even with tool_choice "none", as vLLM does
         )
         unset = max_tokens_unset(req)
         lora = settings.lora_modules.get(model)
         subs = [SubRequest(render, params, default_max_tokens=unset, priority=req.priority,
                            lora_request=lora)]  # fmt: skip
-        return await _generate(request, req, subs, Choices([params]), model, chat=True)
+        choices = Choices([params], tools=mode)
+        return await _generate(request, req, subs, choices, model, chat=True)
 
     def _pooler(what: str, classifier: bool | None = None) -> Any:
         """This server's pooler; 400 unless it pools the way ``what`` (the route) needs:

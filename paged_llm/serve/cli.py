@@ -17,6 +17,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from paged_llm.serve.tool_calls import TOOL_PARSERS, tool_parser
+
 logger = logging.getLogger("paged_llm.serve")
 
 DEFAULT_MODEL = "tiny"
@@ -43,6 +45,15 @@ def make_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--chat-template", help="chat template file (or inline Jinja text)")
     srv.add_argument("--max-logprobs", type=int, default=20)
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs a parser',
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        help="the model's tool-call format: " + ", ".join(sorted(TOOL_PARSERS)),
+    )
     srv.add_argument(
         "--max-waiting",
         type=int,
@@ -300,8 +311,9 @@ def load_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
+    with contextlib.suppress(OSError):  # a long inline template is too long for a file name
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
     if "{" in value:
         return value
     raise ValueError(f"--chat-template: no such file '{value}'")
@@ -316,6 +328,10 @@ def server_settings(args: argparse.Namespace) -> Any:
     if args.max_logprobs < 0:
         raise ValueError("--max-logprobs must be >= 0")
     model = model_name(args)
+    parser = tool_parser(args.tool_call_parser) if args.tool_call_parser else None
+    if args.enable_auto_tool_choice and parser is None:
+        known = ", ".join(sorted(TOOL_PARSERS))
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({known})")
     return ServerSettings(
         served_model_names=args.served_model_name or [model],
         model_root=model,
@@ -325,6 +341,7 @@ def server_settings(args: argparse.Namespace) -> Any:
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         lora_modules=lora_modules(args),
         allow_runtime_lora_updating=runtime_lora_updating(),
+        tool_parser=parser if args.enable_auto_tool_choice else None,
     )
 
 

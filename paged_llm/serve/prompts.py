@@ -67,13 +67,15 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> PromptRenderer:
-    """A conversation rendered with the server's or the tokenizer's chat template."""
+    """A conversation (and the tools it may call) rendered with the server's or the
+    tokenizer's chat template."""
 
     def render(tokenizer: Any) -> dict[str, Any]:
         try:
             text, ids = render_chat(tokenizer, messages, chat_template, add_generation_prompt,
-                                    continue_final_message, template_kwargs)  # fmt: skip
+                                    continue_final_message, template_kwargs, tools)  # fmt: skip
         except MissingChatTemplate as err:  # the server has its own way to supply one
             raise BadRequest(
                 f"{err}; start the server with --chat-template FILE or use /v1/completions",

@@ -96,6 +96,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -109,7 +111,9 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # docs/serving.md, "Tool calling"
+    tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
 
 
@@ -120,6 +124,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # for the chat template, as in a chat request
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -250,8 +255,6 @@ def _reject_unsupported(req: _GenerationRequest) -> None:
     checks: list[tuple[str, bool]] = []
     if isinstance(req, CompletionRequest):
         checks += [("suffix", req.suffix is not None)]
-    if isinstance(req, ChatCompletionRequest):
-        checks += [("tools", bool(req.tools))]
     checks += [("use_beam_search", req.use_beam_search)]
     for name, bad in checks:
         if bad:
@@ -265,10 +268,14 @@ def _param_of(message: str) -> str | None:
 
 
 def sampling_params(
-    req: _GenerationRequest, max_logprobs: int, defaults: Mapping[str, Any] | None = None
+    req: _GenerationRequest,
+    max_logprobs: int,
+    defaults: Mapping[str, Any] | None = None,
+    forced: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams, ``n`` included (the engine gives choice i seed + i).
-    ``defaults`` (the model's generation_config.json) fill the sampling fields it leaves unset."""
+    ``defaults`` (the model's generation_config.json) fill the sampling fields it leaves unset;
+    ``forced`` is a constraint the server adds (tool calls), exclusive of the request's own."""
     _reject_unsupported(req)
     recommended = dict(defaults or {})
     default_max_tokens = recommended.pop("max_tokens", None)  # None: up to max_model_len
@@ -322,7 +329,7 @@ def sampling_params(
             logit_bias=_logit_bias(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
-            guided_decoding=_guided_decoding(req),
+            guided_decoding=_guided_decoding(req, forced),
             **_shaping(req, recommended),
         )
     except ValueError as err:
@@ -375,9 +382,11 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     return out or None
 
 
-def _guided_decoding(req: _GenerationRequest) -> StructuredOutputsParams | None:
+def _guided_decoding(
+    req: _GenerationRequest, forced: StructuredOutputsParams | None = None
+) -> StructuredOutputsParams | None:
     """vLLM's structured_outputs (or its older guided_* fields), or OpenAI's response_format
-    (json_object / json_schema); at most one constraint in all."""
+    (json_object / json_schema), or ``forced``; at most one constraint in all."""
     fields = {
         "json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
         "grammar": req.guided_grammar,
@@ -413,6 +422,14 @@ def _guided_decoding(req: _GenerationRequest) -> StructuredOutputsParams | None:
             param="response_format",
         )
     given = {k: v for k, v in fields.items() if v is not None}
+    if forced is not None:
+        if given:
+            raise BadRequest(
+                'tool_choice "required" or a named function constrains the output already; '
+                "drop response_format / structured_outputs",
+                param="tool_choice",
+            )
+        return forced
     if not given:
         return None
     try:
@@ -466,5 +483,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": msg.role, "content": content or ""}
         if msg.name is not None:
             entry["name"] = msg.name
+        if msg.tool_calls:
+            entry["tool_calls"] = msg.tool_calls
+        if msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
         out.append(entry)
     return out

@@ -1,0 +1,390 @@
+"""Tool calling for ``/v1/chat/completions``: OpenAI's ``tools`` and ``tool_choice``, served
+the way vLLM serves them.
+
+The request's tools go to the chat template, which tells the model how to call them. What
+becomes of the model's reply depends on ``tool_choice``; each choice is one class here:
+
+- ``"none"``: the reply is text (the tools are still in the prompt, vLLM's default);
+- ``"auto"`` (the default when tools are given): the model decides, and a parser for its
+  tool-call format (``--tool-call-parser``, one of ``TOOL_PARSERS``) finds the calls in the text;
+- ``"required"``: guided decoding forces a JSON array of one or more calls of the given tools;
+- ``{"type": "function", "function": {"name": ...}}``: guided decoding forces the arguments of
+  that one function, as JSON valid for its parameters' schema.
+
+Every mode turns a reply's text, or the text so far while it streams, into ``Parsed``: the
+reply's content and its tool calls. A stream sends the difference between successive
+``Parsed`` values, so a mode's ``parse`` may only grow as text is appended: the content by
+appending to it, the calls by appending calls (only the last call's arguments may grow).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from paged_llm.sampling_params import StructuredOutputsParams
+from paged_llm.serve.errors import BadRequest
+
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function the client offers (``{"type": "function", "function": {...}}``)."""
+
+    name: str
+    parameters: dict[str, Any]  # a JSON schema; a tool without one takes an empty object
+    raw: dict[str, Any]  # as sent, for the chat template
+
+
+@dataclass(frozen=True)
+class Call:
+    """A tool call found in a reply; ``arguments`` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A reply split into its content and its tool calls."""
+
+    content: str
+    calls: tuple[Call, ...] = ()
+
+
+def new_call_id() -> str:
+    """A tool call's id, in vLLM's form."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def parse_tools(raw: list[Any] | None) -> list[Tool]:
+    """The request's ``tools``, checked; BadRequest naming the first bad entry."""
+    tools = []
+    for i, entry in enumerate(raw or []):
+        where = f"tools[{i}]"
+        function = entry.get("function") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or entry.get("type") != "function":
+            raise BadRequest(f'{where} must be {{"type": "function", "function": {{...}}}}',
+                             param="tools")  # fmt: skip
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not (function["name"])
+        ):
+            raise BadRequest(f"{where}.function needs a non-empty 'name'", param="tools")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise BadRequest(f"{where}.function.parameters must be a JSON schema object",
+                             param="tools")  # fmt: skip
+        tools.append(Tool(function["name"], parameters or EMPTY_PARAMETERS, entry))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise BadRequest(f"tool names must be unique, got {names}", param="tools")
+    return tools
+
+
+def _json_call(text: str, argument_keys: tuple[str, ...]) -> Call | None:
+    """``{"name": ..., <argument key>: {...}}`` as a Call; None if ``text`` is anything else."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = next((value[k] for k in argument_keys if k in value), {})
+    if isinstance(arguments, str):  # some models write the arguments as JSON text already
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return Call(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker`` (held back while
+    streaming: it may yet become the marker)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _json_spans(text: str, start: int) -> tuple[list[tuple[int, int]], int]:
+    """Where the complete JSON values in ``text`` from ``start`` are, separated by whitespace,
+    commas or semicolons: ([(begin, end)], where parsing stopped)."""
+    decoder = json.JSONDecoder()
+    spans, pos = [], start
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,;":
+            pos += 1
+        try:
+            _, end = decoder.raw_decode(text, pos)
+        except ValueError:  # incomplete (or not JSON): stop here
+            return spans, pos
+        spans.append((pos, end))
+        pos = end
+
+
+# ---- parsers for tool_choice "auto" -----------------------------------------------------------
+class ToolParser(ABC):
+    """Finds tool calls in a model's free text, in that model family's format."""
+
+    @abstractmethod
+    def parse(self, text: str, finished: bool) -> Parsed:
+        """The reply so far as content and calls (see the module docstring's growth rule)."""
+
+
+class HermesToolParser(ToolParser):
+    """Hermes / Qwen2.5 / Qwen3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+    one block per call. Text before the first block is content; a block that is not a valid
+    call stays in the content as text."""
+
+    start, end = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, finished: bool) -> Parsed:
+        first = text.find(self.start)
+        if first < 0:
+            keep = len(text) if finished else len(text) - _partial_suffix(text, self.start)
+            return Parsed(text[:keep])
+        content, calls, pos = [text[:first]], [], first
+        while pos >= 0:
+            body = pos + len(self.start)
+            close = text.find(self.end, body)
+            if close < 0:  # an open block: a call only once the reply ends without closing it
+                if finished:
+                    call = _json_call(text[body:].strip(), ("arguments",))
+                    content.append(text[pos:] if call is None else "")
+                    calls += [call] if call else []
+                break
+            call = _json_call(text[body:close].strip(), ("arguments",))
+            if call is None:
+                content.append(text[pos : close + len(self.end)])
+            else:
+                calls.append(call)
+            pos, after = text.find(self.start, close), close + len(self.end)
+            between = text[after : pos if pos >= 0 else len(text)]
+            if pos >= 0 or finished:  # text between blocks is final once the next one starts
+                content.append(between if between.strip() else "")
+        return Parsed("".join(content), tuple(calls))
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1 / 3.2 JSON tool calls: the reply is ``{"name": ..., "parameters": {...}}``
+    (or ``"arguments"``), optionally after ``<|python_tag|>``, several separated by ``;``. A
+    reply that starts otherwise is content; so is a JSON value in it that is not a call."""
+
+    tag = "<|python_tag|>"
+
+    def parse(self, text: str, finished: bool) -> Parsed:
+        stripped = text.lstrip()
+        if not finished and (not stripped or self.tag.startswith(stripped)):
+            return Parsed("")  # cannot tell yet whether this is a call
+        tagged = stripped.startswith(self.tag)
+        body = stripped[len(self.tag) :] if tagged else stripped
+        # plain text streams as content; after the tag, whatever it is waits for the end
+        if not body.lstrip().startswith("{"):
+            return Parsed(text if finished or not tagged else "")
+        offset = len(text) - len(body)
+        spans, stop = _json_spans(text, offset)
+        content, calls = [], []
+        for begin, end in spans:
+            call = _json_call(text[begin:end], ("parameters", "arguments"))
+            if call is None:
+                content.append(text[begin:end])
+            else:
+                calls.append(call)
+        if finished and text[stop:].strip():
+            content.append(text[stop:])
+        return Parsed("".join(content), tuple(calls))
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+}
+
+
+def tool_parser(name: str) -> ToolParser:
+    """The parser registered as ``name``; ValueError listing the known ones."""
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {sorted(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name]()
+
+
+# ---- tool_choice modes --------------------------------------------------------------------
+class ToolMode(ABC):
+    """What one ``tool_choice`` does to a reply."""
+
+    # an engine finish "stop" becomes this when the reply made calls (None: stays "stop")
+    calls_finish_reason: str | None = "tool_calls"
+
+    def structured_output(self) -> StructuredOutputsParams | None:
+        """The constraint guided decoding puts on the reply, if any."""
+        return None
+
+    @abstractmethod
+    def parse(self, text: str, finished: bool) -> Parsed:
+        """The reply so far as content and calls."""
+
+    def finish_reason(self, parsed: Parsed, engine_reason: str | None) -> str | None:
+        """The choice's finish reason once it has ``parsed``."""
+        if parsed.calls and engine_reason == "stop" and self.calls_finish_reason:
+            return self.calls_finish_reason
+        return engine_reason
+
+
+class AutoToolCalls(ToolMode):
+    """``"auto"``: the parser decides what in the text is a call."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+
+    def parse(self, text: str, finished: bool) -> Parsed:
+        return self.parser.parse(text, finished)
+
+
+class RequiredToolCalls(ToolMode):
+    """``"required"``: the reply is a JSON array ``[{"name": ..., "parameters": {...}}, ...]``
+    of calls of the offered tools (vLLM's schema), one call only without parallel calls."""
+
+    def __init__(self, tools: list[Tool], parallel: bool = True):
+        self.schema: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": {"type": "object", "anyOf": [_call_schema(t) for t in tools]},
+        }
+        if not parallel:
+            self.schema["maxItems"] = 1
+
+    def structured_output(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.schema)
+
+    def parse(self, text: str, finished: bool) -> Parsed:
+        start = text.find("[")
+        if start < 0:
+            return Parsed("")
+        spans, _ = _json_spans(text, start + 1)  # a call is final once its object closes
+        calls = (_json_call(text[begin:end], ("parameters",)) for begin, end in spans)
+        return Parsed("", tuple(c for c in calls if c is not None))
+
+
+class NamedToolCall(ToolMode):
+    """``{"type": "function", "function": {"name": ...}}``: the whole reply is the arguments
+    of that function (they stream as they are generated)."""
+
+    calls_finish_reason = None  # OpenAI and vLLM finish a forced call with "stop"
+
+    def __init__(self, tool: Tool):
+        self.tool = tool
+
+    def structured_output(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.tool.parameters)
+
+    def parse(self, text: str, finished: bool) -> Parsed:
+        return Parsed("", (Call(self.tool.name, text),))
+
+
+def _call_schema(tool: Tool) -> dict[str, Any]:
+    """One array item of the "required" schema: a call of ``tool``."""
+    return {
+        "properties": {
+            "name": {"type": "string", "enum": [tool.name]},
+            "parameters": tool.parameters,
+        },
+        "required": ["name", "parameters"],
+    }
+
+
+def tool_mode(
+    tools: list[Tool], tool_choice: Any, parser: ToolParser | None, parallel: bool = True
+) -> ToolMode | None:
+    """The mode of a request's ``tool_choice`` (None: a plain text reply); BadRequest for a
+    choice that names no offered tool, needs tools that are missing, or needs a parser."""
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none":
+        return None
+    if not tools:
+        raise BadRequest(f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
+    if tool_choice == "auto":
+        if parser is None:
+            raise BadRequest(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                'to be set; or send tool_choice "required", "none" or a named function',
+                param="tool_choice",
+            )
+        return AutoToolCalls(parser)
+    if tool_choice == "required":
+        return RequiredToolCalls(tools, parallel)
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not isinstance(function, dict) or tool_choice.get("type") != "function":
+        raise BadRequest(
+            'tool_choice must be "none", "auto", "required" or '
+            f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}',
+            param="tool_choice",
+        )
+    named = [t for t in tools if t.name == function.get("name")]
+    if not named:
+        raise BadRequest(
+            f"tool_choice names {function.get('name')!r}, which is not among the tools "
+            f"{[t.name for t in tools]}",
+            param="tool_choice",
+        )
+    return NamedToolCall(named[0])
+
+
+# ---- responses ------------------------------------------------------------------------------
+def call_json(call: Call, call_id: str) -> dict[str, Any]:
+    """A call as OpenAI's ``tool_calls`` entry."""
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def reply_message(mode: ToolMode, text: str) -> tuple[dict[str, Any], Parsed]:
+    """A finished reply's ``message`` (content null when it only made calls), and its parse."""
+    parsed = mode.parse(text, finished=True)
+    content = parsed.content if parsed.content or not parsed.calls else None
+    calls = [call_json(c, new_call_id()) for c in parsed.calls]
+    return {"role": "assistant", "content": content, "tool_calls": calls}, parsed
+
+
+class ToolCallStream:
+    """One streamed choice's content and tool-call deltas, from its text deltas."""
+
+    def __init__(self, mode: ToolMode):
+        self.mode = mode
+        self.text = ""
+        self.parsed = Parsed("")
+        self.ids: list[str] = []  # per call sent so far
+        self.sent_arguments: list[int] = []  # characters of each call's arguments sent
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(new content, OpenAI ``tool_calls`` delta entries) after ``text`` is appended."""
+        self.text += text
+        parsed = self.mode.parse(self.text, finished)
+        content = parsed.content[len(self.parsed.content) :]
+        deltas: list[dict[str, Any]] = []
+        for i, call in enumerate(parsed.calls):
+            if i == len(self.ids):  # a new call: announce it with whatever arguments it has
+                self.ids.append(new_call_id())
+                self.sent_arguments.append(len(call.arguments))
+                deltas.append({"index": i, **call_json(call, self.ids[i])})
+            elif len(call.arguments) > self.sent_arguments[i]:
+                new = call.arguments[self.sent_arguments[i] :]
+                self.sent_arguments[i] = len(call.arguments)
+                deltas.append({"index": i, "function": {"arguments": new}})
+        self.parsed = parsed
+        return content, deltas
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """The finish reason to stream, given the engine's."""
+        return self.mode.finish_reason(self.parsed, engine_reason)
