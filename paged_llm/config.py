@@ -49,11 +49,19 @@ class ModelConfig:
     runner: str = "generate"
     task: str | None = None
     pooler_config: Any = None
+    # vLLM's. deepseek_r1 | qwen3: the model thinks in <think> ... </think>; structured outputs
+    # constrain only what follows, and the server returns the thought as "reasoning"
+    # (paged_llm/engine/reasoning.py)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         _check_optional_count("max_model_len", self.max_model_len)
         if self.task is not None and self.task not in _RUNNER_OF_TASK:
             raise ValueError(f"unknown task '{self.task}'; choose one of {list(_RUNNER_OF_TASK)}")
+        if self.reasoning_parser is not None:
+            from paged_llm.engine.reasoning import reasoning_parser
+
+            reasoning_parser(self.reasoning_parser)  # a typo fails here, before loading
         if self.runner not in ("generate", "pooling"):
             raise ValueError(f"unknown runner '{self.runner}'; choose generate or pooling")
         if self.task is not None:  # runner's default is generate: only pooling can disagree

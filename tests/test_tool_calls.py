@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from paged_llm.engine.chat import render_chat, template_messages
 from paged_llm.serve.errors import BadRequest
+from paged_llm.serve.replies import ChatReply
 from paged_llm.serve.tool_calls import (
     AutoToolCalls,
     Call,
@@ -18,9 +19,7 @@ from paged_llm.serve.tool_calls import (
     NamedToolCall,
     Parsed,
     RequiredToolCalls,
-    ToolCallStream,
     parse_tools,
-    reply_message,
     tool_mode,
     tool_parser,
 )
@@ -116,27 +115,26 @@ def test_required_mode_schema_and_parse():
 def test_named_mode_streams_the_arguments():
     mode = NamedToolCall(TOOLS[0])
     assert mode.structured_output().json == WEATHER["function"]["parameters"]
-    stream = ToolCallStream(mode)
-    _, first = stream.feed("", finished=False)
+    stream = ChatReply(None, mode).stream()
+    first = stream.feed("", finished=False)["tool_calls"]
     assert first[0]["function"] == {"name": "get_weather", "arguments": ""}
     assert first[0]["id"].startswith("chatcmpl-tool-") and first[0]["type"] == "function"
-    _, more = stream.feed('{"city": ', finished=False)
-    _, last = stream.feed('"Oslo"}', finished=True)
-    assert more == [{"index": 0, "function": {"arguments": '{"city": '}}]
-    assert last == [{"index": 0, "function": {"arguments": '"Oslo"}'}}]
+    more = stream.feed('{"city": ', finished=False)
+    last = stream.feed('"Oslo"}', finished=True)
+    assert more == {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}
+    assert last == {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}
     assert stream.finish_reason("stop") == "stop"  # a forced call ends with "stop"
-    message, _ = reply_message(mode, '{"city": "Oslo"}')
-    assert message["content"] is None and message["tool_calls"][0]["function"] == {
-        "name": "get_weather",
-        "arguments": '{"city": "Oslo"}',
-    }
+    message, finish = ChatReply(None, mode).message('{"city": "Oslo"}', "stop")
+    assert finish == "stop" and message["content"] is None
+    call = message["tool_calls"][0]["function"]
+    assert call == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
 
 
 def test_auto_reply_without_calls_is_plain_content():
-    mode = AutoToolCalls(HermesToolParser())
-    message, parsed = reply_message(mode, "Just text.")
+    reply = ChatReply(None, AutoToolCalls(HermesToolParser()))
+    message, finish = reply.message("Just text.", "stop")
     assert message == {"role": "assistant", "content": "Just text.", "tool_calls": []}
-    assert mode.finish_reason(parsed, "stop") == "stop"
+    assert finish == "stop"
 
 
 PIECES = st.one_of(
@@ -159,23 +157,23 @@ PIECES = st.one_of(
 def test_a_stream_split_anywhere_adds_up_to_the_whole_reply(pieces, cuts, parser):
     """Content and calls streamed in chunks equal the whole reply's; nothing is sent twice."""
     text = "".join(pieces)
-    mode = AutoToolCalls(tool_parser(parser))
-    whole, parsed = reply_message(mode, text)
-    stream = ToolCallStream(mode)
+    reply = ChatReply(None, AutoToolCalls(tool_parser(parser)))
+    whole, finish = reply.message(text, "stop")
+    stream = reply.stream()
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     content, calls = "", {}
     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:] + [len(text)])):
-        new, deltas = stream.feed(text[lo:hi], finished=i == len(bounds) - 1)
-        content += new
-        for d in deltas:
+        delta = stream.feed(text[lo:hi], finished=i == len(bounds) - 1)
+        content += delta.get("content", "")
+        for d in delta.get("tool_calls", []):
             if "id" in d:
                 assert d["index"] == len(calls)
                 calls[d["index"]] = dict(d["function"])
             else:
                 calls[d["index"]]["arguments"] += d["function"]["arguments"]
-    assert content == parsed.content
+    assert content == (whole["content"] or "")
     assert [calls[i] for i in range(len(calls))] == [c["function"] for c in whole["tool_calls"]]
-    assert stream.finish_reason("stop") == mode.finish_reason(parsed, "stop")
+    assert stream.finish_reason("stop") == finish
 
 
 # ---- checks -----------------------------------------------------------------------------------

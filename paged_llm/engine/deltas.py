@@ -23,6 +23,15 @@ def stop_holdback(params: SamplingParams) -> int:
     return 0
 
 
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker``: held back while streaming,
+    as it may yet become the marker (a tool-call or thinking tag)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
 @dataclass
 class DeltaCursor:
     """How much of one sequence's text and tokens has been handed out."""

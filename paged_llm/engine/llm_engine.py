@@ -24,6 +24,7 @@ from paged_llm.engine.detokenizer import IncrementalDetokenizer, tokenizer_facts
 from paged_llm.engine.generation_config import load_generation_defaults
 from paged_llm.engine.inputs import to_token_ids, truncate_prompt, validate_token_ids
 from paged_llm.engine.loading import checkpoint_path, load_model_and_tokenizer, resolve_device
+from paged_llm.engine.reasoning import reasoning_parser
 from paged_llm.engine.stop_strings import StopStringChecker
 from paged_llm.engine.structured_output import StructuredOutputCompiler
 from paged_llm.layers.attention import PagedAttention
@@ -152,6 +153,9 @@ class LLMEngine:
         self.runner.pooler = self.pooler
         self.drafter = build_drafter(config.speculative_config)
         self._structured: StructuredOutputCompiler | None = None  # built on first guided request
+        # with a reasoning parser, grammars wait for the end of the thought (tags as token ids)
+        self.reasoning = reasoning_parser(mc.reasoning_parser) if mc.reasoning_parser else None
+        self._reasoning_tags = self.reasoning.tag_ids(self.tokenizer) if self.reasoning else None
         if self.drafter is not None:
             self.drafter.load(self)
             block_bytes += self.drafter.bytes_per_block(cc.block_size)  # both pools share blocks
@@ -302,6 +306,13 @@ class LLMEngine:
             )
         return self._structured
 
+    def _guide(self, guided: Any, prompt_ids: list[int]) -> Any:
+        """A fresh guide for one sample; with a reasoning parser it waits for the thought."""
+        guide = self._structured_outputs().guide(guided)
+        if self.reasoning is None:
+            return guide
+        return self.reasoning.gate(guide, prompt_ids, self._reasoning_tags)
+
     def make_request(
         self,
         request_id: str,
@@ -350,7 +361,7 @@ class LLMEngine:
         bad_words = bad_words_token_ids(params.bad_words or [], self.tokenizer)
         guided = params.guided_decoding
         guides = (
-            [self._structured_outputs().guide(guided) for _ in range(params.best_of)]
+            [self._guide(guided, ids) for _ in range(params.best_of)]
             if guided
             else [None] * params.best_of
         )

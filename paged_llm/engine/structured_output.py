@@ -37,7 +37,7 @@ class GrammarGuide:
 
     def __init__(self, matcher: Any, vocab_size: int):
         self._matcher = matcher
-        self._vocab_size = vocab_size
+        self.vocab_size = vocab_size
         xgr = _import_xgrammar()
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
 
@@ -55,12 +55,12 @@ class GrammarGuide:
         if self._matcher.is_terminated():
             # complete (after a pending stop token): the sequence ends there, so whatever is
             # chosen for this row is never kept
-            mask = torch.ones(self._vocab_size, dtype=torch.bool)
+            mask = torch.ones(self.vocab_size, dtype=torch.bool)
         else:
             self._matcher.fill_next_token_bitmask(self._bitmask)
             bits = torch.arange(32, dtype=torch.int32)
             words = (self._bitmask[0, :, None] >> bits) & 1  # [ceil(V / 32), 32]
-            mask = words.reshape(-1)[: self._vocab_size].bool()
+            mask = words.reshape(-1)[: self.vocab_size].bool()
         if accepted:
             self._matcher.rollback(accepted)
         return mask

@@ -55,6 +55,7 @@ from paged_llm.serve.render import (
     usage_chunk,
     whole_response,
 )
+from paged_llm.serve.replies import ChatReply
 from paged_llm.serve.tool_calls import ToolParser, parse_tools, tool_mode
 
 logger = logging.getLogger(__name__)
@@ -320,7 +321,9 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         lora = settings.lora_modules.get(model)
         subs = [SubRequest(render, params, default_max_tokens=unset, priority=req.priority,
                            lora_request=lora)]  # fmt: skip
-        choices = Choices([params], tools=mode)
+        reasoning = engine.engine.reasoning
+        reply = ChatReply(reasoning, mode) if reasoning or mode else None  # None: plain text
+        choices = Choices([params], reply=reply)
         return await _generate(request, req, subs, choices, model, chat=True)
 
     def _pooler(what: str, classifier: bool | None = None) -> Any:

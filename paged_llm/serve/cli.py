@@ -17,6 +17,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from paged_llm.engine.reasoning import REASONING_PARSERS
 from paged_llm.serve.tool_calls import TOOL_PARSERS, tool_parser
 
 logger = logging.getLogger("paged_llm.serve")
@@ -127,6 +128,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="generate (completions, chat) or pooling (/v1/embeddings); docs/pooling.md",
     )
     eng.add_argument("--task", help="vLLM's older flag: embed means --runner pooling")
+    eng.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="the model thinks in <think> ... </think>: replies carry it as 'reasoning', and "
+        "structured outputs constrain only the answer",
+    )
     eng.add_argument(
         "--pooler-config",
         type=_json_object,
@@ -302,6 +309,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "runner": args.runner,
         "task": args.task,
         "pooler_config": args.pooler_config,
+        "reasoning_parser": args.reasoning_parser,
     }
     return {k: v for k, v in kwargs.items() if v is not None}  # None: the engine's default
 

@@ -13,7 +13,7 @@ from paged_llm.engine.deltas import DeltaCursor, stop_holdback
 from paged_llm.outputs import CompletionOutput, LogprobEntry, RequestOutput
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.async_engine import Update
-from paged_llm.serve.tool_calls import ToolCallStream, ToolMode, reply_message
+from paged_llm.serve.replies import ChatReply, ChatReplyStream
 
 MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf, which JSON cannot carry
 
@@ -46,7 +46,7 @@ class _Choice:
     echo: bool = False
     prompt_only: bool = False
     num_prompt_tokens: int = 0  # of token_ids, when echoed
-    tool_stream: ToolCallStream | None = None  # chat with tools: content and calls streamed
+    reply_stream: ChatReplyStream | None = None  # chat with tools or reasoning
 
 
 class Choices:
@@ -57,14 +57,14 @@ class Choices:
         params: list[SamplingParams],
         echo: bool = False,  # show each prompt (text, tokens, logprobs) before its choices
         prompt_only: bool = False,
-        tools: ToolMode | None = None,  # chat: how replies turn into tool calls
+        reply: ChatReply | None = None,  # chat: reasoning and tool calls in the replies
     ):
         if len({p.n for p in params}) > 1:
             raise ValueError("every prompt of a request has the same n")
         self.n = params[0].n if params else 1  # choice i belongs to prompt i // n
-        self.tools = tools
+        self.reply = reply
         self.choices = [_Choice(p, echo=echo, prompt_only=prompt_only,
-                                tool_stream=ToolCallStream(tools) if tools else None)
+                                reply_stream=reply.stream() if reply else None)
                         for p in params for _ in range(p.n)]  # fmt: skip
         self.prompt_tokens: dict[int, int] = {}  # engine request index -> prompt length
         # engine request index -> its prompt's logprobs (SamplingParams.prompt_logprobs)
@@ -253,12 +253,9 @@ def chat_chunks(
         out.append(chunk({"role": "assistant", "content": ""}, None, None))
     body: dict[str, Any] = {"content": delta.text}
     finish = delta.finish_reason
-    stream = choices.choices[delta.index].tool_stream
+    stream = choices.choices[delta.index].reply_stream
     if stream is not None:
-        content, calls = stream.feed(delta.text, finished=finish is not None)
-        body = {"content": content} if content or not calls else {}  # OpenAI's call chunks
-        if calls:
-            body["tool_calls"] = calls
+        body = stream.feed(delta.text, finished=finish is not None)
         finish = stream.finish_reason(finish)
     out.append(chunk(body, choices.chat_logprobs(delta), finish))
     return out
@@ -285,9 +282,8 @@ def whole_response(rid: str, created: int, model: str, choices: Choices, chat: b
         finish = c.finish_reason
         if chat:
             item["message"] = {"role": "assistant", "content": c.text}
-            if choices.tools is not None:
-                item["message"], parsed = reply_message(choices.tools, c.text)
-                finish = choices.tools.finish_reason(parsed, finish)
+            if choices.reply is not None:
+                item["message"], finish = choices.reply.message(c.text, finish)
             item["logprobs"] = choices.chat_logprobs(delta)
         else:
             item["text"] = c.text

@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from paged_llm.engine.deltas import partial_suffix
 from paged_llm.sampling_params import StructuredOutputsParams
 from paged_llm.serve.errors import BadRequest
 
@@ -106,15 +107,6 @@ def _json_call(text: str, argument_keys: tuple[str, ...]) -> Call | None:
     return Call(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that begins ``marker`` (held back while
-    streaming: it may yet become the marker)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 def _json_spans(text: str, start: int) -> tuple[list[tuple[int, int]], int]:
     """Where the complete JSON values in ``text`` from ``start`` are, separated by whitespace,
     commas or semicolons: ([(begin, end)], where parsing stopped)."""
@@ -150,7 +142,7 @@ class HermesToolParser(ToolParser):
     def parse(self, text: str, finished: bool) -> Parsed:
         first = text.find(self.start)
         if first < 0:
-            keep = len(text) if finished else len(text) - _partial_suffix(text, self.start)
+            keep = len(text) if finished else len(text) - partial_suffix(text, self.start)
             return Parsed(text[:keep])
         content, calls, pos = [text[:first]], [], first
         while pos >= 0:
@@ -347,44 +339,3 @@ def call_json(call: Call, call_id: str) -> dict[str, Any]:
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     }
-
-
-def reply_message(mode: ToolMode, text: str) -> tuple[dict[str, Any], Parsed]:
-    """A finished reply's ``message`` (content null when it only made calls), and its parse."""
-    parsed = mode.parse(text, finished=True)
-    content = parsed.content if parsed.content or not parsed.calls else None
-    calls = [call_json(c, new_call_id()) for c in parsed.calls]
-    return {"role": "assistant", "content": content, "tool_calls": calls}, parsed
-
-
-class ToolCallStream:
-    """One streamed choice's content and tool-call deltas, from its text deltas."""
-
-    def __init__(self, mode: ToolMode):
-        self.mode = mode
-        self.text = ""
-        self.parsed = Parsed("")
-        self.ids: list[str] = []  # per call sent so far
-        self.sent_arguments: list[int] = []  # characters of each call's arguments sent
-
-    def feed(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
-        """(new content, OpenAI ``tool_calls`` delta entries) after ``text`` is appended."""
-        self.text += text
-        parsed = self.mode.parse(self.text, finished)
-        content = parsed.content[len(self.parsed.content) :]
-        deltas: list[dict[str, Any]] = []
-        for i, call in enumerate(parsed.calls):
-            if i == len(self.ids):  # a new call: announce it with whatever arguments it has
-                self.ids.append(new_call_id())
-                self.sent_arguments.append(len(call.arguments))
-                deltas.append({"index": i, **call_json(call, self.ids[i])})
-            elif len(call.arguments) > self.sent_arguments[i]:
-                new = call.arguments[self.sent_arguments[i] :]
-                self.sent_arguments[i] = len(call.arguments)
-                deltas.append({"index": i, "function": {"arguments": new}})
-        self.parsed = parsed
-        return content, deltas
-
-    def finish_reason(self, engine_reason: str | None) -> str | None:
-        """The finish reason to stream, given the engine's."""
-        return self.mode.finish_reason(self.parsed, engine_reason)
