@@ -40,6 +40,23 @@ def configs():
             num_labels=2,
             init_std=0.2,
         ),  # fmt: skip
+        "gpt2-2-labels": t.GPT2Config(
+            vocab_size=256,
+            n_embd=64,
+            n_head=4,
+            n_layer=2,
+            n_positions=128,
+            num_labels=2,
+            initializer_range=0.2,
+        ),
+        "pythia-reward": t.GPTNeoXConfig(  # multi-head: no num_key_value_heads
+            **COMMON,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            vocab_size=256,
+            num_labels=1,
+            rotary_pct=0.25,
+        ),  # fmt: skip
         "multi-label": t.LlamaConfig(
             **LLAMA_LIKE, vocab_size=256, num_labels=4, problem_type="multi_label_classification"
         ),  # fmt: skip

@@ -134,6 +134,25 @@ def _config(name: str):
             do_layer_norm_before=False,
             word_embed_proj_dim=32,
         ),
+        "gpt2": lambda: t.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128
+        ),  # fmt: skip
+        # Stanford CRFM's stabilised runs scale attention by 1 / (layer + 1) too
+        "gpt2-layer-scaled": lambda: t.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            n_inner=96,
+            scale_attn_by_inverse_layer_idx=True,
+            activation_function="gelu",
+        ),  # fmt: skip
+        # Pythia: parallel residual, RoPE on a quarter of each 16-wide head
+        "gpt-neox": lambda: t.GPTNeoXConfig(**LLAMA_LIKE, rotary_pct=0.25),
+        "gpt-neox-sequential": lambda: t.GPTNeoXConfig(
+            **LLAMA_LIKE, rotary_pct=0.5, use_parallel_residual=False, tie_word_embeddings=True
+        ),
     }
     config = cases[name]()
     config.architectures = [ARCHITECTURE_OF[config.model_type]]
@@ -149,6 +168,8 @@ ARCHITECTURE_OF = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "opt": "OPTForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "gpt_neox": "GPTNeoXForCausalLM",
 }
 
 
@@ -271,6 +292,10 @@ CASES = [
     "qwen3-moe",
     "opt",
     "opt-350m-like",
+    "gpt2",
+    "gpt2-layer-scaled",
+    "gpt-neox",
+    "gpt-neox-sequential",
 ]
 
 
@@ -280,6 +305,36 @@ def test_matches_transformers_fp32(case, tmp_path):
     model, hf_config = load_model(_save(hf_model, tmp_path), torch.float32, "cpu")
     assert type(model).__name__ == hf_config.architectures[0]
     _check_matches_hf(model, hf_config, hf_model)
+
+
+@pytest.mark.parametrize(
+    "case, backend",
+    [("gpt2", "torch"), ("gpt2", "cpu"), ("gpt-neox", "cpu"), ("gpt-neox-sequential", "triton")],
+)
+def test_gpt_families_generate_like_transformers(case, backend, tmp_path):
+    """GPT-2 and GPT-NeoX through the whole engine: greedy ids equal transformers' generate."""
+    from test_engine import generate_ids, hf_greedy
+
+    from paged_llm import LLM
+
+    hf_model = _hf_model(case)
+    llm = LLM(str(_save(hf_model, tmp_path)), block_size=4, cpu_kv_cache_gib=0.01,
+              attention_backend=backend)  # fmt: skip
+    prompts = _prompts([5, 11, 3, 17], seed=2)
+    assert generate_ids(llm, prompts, 8) == [hf_greedy(hf_model, p, 8) for p in prompts]
+
+
+def test_gpt2_checkpoint_without_prefix_and_with_mask_buffers(tmp_path):
+    # openai-community/gpt2 was saved from GPT2Model: "h.0.attn.c_attn.weight", plus the
+    # causal-mask buffers "h.0.attn.bias" / "h.0.attn.masked_bias" of older transformers
+    hf_model = _hf_model("gpt2")
+    hf_model.config.save_pretrained(str(tmp_path))
+    state = {k.removeprefix("transformer."): v.clone() for k, v in hf_model.state_dict().items()}
+    state["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 128, 128))
+    state["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model, hf_config = load_model(tmp_path)
+    _check_matches_hf(model, hf_config, hf_model, decode_steps=1)
 
 
 def test_tied_embeddings_share_storage(tmp_path):
@@ -391,11 +446,11 @@ def test_missing_config(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    config = transformers.GPT2Config(
-        n_layer=1, n_embd=32, n_head=2, vocab_size=64, architectures=["GPT2LMHeadModel"]
+    config = transformers.BloomConfig(
+        n_layer=1, hidden_size=32, n_head=2, vocab_size=64, architectures=["BloomForCausalLM"]
     )
     config.save_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="BloomForCausalLM.*LlamaForCausalLM"):
         load_model(tmp_path)
 
 
@@ -462,7 +517,9 @@ def test_untied_checkpoint_without_lm_head_falls_back_to_tying(tmp_path, caplog)
 def test_registry():
     bases = ["Llama", "Mistral", "Qwen2", "Qwen3", "Mixtral", "Qwen2Moe", "Qwen3Moe", "OPT"]
     bare = {f"{b}Model" for b in ["Llama", "Mistral", "Qwen2", "Qwen3", "OPT"]}
-    assert set(supported_architectures()) == bare | {
+    gpts = {"GPT2LMHeadModel", "GPTNeoXForCausalLM", "GPT2ForSequenceClassification",
+            "GPTNeoXForSequenceClassification"}  # fmt: skip
+    assert set(supported_architectures()) == bare | gpts | {
         f"{b}For{head}" for b in bases for head in ("CausalLM", "SequenceClassification")
     }
     for arch in supported_architectures():  # every name resolves to its class

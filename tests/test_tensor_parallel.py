@@ -69,6 +69,11 @@ def hf_config(kind: str):
             shared_expert_intermediate_size=64,
             mlp_only_layers=[0],
         ),  # fmt: skip
+        # fused q/k/v checkpoints split at load, then by heads: GPT-2 (Conv1D), Pythia (per head)
+        "gpt2": lambda: t.GPT2Config(
+            vocab_size=256, n_embd=64, n_head=4, n_layer=2, n_positions=256
+        ),  # fmt: skip
+        "gpt-neox": lambda: t.GPTNeoXConfig(**LLAMA_LIKE, rotary_pct=0.25),
         # OPT-350m's layout: post-LN, 32-wide embeddings projected in and out (replicated).
         "opt": lambda: t.OPTConfig(
             **COMMON,
@@ -157,7 +162,9 @@ def test_llama_gqa_with_swapping_and_chunked_prefill(tmp_path):
         assert all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
 
 
-@pytest.mark.parametrize("kind", ["llama-kv1", "mistral", "qwen2", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize(
+    "kind", ["llama-kv1", "mistral", "qwen2", "mixtral", "qwen2-moe", "gpt2", "gpt-neox"]
+)
 def test_llama_family_matches_single_process(tmp_path, kind):
     path = save_model(kind, tmp_path)
     expected = run(LLM(path, block_size=8, cpu_kv_cache_gib=0.01))

@@ -1,5 +1,8 @@
 """Rotary position embedding (RoPE) in the "rotate half" layout HF uses for LLaMA-family models.
 
+Partial rotary (GPT-NeoX / Pythia's ``rotary_pct``, ``partial_rotary_factor``) rotates only the
+first ``rotary_dim`` channels of each head and passes the rest through.
+
 cos/sin are computed on the fly from float32 inverse frequencies (as HF does) rather than from a
 precomputed table, so positions are exact for any context length and nothing large is cached.
 """
@@ -36,15 +39,19 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
+def rotary_dim_of(head_dim: int, params: dict[str, Any]) -> int:
+    """Channels of each head that RoPE rotates (all but for partial rotary)."""
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
+
+
 def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32 on the CPU for the given RoPE settings."""
+    """Inverse frequencies [rotary_dim // 2] in float32 on the CPU for the given RoPE settings."""
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type '{rope_type}'; supported: {SUPPORTED_ROPE_TYPES}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
+    dim = rotary_dim_of(head_dim, params)
     # Explicit device: models may be constructed under `with torch.device("meta")`.
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (params["rope_theta"] ** exponents)
     if rope_type == "linear":
         # Position interpolation: scaling positions by 1/factor == scaling frequencies by 1/factor.
@@ -88,17 +95,22 @@ class RotaryEmbedding(nn.Module):
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> ([T, D], [T, D])
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> ([T, R], [T, R]), R = rotary dim
         """cos and sin of position * frequency, computed in float32 and cast to ``dtype``."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]: both halves share each frequency
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]: both halves share each frequency
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(
     x: torch.Tensor,  # [T, H, D]
-    cos: torch.Tensor,  # [T, D]
-    sin: torch.Tensor,  # [T, D]
+    cos: torch.Tensor,  # [T, R], R <= D
+    sin: torch.Tensor,  # [T, R]
 ) -> torch.Tensor:  # [T, H, D]
-    """Rotate every head of ``x`` by its token's angles (a fused kernel on CUDA)."""
-    return rotary(x, cos, sin)
+    """Rotate the first R channels of every head of ``x`` by its token's angles (a fused
+    kernel on CUDA); the other D - R channels pass through (partial rotary)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return rotary(x, cos, sin)
+    rotated = rotary(x[..., :rotary_dim].contiguous(), cos, sin)
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)

@@ -23,6 +23,8 @@ from torch import nn
 
 from paged_llm.distributed.sharding import shard_checkpoint
 from paged_llm.models.base import load_named_weights
+from paged_llm.models.gpt2 import GPT2LMHeadModel
+from paged_llm.models.gpt_neox import GPTNeoXForCausalLM
 from paged_llm.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -125,6 +127,14 @@ class Qwen3MoeForSequenceClassification(SequenceClassifier, Qwen3MoeForCausalLM)
 
 class OPTForSequenceClassification(SequenceClassifier, OPTForCausalLM):
     """OPT decoder + score head (on the projected-out width where OPT-350m projects)."""
+
+
+class GPT2ForSequenceClassification(SequenceClassifier, GPT2LMHeadModel):
+    """GPT-2 decoder + score head."""
+
+
+class GPTNeoXForSequenceClassification(SequenceClassifier, GPTNeoXForCausalLM):
+    """GPT-NeoX / Pythia decoder + score head (e.g. Pythia reward models)."""
 
 
 class LlamaEmbeddingModel(BareDecoder, LlamaForCausalLM):

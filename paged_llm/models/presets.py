@@ -113,12 +113,30 @@ def preset_config(name: str) -> Any:
 
 
 def count_parameters(config: Any) -> int:
-    """Parameter count implied by an OPT or LLaMA-family config (a tied head counted once)."""
+    """Parameter count implied by a config of a supported family (a tied head counted once)."""
     if config.model_type == "opt":
         return _count_opt(config)
     if config.model_type in ("llama", "mistral", "qwen2", "qwen3", *_MOE_TYPES):
         return _count_llama(config)
+    if config.model_type in ("gpt2", "gpt_neox"):
+        return _count_gpt(config)
     raise ValueError(f"cannot count parameters of model type '{config.model_type}'")
+
+
+def _count_gpt(c: Any) -> int:
+    """GPT-2 / GPT-NeoX: biased MHA and a plain MLP, two LayerNorms a layer, a final one;
+    GPT-2 adds a position table."""
+    h, v = c.hidden_size, c.vocab_size
+    if c.model_type == "gpt2":
+        inner, bias = getattr(c, "n_inner", None) or 4 * h, True
+        positions = c.max_position_embeddings * h
+    else:
+        inner, bias, positions = c.intermediate_size, getattr(c, "attention_bias", True), 0
+    attn = 4 * h * h + (4 * h if bias else 0)
+    mlp = 2 * h * inner + inner + h
+    layers = c.num_hidden_layers * (attn + mlp + 4 * h)
+    head = 0 if c.tie_word_embeddings else v * h
+    return v * h + positions + layers + 2 * h + head
 
 
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")

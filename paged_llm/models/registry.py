@@ -18,6 +18,8 @@ MODEL_ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "paged_llm.models.moe.Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "paged_llm.models.moe.Qwen3MoeForCausalLM",
     "OPTForCausalLM": "paged_llm.models.opt.OPTForCausalLM",
+    "GPT2LMHeadModel": "paged_llm.models.gpt2.GPT2LMHeadModel",
+    "GPTNeoXForCausalLM": "paged_llm.models.gpt_neox.GPTNeoXForCausalLM",
 }
 # Sequence classifiers (pooling models: runner="pooling", LLM.classify / LLM.score).
 MODEL_ARCHITECTURES.update(
@@ -25,7 +27,18 @@ MODEL_ARCHITECTURES.update(
         f"{name}ForSequenceClassification": (
             f"paged_llm.models.classification.{name}ForSequenceClassification"
         )
-        for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Mixtral", "Qwen2Moe", "Qwen3Moe", "OPT")
+        for name in (
+            "Llama",
+            "Mistral",
+            "Qwen2",
+            "Qwen3",
+            "Mixtral",
+            "Qwen2Moe",
+            "Qwen3Moe",
+            "OPT",
+            "GPT2",
+            "GPTNeoX",
+        )
     }
 )
 # Bare decoders without a head (embedding checkpoints such as e5-mistral): runner="pooling".

@@ -1,0 +1,142 @@
+"""GPT-2 (Radford et al. 2019): learned absolute positions, pre-LayerNorm blocks, a GELU (tanh)
+MLP, multi-head attention, LM head tied to the token embeddings.
+
+HF checkpoints store the projections as ``Conv1D`` weights ([in, out], the transpose of a
+linear layer) and q/k/v fused in one ``c_attn``. They are transposed and split into q/k/v while
+loading (``checkpoint_tensors``), so the model uses plain linear layers and tensor parallelism
+splits q, k and v by heads like every other model here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from paged_llm.distributed.layers import column_linear, lm_head, row_linear, vocab_embedding
+from paged_llm.distributed.sharding import shard_heads
+from paged_llm.layers.activation import get_activation
+from paged_llm.layers.attention import ForwardContext, PagedAttention
+from paged_llm.models.base import CausalLM
+
+# Conv1D modules: their 2-D weights are [in, out] in the checkpoint
+_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+_BARE = ("wte.", "wpe.", "h.", "ln_f.")  # GPT2Model's tensors, without "transformer."
+
+
+class GPT2Attention(nn.Module):
+    """Multi-head attention with biased q/k/v (column-parallel) and c_proj (row-parallel)."""
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        head_dim = hidden // heads
+        self.q_proj = column_linear(hidden, hidden, True)
+        self.k_proj = column_linear(hidden, hidden, True)
+        self.v_proj = column_linear(hidden, hidden, True)
+        self.c_proj = row_linear(hidden, hidden, True)
+        scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False):  # Stanford CRFM's runs
+            scale /= layer_idx + 1
+        local_heads = shard_heads(heads, heads).num_heads
+        self.attn = PagedAttention(local_heads, local_heads, head_dim, scale, layer_idx)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, H] -> [T, H]
+        """Attend every token to its sequence's cached context (this step's K/V included)."""
+        return self.c_proj(self.attn(self.q_proj(x), self.k_proj(x), self.v_proj(x), ctx))
+
+
+class GPT2MLP(nn.Module):
+    """c_proj(act(c_fc(x))), c_fc column- and c_proj row-parallel."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        inner = getattr(config, "n_inner", None) or 4 * hidden
+        self.c_fc = column_linear(hidden, inner, True)
+        self.c_proj = row_linear(inner, hidden, True)
+        self.act = get_activation(config.activation_function)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        """Apply the MLP row-wise."""
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    """Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        eps = config.layer_norm_epsilon
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, H] -> [T, H]
+        """Run one transformer block."""
+        x = x + self.attn(self.ln_1(x), ctx)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    """Token + position embeddings, the blocks and the final LayerNorm (HF's ``transformer``)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.wte = vocab_embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # [T], [T] -> [T, H]
+        """Hidden states after the final LayerNorm for every token of the flat batch."""
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x, ctx)
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(CausalLM):
+    """GPT-2 with its LM head (tied to ``wte`` in every released size)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.transformer = GPT2Model(config)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size)
+        self.tie_weights()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding table."""
+        return self.transformer.wte
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # [T], [T] -> [T, H]
+        """Final hidden states of the flat batch; pass the rows to sample to compute_logits."""
+        return self.transformer(input_ids, positions, ctx)
+
+    def checkpoint_tensors(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str | None, torch.Tensor]]:
+        """HF names -> ours: Conv1D weights transposed, ``c_attn`` split into q/k/v, the
+        causal-mask buffers older checkpoints saved dropped; checkpoints saved from the bare
+        ``GPT2Model`` (openai-community/gpt2) get the ``transformer.`` prefix."""
+        for name, tensor in weights:
+            if name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue  # the causal mask, a buffer
+            if name.startswith(_BARE):  # saved from the bare GPT2Model
+                name = "transformer." + name
+            module = name.rsplit(".", 1)[0]
+            if module.endswith(_CONV1D) and tensor.dim() == 2:
+                tensor = tensor.t()  # [in, out] -> [out, in]
+            if module.endswith("attn.c_attn"):
+                prefix, kind = module.removesuffix("c_attn"), name.rsplit(".", 1)[1]
+                for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3, dim=0)):
+                    yield f"{prefix}{part}.{kind}", piece
+                continue
+            yield name, tensor
