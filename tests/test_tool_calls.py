@@ -3,6 +3,7 @@ modes, that a streamed reply (split anywhere) adds up to the whole one, the chec
 tool_choice, and the messages a chat template sees."""
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -89,9 +90,36 @@ def test_llama3_json_calls_plain_text_and_json_that_is_not_a_call():
     assert parser.parse(cut, finished=True) == Parsed(cut)  # cut short: the text is the reply
 
 
+def test_mistral_calls_after_the_marker():
+    parser = tool_parser("mistral")
+    calls = '[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]'
+    parsed = parser.parse("Sure.[TOOL_CALLS]" + calls, finished=True)
+    assert parsed == Parsed("Sure.", (Call("add", '{"a": 1}'), Call("get_weather", "{}")))
+    # streamed: the first call is final once its object closes; the marker is held back
+    assert parser.parse("Sure.[TOOL_CA", finished=False) == Parsed("Sure.")
+    half = "[TOOL_CALLS]" + calls[:45]
+    assert parser.parse(half, finished=False).calls == (Call("add", '{"a": 1}'),)
+    assert parser.keeps_special_tokens  # [TOOL_CALLS] is a special token
+    assert re.fullmatch("[0-9a-f]{9}", parser.call_id())  # what Mistral's templates accept
+    assert parser.parse("[TOOL_CALLS]oops", finished=True) == Parsed("[TOOL_CALLS]oops")
+
+
+def test_pythonic_calls():
+    parser = tool_parser("pythonic")
+    text = '[get_weather(city="Paris"), add(a=1, b=[2, 3])]'
+    assert parser.parse(text, finished=True).calls == (
+        Call("get_weather", '{"city": "Paris"}'),
+        Call("add", '{"a": 1, "b": [2, 3]}'),
+    )
+    assert parser.parse(text, finished=False) == Parsed("")  # a list is read once it ends
+    assert parser.parse("Plain answer", finished=False) == Parsed("Plain answer")
+    for not_calls in ["[1, 2]", "[f(x)]", "[f(a=g())]", "[f(**k)]", "[unclosed("]:
+        assert parser.parse(not_calls, finished=True) == Parsed(not_calls)
+
+
 def test_parser_registry():
     assert isinstance(tool_parser("hermes"), HermesToolParser)
-    with pytest.raises(ValueError, match="known: \\['hermes', 'llama3_json'\\]"):
+    with pytest.raises(ValueError, match="known: \\['hermes', 'llama3_json', 'mistral', 'pyth"):
         tool_parser("nope")
 
 
@@ -145,6 +173,10 @@ PIECES = st.one_of(
     st.just('<tool_call>{"name": "add"'),
     st.builds(lambda a: json.dumps({"name": "add", "parameters": {"a": a}}) + "; ", st.integers()),
     st.just("<|python_tag|>"),
+    st.sampled_from(
+        ["[TOOL_CALLS]", "[TOOL_", '[{"name": "add", "arguments": {"a": 1}}', ", ", "]"]
+    ),
+    st.sampled_from(["[add(a=1)]", '[get(city="x"), add(a=2)]', "[f(", ")]"]),
 )
 
 
@@ -152,7 +184,7 @@ PIECES = st.one_of(
 @given(
     pieces=st.lists(PIECES, max_size=6),
     cuts=st.lists(st.integers(0, 400), max_size=8),
-    parser=st.sampled_from(["hermes", "llama3_json"]),
+    parser=st.sampled_from(["hermes", "llama3_json", "mistral", "pythonic"]),
 )
 def test_a_stream_split_anywhere_adds_up_to_the_whole_reply(pieces, cuts, parser):
     """Content and calls streamed in chunks equal the whole reply's; nothing is sent twice."""

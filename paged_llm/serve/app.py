@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -309,6 +310,8 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         mode = tool_mode(tools, req.tool_choice, settings.tool_parser, req.parallel_tool_calls)
         forced = mode.structured_output() if mode is not None else None
         params = sampling_params(req, settings.max_logprobs, defaults, forced)
+        if mode is not None and mode.keeps_special_tokens():  # e.g. Mistral's [TOOL_CALLS]
+            params = dataclasses.replace(params, skip_special_tokens=False)
         render = chat_prompt(
             chat_messages(req.messages),
             settings.chat_template,

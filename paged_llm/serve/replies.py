@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from paged_llm.engine.reasoning import ReasoningParser
-from paged_llm.serve.tool_calls import Parsed, ToolMode, call_json, new_call_id
+from paged_llm.serve.tool_calls import Parsed, ToolMode, call_json
 
 
 class ChatReply:
@@ -40,7 +40,7 @@ class ChatReply:
         if self.reasoning is not None:  # vLLM's current name, and the one it replaced
             message["reasoning"] = message["reasoning_content"] = thought or None
         if self.tools is not None:
-            message["tool_calls"] = [call_json(c, new_call_id()) for c in parsed.calls]
+            message["tool_calls"] = [call_json(c, self.tools.call_id()) for c in parsed.calls]
         return message, self.finish_reason(parsed, engine_reason)
 
     def stream(self) -> ChatReplyStream:
@@ -79,7 +79,7 @@ class ChatReplyStream:
         deltas: list[dict[str, Any]] = []
         for i, call in enumerate(parsed.calls):
             if i == len(self.ids):  # a new call: announce it with whatever arguments it has
-                self.ids.append(new_call_id())
+                self.ids.append(self.reply.tools.call_id())
                 self.sent_arguments.append(len(call.arguments))
                 deltas.append({"index": i, **call_json(call, self.ids[i])})
             elif len(call.arguments) > self.sent_arguments[i]:

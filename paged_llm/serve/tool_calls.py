@@ -6,7 +6,8 @@ becomes of the model's reply depends on ``tool_choice``; each choice is one clas
 
 - ``"none"``: the reply is text (the tools are still in the prompt, vLLM's default);
 - ``"auto"`` (the default when tools are given): the model decides, and a parser for its
-  tool-call format (``--tool-call-parser``, one of ``TOOL_PARSERS``) finds the calls in the text;
+  tool-call format (``--tool-call-parser``, one of ``TOOL_PARSERS``: hermes, llama3_json,
+  mistral, pythonic) finds the calls in the text;
 - ``"required"``: guided decoding forces a JSON array of one or more calls of the given tools;
 - ``{"type": "function", "function": {"name": ...}}``: guided decoding forces the arguments of
   that one function, as JSON valid for its parameters' schema.
@@ -19,6 +20,7 @@ appending to it, the calls by appending calls (only the last call's arguments ma
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from abc import ABC, abstractmethod
@@ -127,9 +129,16 @@ def _json_spans(text: str, start: int) -> tuple[list[tuple[int, int]], int]:
 class ToolParser(ABC):
     """Finds tool calls in a model's free text, in that model family's format."""
 
+    # the format's marker is a special token: keep special tokens in the reply's text
+    keeps_special_tokens = False
+
     @abstractmethod
     def parse(self, text: str, finished: bool) -> Parsed:
         """The reply so far as content and calls (see the module docstring's growth rule)."""
+
+    def call_id(self) -> str:
+        """A new call's id, in the form the family's chat template accepts back."""
+        return new_call_id()
 
 
 class HermesToolParser(ToolParser):
@@ -196,9 +205,82 @@ class Llama3JsonToolParser(ToolParser):
         return Parsed("".join(content), tuple(calls))
 
 
+class MistralToolParser(ToolParser):
+    """Mistral (tokenizer v3+): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``. Text
+    before the marker is content. ``[TOOL_CALLS]`` is a special token, so replies keep special
+    tokens in their text while tools are offered; call ids are 9 letters and digits, the only
+    form Mistral's chat templates accept back."""
+
+    marker = "[TOOL_CALLS]"
+    keeps_special_tokens = True
+
+    def parse(self, text: str, finished: bool) -> Parsed:
+        at = text.find(self.marker)
+        if at < 0:
+            keep = len(text) if finished else len(text) - partial_suffix(text, self.marker)
+            return Parsed(text[:keep])
+        body = at + len(self.marker)
+        start = text.find("[", body)
+        if start < 0 or text[body:start].strip():  # not (yet) the array form
+            return Parsed(text if finished else text[:at])
+        spans, stop = _json_spans(text, start + 1)  # each call is final once its object closes
+        content, calls = [text[:at]], []
+        for begin, end in spans:
+            call = _json_call(text[begin:end], ("arguments", "parameters"))
+            content += [text[begin:end]] if call is None else []
+            calls += [call] if call is not None else []
+        rest = text[stop:].strip()
+        if finished and rest != "]":  # whatever is not a call stays text
+            content.append(text[stop:])
+        return Parsed("".join(content), tuple(calls))
+
+    def call_id(self) -> str:
+        return uuid.uuid4().hex[:9]
+
+
+class PythonicToolParser(ToolParser):
+    """Llama 3.2 / Llama 4's pythonic calls: the reply is a Python list of calls with literal
+    keyword arguments, ``[get_weather(city="Paris"), add(a=1, b=2)]``. A reply that starts
+    otherwise is content; one that starts with ``[`` waits for its end to be read."""
+
+    def parse(self, text: str, finished: bool) -> Parsed:
+        stripped = text.strip()
+        if not stripped.startswith("["):
+            return Parsed(text if stripped or finished else "")
+        if not finished:
+            return Parsed("")
+        calls = _pythonic_calls(stripped)
+        return Parsed(text) if calls is None else Parsed("", tuple(calls))
+
+
+def _pythonic_calls(text: str) -> list[Call] | None:
+    """``[f(a=1), g()]`` as calls; None unless it is exactly a list of calls with literal
+    keyword arguments."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List):
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        except ValueError:
+            return None
+        if None in arguments:  # **kwargs
+            return None
+        calls.append(Call(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
 }
 
 
@@ -220,6 +302,14 @@ class ToolMode(ABC):
         """The constraint guided decoding puts on the reply, if any."""
         return None
 
+    def keeps_special_tokens(self) -> bool:
+        """Whether replies must keep special tokens in their text (a parser's marker is one)."""
+        return False
+
+    def call_id(self) -> str:
+        """A new call's id."""
+        return new_call_id()
+
     @abstractmethod
     def parse(self, text: str, finished: bool) -> Parsed:
         """The reply so far as content and calls."""
@@ -239,6 +329,12 @@ class AutoToolCalls(ToolMode):
 
     def parse(self, text: str, finished: bool) -> Parsed:
         return self.parser.parse(text, finished)
+
+    def keeps_special_tokens(self) -> bool:
+        return self.parser.keeps_special_tokens
+
+    def call_id(self) -> str:
+        return self.parser.call_id()
 
 
 class RequiredToolCalls(ToolMode):
