@@ -208,6 +208,33 @@ def test_a_stream_split_anywhere_adds_up_to_the_whole_reply(pieces, cuts, parser
     assert stream.finish_reason("stop") == finish
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.lists(
+        st.sampled_from(
+            list('[]{}(),;:="ab1 \x00')
+            + ["<tool_call>", "[TOOL_CALLS]", "f(a=", "{1, 2}", "b'x'", '"name"', "</tool_call>"]
+        ),
+        max_size=40,
+    ).map("".join),
+    parser=st.sampled_from(["hermes", "llama3_json", "mistral", "pythonic"]),
+    finished=st.booleans(),
+)
+def test_any_text_parses_without_raising(text, parser, finished):
+    """A model's text is untrusted: nothing in it may break the response."""
+    parsed = tool_parser(parser).parse(text, finished)
+    for call in parsed.calls:
+        json.loads(call.arguments)
+
+
+def test_deeply_nested_or_odd_literals_are_text():
+    deep = "[" * 5000 + "]" * 5000
+    for name in ("hermes", "llama3_json", "mistral", "pythonic"):
+        for text in (deep, '{"name": "f", "arguments": ' + "[" * 5000 + "}", "[f(a={1, 2})]",
+                     "[f(a=b'x')]", "[f(a=1j)]", "[f(\x00)]"):  # fmt: skip
+            assert tool_parser(name).parse(text, finished=True).calls == ()
+
+
 # ---- checks -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "tools, message",

@@ -90,11 +90,15 @@ def parse_tools(raw: list[Any] | None) -> list[Tool]:
     return tools
 
 
+# What reading a model's text may raise: it is untrusted (deep nesting, NUL bytes, sets)
+_UNREADABLE = (ValueError, TypeError, RecursionError, MemoryError)
+
+
 def _json_call(text: str, argument_keys: tuple[str, ...]) -> Call | None:
     """``{"name": ..., <argument key>: {...}}`` as a Call; None if ``text`` is anything else."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except _UNREADABLE:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -102,7 +106,7 @@ def _json_call(text: str, argument_keys: tuple[str, ...]) -> Call | None:
     if isinstance(arguments, str):  # some models write the arguments as JSON text already
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except _UNREADABLE:
             return None
     if not isinstance(arguments, dict):
         return None
@@ -119,7 +123,7 @@ def _json_spans(text: str, start: int) -> tuple[list[tuple[int, int]], int]:
             pos += 1
         try:
             _, end = decoder.raw_decode(text, pos)
-        except ValueError:  # incomplete (or not JSON): stop here
+        except _UNREADABLE:  # incomplete (or not JSON): stop here
             return spans, pos
         spans.append((pos, end))
         pos = end
@@ -258,7 +262,7 @@ def _pythonic_calls(text: str) -> list[Call] | None:
     keyword arguments."""
     try:
         tree = ast.parse(text, mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, *_UNREADABLE):
         return None
     if not isinstance(tree, ast.List):
         return None
@@ -268,11 +272,11 @@ def _pythonic_calls(text: str) -> list[Call] | None:
             return None
         try:
             arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-        except ValueError:
+            if None in arguments:  # **kwargs
+                return None
+            calls.append(Call(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        except (SyntaxError, *_UNREADABLE):  # not a literal, or not JSON (a set, bytes)
             return None
-        if None in arguments:  # **kwargs
-            return None
-        calls.append(Call(node.func.id, json.dumps(arguments, ensure_ascii=False)))
     return calls
 
 
