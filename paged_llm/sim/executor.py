@@ -35,20 +35,35 @@ def resolve_config_path(path: str) -> str:
     return str(CONFIG_DIR / p)
 
 
-def step_shape(out: SchedulerOutput, block_size: int) -> StepShape:
-    """Sum what the scheduled requests compute and read this step."""
+def step_shape(
+    out: SchedulerOutput, block_size: int, sliding_window: int | None = None
+) -> StepShape:
+    """Sum what the scheduled requests compute and read this step; with a sliding window W,
+    the token at position p reads positions p - W + 1 .. p only."""
     new = kv = blocks = pairs = 0
     for s in out.scheduled:
         n = s.num_new_tokens
         before = s.request.num_computed_tokens
         ctx = before + n
         new += n
-        kv += ctx
-        blocks += -(-ctx // block_size)
-        pairs += n * before + n * (n + 1) // 2
+        first = 0 if sliding_window is None else max(0, before + 1 - sliding_window)
+        kv += ctx - first  # the keys some query of this step reads
+        blocks += -(-ctx // block_size) - first // block_size
+        pairs += _causal_pairs(before, ctx, sliding_window)
     return StepShape(
         len(out.scheduled), new, kv, blocks, pairs, len(out.swap_in) + len(out.swap_out)
     )
+
+
+def _causal_pairs(before: int, ctx: int, window: int | None) -> int:
+    """(query, key) pairs of queries at positions before .. ctx - 1: min(p + 1, W) each."""
+    if window is None:
+        return (ctx - before) * before + (ctx - before) * (ctx - before + 1) // 2
+    lo, hi = before + 1, ctx  # keys each query reads, unwindowed: p + 1 for p in [before, ctx)
+    growing = max(0, min(hi, window) - lo + 1)  # queries that still read all their keys
+    first = lo if growing else 0
+    full = (hi - lo + 1) - growing
+    return growing * (first + first + growing - 1) // 2 + full * window
 
 
 class SimulatedExecutor:
@@ -137,7 +152,10 @@ class SimulatedExecutor:
         num_cpu_blocks = 0
         if settings.preemption_mode == "swap":
             num_cpu_blocks = int(settings.swap_space_gib * GiB // block_bytes)
-        scheduler = build_scheduler(policy, settings, num_blocks, num_cpu_blocks)
+        window = self.model.sliding_window
+        scheduler = build_scheduler(
+            policy, settings, num_blocks, num_cpu_blocks, sliding_window=window
+        )
         records = {
             r.request_id: RequestRecord(r.request_id, r.input_len, r.output_len, r.arrival_time)
             for r in workload.requests
@@ -195,7 +213,7 @@ class SimulatedExecutor:
                     owner.update((c.request_id, g) for c in g.fork_samples(scheduler))
                 if g.is_beam:
                     beam_groups[id(g)] = g
-            dt = step_time(step_shape(out, bs))
+            dt = step_time(step_shape(out, bs, window))
             if stats is not None and in_window:
                 stats.add([kv.block_tables.get(r.request_id, []) for r in scheduler.running], dt)
             start, clock = clock, clock + dt

@@ -6,6 +6,10 @@ Mixture-of-experts shapes (``num_experts`` > 0) store all experts but route each
 ``experts_per_token`` of them: a step's FLOPs follow the active parameters, and the weights it
 reads follow the experts its tokens touch. With routing spread evenly and independently, a
 step of B tokens touches E * (1 - (1 - k/E)^B) experts of each sparse layer in expectation.
+
+A sliding window (``sliding_window`` W, on every layer: Mistral v0.1) caps what attention reads
+at each token's last W positions; the paged policy also frees the blocks behind the window
+(``ServingSettings.free_blocks_behind_window``), as the engine does.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class ModelShape:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_params: int = 0
+    sliding_window: int | None = None  # every layer attends to its last W positions only
 
     def __post_init__(self) -> None:
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
@@ -41,6 +46,8 @@ class ModelShape:
             )
         if self.num_experts * self.expert_params > self.num_params:
             raise ValueError("the experts' parameters exceed num_params")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
 
     @property
     def head_dim(self) -> int:
@@ -107,6 +114,15 @@ def llama_params(hidden: int, layers: int, inter: int, vocab: int = 32000) -> in
     return 2 * vocab * hidden + layers * layer + hidden
 
 
+def gqa_llama_params(
+    hidden: int, layers: int, inter: int, heads: int, kv_heads: int, vocab: int = 32000
+) -> int:
+    """Parameters of a grouped-query LLaMA-style model (Mistral 7B: untied head, no biases)."""
+    kv_dim = hidden // heads * kv_heads
+    layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * inter + 2 * hidden
+    return 2 * vocab * hidden + layers * layer + hidden
+
+
 def mixtral_shape(
     name: str, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, experts: int,
     top_k: int, vocab: int = 32000,
@@ -141,6 +157,18 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "llama-13b": _llama("LLaMA-13B", 5120, 13824, 40, 40),
     # 46.7B parameters, 12.9B active (Mistral AI's figures)
     "mixtral-8x7b": mixtral_shape("Mixtral-8x7B", 4096, 14336, 32, 32, 8, 8, 2),
+    # 7.24B parameters; every layer attends to its last 4096 positions
+    "mistral-7b": ModelShape(
+        "Mistral-7B-v0.1",
+        32,
+        4096,
+        32,
+        8,
+        gqa_llama_params(4096, 32, 14336, 32, 8),
+        32000,
+        max_model_len=32768,
+        sliding_window=4096,
+    ),  # fmt: skip
 }
 
 
@@ -154,7 +182,8 @@ def get_model_shape(name: str, **overrides: Any) -> ModelShape:
 
 def from_hf_config(config: Any, name: str | None = None, dtype_bytes: int = 2) -> ModelShape:
     """The shape of a transformers config (OPT or LLaMA family), parameters counted exactly."""
-    from paged_llm.models.presets import count_parameters  # imports torch; only on this path
+    from paged_llm.models.base import sliding_window_of  # imports torch; only on this path
+    from paged_llm.models.presets import count_parameters
 
     experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0)
     moe: dict[str, int] = {}
@@ -168,6 +197,7 @@ def from_hf_config(config: Any, name: str | None = None, dtype_bytes: int = 2) -
         moe = dict(num_experts=experts, experts_per_token=config.num_experts_per_tok,
                    expert_params=sparse * 3 * config.hidden_size * inter)  # fmt: skip
     heads = config.num_attention_heads
+    windows = {sliding_window_of(config, i) for i in range(config.num_hidden_layers)}
     return ModelShape(
         name=name or getattr(config, "name_or_path", "") or config.model_type,
         num_layers=config.num_hidden_layers,
@@ -178,5 +208,7 @@ def from_hf_config(config: Any, name: str | None = None, dtype_bytes: int = 2) -
         vocab_size=config.vocab_size,
         max_model_len=config.max_position_embeddings,
         dtype_bytes=dtype_bytes,
+        # a window on every layer (a mix of windowed and full layers counts as full)
+        sliding_window=windows.pop() if len(windows) == 1 else None,
         **moe,
     )

@@ -26,6 +26,9 @@ class ServingSettings:
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False  # sharing policies only (paged)
     scheduling_policy: str = "fcfs"  # or "priority" (TimedRequest.priority: smaller first)
+    # a windowed model: the paged policy frees each sequence's blocks behind the window (the
+    # engine's behaviour); False keeps them, to measure what freeing buys
+    free_blocks_behind_window: bool = True
 
     def with_overrides(self, **kw: Any) -> ServingSettings:
         """A copy with some settings changed (e.g. a policy's own max_num_seqs)."""
@@ -52,17 +55,22 @@ def build_scheduler(
     num_blocks: int,
     num_cpu_blocks: int = 0,
     track_memory: bool = False,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     """The real Scheduler over the policy's KV manager (a name from POLICIES, a dotted path or a
-    ``{_target_: ...}`` mapping)."""
-    extra = {"enable_prefix_caching": True} if settings.enable_prefix_caching else {}
+    ``{_target_: ...}`` mapping); ``sliding_window``: the model's, if every layer has one."""
+    extra: dict[str, Any] = (
+        {"enable_prefix_caching": True} if settings.enable_prefix_caching else {}
+    )
+    if sliding_window is not None and settings.free_blocks_behind_window:
+        extra["sliding_window"] = sliding_window
     try:
         kv = build(
             "policy", policy, POLICIES, num_blocks=num_blocks, block_size=settings.block_size,
             max_model_len=settings.max_model_len, num_cpu_blocks=num_cpu_blocks, **extra,
         )  # fmt: skip
     except UnsupportedOptions as err:
-        if not extra:
+        if not settings.enable_prefix_caching:
             raise
         raise ValueError(f"policy {policy!r} cannot cache prefixes: {err}") from err
     return Scheduler(kv, settings.limits(), track_memory=track_memory)
