@@ -134,6 +134,42 @@ def test_opt_adapter_matches_peft(tiny_opt, tmp_path):
     assert token_ids(outs) == [hf_greedy(pm, p) for p in PROMPTS]
 
 
+@pytest.mark.parametrize(
+    "kind, targets",
+    [
+        ("gpt2", ["c_attn", "c_proj", "c_fc"]),  # Conv1D layers; c_attn fused q/k/v
+        ("gpt_neox", ["query_key_value", "dense", "dense_4h_to_h"]),  # q/k/v fused per head
+    ],
+)
+def test_fused_qkv_adapters_match_peft(kind, targets, tmp_path):
+    """Adapters of a fused q/k/v layer apply to the q, k and v this engine splits it into."""
+    import transformers as tf
+
+    config = {
+        "gpt2": lambda: tf.GPT2Config(
+            vocab_size=256, n_embd=64, n_head=4, n_layer=2, n_positions=128
+        ),  # fmt: skip
+        "gpt_neox": lambda: tf.GPTNeoXConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            rotary_pct=0.25,
+        ),  # fmt: skip
+    }[kind]()
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "base"))
+    pm = write_adapter(tmp_path / "base", tmp_path / "lora", targets, r=4, alpha=8, seed=5)
+    llm = engine(tmp_path / "base", max_loras=1)
+    req = LoRARequest(kind, 3, str(tmp_path / "lora"))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                        use_tqdm=False, lora_request=req)  # fmt: skip
+    assert token_ids(outs) == [hf_greedy(pm, p) for p in PROMPTS]
+    base = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert token_ids(base) != token_ids(outs)  # the adapter changed something
+
+
 def test_one_slot_serves_many_adapters_in_turn(llama_adapters):
     """max_loras=1 and max_cpu_loras=1 with three adapters: no step mixes adapters, adapters
     are reloaded from disk when the CPU cache dropped them, and outputs equal PEFT's."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,13 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _check_config(cfg: dict[str, Any], where: str) -> None:
-    """Refuse PEFT features this engine does not compute, rather than ignore them."""
+    """Refuse PEFT features this engine does not compute, rather than ignore them.
+    (``fan_in_fan_out``, set for GPT-2's Conv1D layers, only changes how PEFT merges the delta
+    into the weight; A and B keep the usual layout and nothing is merged here.)"""
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type is '{cfg.get('peft_type')}', only LORA is supported")
     unsupported = {
         "use_dora": "DoRA (use_dora)",
-        "fan_in_fan_out": "fan_in_fan_out (GPT-2 Conv1D layers)",
         "lora_bias": "LoRA biases (lora_bias)",
         "modules_to_save": f"modules_to_save {cfg.get('modules_to_save')}",
         "layer_replication": "layer_replication",
@@ -88,10 +90,16 @@ def _alpha_for(module: str, cfg: dict[str, Any]) -> float:
     return float(cfg["lora_alpha"])
 
 
+# (checkpoint module, A, B) -> [(model module, A, B)]: where a model splits a fused layer
+LoRAPair = tuple[str, torch.Tensor, torch.Tensor]
+LoRASplit = Callable[[str, torch.Tensor, torch.Tensor], list[LoRAPair]]
+
+
 def load_adapter(
     request: LoRARequest,
     modules: dict[str, tuple[int, int]],  # adaptable module name -> (in_features, out_features)
     max_rank: int,
+    split: LoRASplit | None = None,  # the model's lora_tensors, for fused q/k/v checkpoints
 ) -> LoRAAdapter:
     """Read and check the adapter of ``request`` against the base model's modules; raise a
     ValueError naming the problem (missing file, unsupported feature, unknown module, shape or
@@ -116,27 +124,42 @@ def load_adapter(
         raise ValueError(f"{where}: the checkpoint holds no LoRA weights")
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module, ab in sorted(pairs.items()):
-        if module not in modules:
-            raise ValueError(
-                f"{where}: module '{module}' is not an adaptable linear layer of the base model "
-                f"(adaptable: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in modules}))})"
-            )
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{where}: module '{module}' lacks lora_{'B' if 'A' in ab else 'A'}")
-        a, b = ab["A"].float(), ab["B"].float()
-        in_f, out_f = modules[module]
-        rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape != (out_f, rank):
-            raise ValueError(
-                f"{where}: '{module}' has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
-                f"the base layer needs [r, {in_f}] and [{out_f}, r]"
-            )
-        if rank > max_rank:
-            raise ValueError(
-                f"{where}: rank {rank} of '{module}' exceeds max_lora_rank={max_rank}; "
-                "raise max_lora_rank"
-            )
         alpha = _alpha_for(module, cfg)
-        scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-        weights[module] = (a.contiguous(), (b * scaling).contiguous())
+        a, b = ab["A"].float(), ab["B"].float()
+        for name, a_part, b_part in split(module, a, b) if split else [(module, a, b)]:
+            weights[name] = _checked(where, name, a_part, b_part, modules, max_rank, alpha, cfg)
     return LoRAAdapter(request.lora_int_id, weights)
+
+
+def _checked(
+    where: str,
+    module: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    modules: dict[str, tuple[int, int]],
+    max_rank: int,
+    alpha: float,
+    cfg: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B with the scaling folded in) of one model module, after checking it fits."""
+    if module not in modules:
+        raise ValueError(
+            f"{where}: module '{module}' is not an adaptable linear layer of the base model "
+            f"(adaptable: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in modules}))})"
+        )
+    in_f, out_f = modules[module]
+    rank = a.shape[0]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape != (out_f, rank):
+        raise ValueError(
+            f"{where}: '{module}' has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+            f"the base layer needs [r, {in_f}] and [{out_f}, r]"
+        )
+    if rank > max_rank:
+        raise ValueError(
+            f"{where}: rank {rank} of '{module}' exceeds max_lora_rank={max_rank}; "
+            "raise max_lora_rank"
+        )
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    return a.contiguous(), (b * scaling).contiguous()

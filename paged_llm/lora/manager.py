@@ -18,10 +18,12 @@ from paged_llm.lora.slots import LoRASlots
 
 def adaptable_linears(model: nn.Module) -> dict[str, nn.Module]:
     """The linear layers of the decoder blocks (attention and MLP projections), by HF module
-    name: what PEFT adapters target. Embeddings and the LM head are left alone."""
+    name: what PEFT adapters target. The blocks are what the model's ModuleLists hold
+    (``model.layers``, GPT-2's ``transformer.h``); embeddings and the LM head are left alone."""
+    blocks = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, nn.ModuleList))
     return {
         name: m for name, m in model.named_modules()
-        if ".layers." in name and hasattr(m, "in_features") and hasattr(m, "out_features")
+        if name.startswith(blocks) and hasattr(m, "in_features") and hasattr(m, "out_features")
         and not isinstance(m, LoRALinear) and not name.endswith(".base")
     }  # fmt: skip
 
@@ -52,6 +54,8 @@ class LoRAManager:
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no linear layers LoRA could adapt")
         self.modules = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
+        # a model whose checkpoint fuses q/k/v says how an adapter of the fused layer splits
+        self.split = getattr(model, "lora_tensors", None)
         self.registered: dict[int, LoRARequest] = {}
         self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
 
@@ -70,7 +74,7 @@ class LoRAManager:
                     f"'{known.lora_name}' ({known.lora_path}); give each adapter its own id"
                 )
             return False
-        adapter = load_adapter(request, self.modules, self.max_lora_rank)
+        adapter = load_adapter(request, self.modules, self.max_lora_rank, self.split)
         self.registered[request.lora_int_id] = request
         self._keep(adapter)
         return True
@@ -95,7 +99,9 @@ class LoRAManager:
         """The adapter's CPU weights, read again from disk if the cache dropped them."""
         adapter = self._cpu.get(lora_id)
         if adapter is None:
-            adapter = load_adapter(self.registered[lora_id], self.modules, self.max_lora_rank)
+            adapter = load_adapter(
+                self.registered[lora_id], self.modules, self.max_lora_rank, self.split
+            )
         self._keep(adapter)
         return adapter
 

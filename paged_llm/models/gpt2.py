@@ -120,6 +120,17 @@ class GPT2LMHeadModel(CausalLM):
         """Final hidden states of the flat batch; pass the rows to sample to compute_logits."""
         return self.transformer(input_ids, positions, ctx)
 
+    def lora_tensors(
+        self, module: str, a: torch.Tensor, b: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """A PEFT adapter of the fused ``c_attn`` ([3H, r] B) adapts q, k and v: the same A,
+        B's thirds; other modules map one to one."""
+        if not module.endswith("attn.c_attn") or b.dim() != 2 or b.shape[0] % 3:
+            return [(module, a, b)]
+        prefix = module.removesuffix("c_attn")
+        parts = zip(("q_proj", "k_proj", "v_proj"), b.chunk(3, dim=0))
+        return [(prefix + name, a, piece) for name, piece in parts]
+
     def checkpoint_tensors(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterable[tuple[str | None, torch.Tensor]]:

@@ -129,6 +129,21 @@ class GPTNeoXForCausalLM(CausalLM):
         """Final hidden states of the flat batch; pass the rows to sample to compute_logits."""
         return self.gpt_neox(input_ids, positions, ctx)
 
+    def lora_tensors(
+        self, module: str, a: torch.Tensor, b: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """A PEFT adapter of the fused ``query_key_value`` adapts q, k and v: the same A, and
+        B's rows per head split as the weight is; other modules map one to one."""
+        heads = self.config.num_attention_heads
+        if not module.endswith("attention.query_key_value") or b.dim() != 2:
+            return [(module, a, b)]
+        if b.shape[0] != 3 * self.config.hidden_size:
+            return [(module, a, b)]  # the shape check names the mismatch
+        per_head = b.reshape(heads, 3, -1, b.shape[1])  # [heads, q|k|v, d, r]
+        prefix = module.removesuffix("query_key_value")
+        return [(prefix + name, a, per_head[:, i].reshape(-1, b.shape[1]))
+                for i, name in enumerate(("q_proj", "k_proj", "v_proj"))]  # fmt: skip
+
     def checkpoint_tensors(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterable[tuple[str | None, torch.Tensor]]:
