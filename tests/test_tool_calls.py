@@ -102,6 +102,15 @@ def test_mistral_calls_after_the_marker():
     assert parser.keeps_special_tokens  # [TOOL_CALLS] is a special token
     assert re.fullmatch("[0-9a-f]{9}", parser.call_id())  # what Mistral's templates accept
     assert parser.parse("[TOOL_CALLS]oops", finished=True) == Parsed("[TOOL_CALLS]oops")
+    # tokenizer v11 on: [TOOL_CALLS]name[ARGS]{...} per call
+    v11 = 'Ok [TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]get_weather[ARGS] {"city": "Oslo"}'
+    assert parser.parse(v11, finished=True) == Parsed(
+        "Ok ", (Call("add", '{"a": 1}'), Call("get_weather", '{"city": "Oslo"}'))
+    )
+    first = v11[: v11.index("}") + 1]  # the first call's object just closed
+    assert parser.parse(first, finished=False) == Parsed("Ok ", (Call("add", '{"a": 1}'),))
+    assert parser.parse(first[:-1], finished=False) == Parsed("Ok ")
+    assert parser.parse("[TOOL_CALLS]add[ARGS][1]", finished=True).calls == ()
 
 
 def test_pythonic_calls():
@@ -177,6 +186,7 @@ PIECES = st.one_of(
         ["[TOOL_CALLS]", "[TOOL_", '[{"name": "add", "arguments": {"a": 1}}', ", ", "]"]
     ),
     st.sampled_from(["[add(a=1)]", '[get(city="x"), add(a=2)]', "[f(", ")]"]),
+    st.sampled_from(["add[ARGS]", '{"a": 2}', "[ARG", "x[ARGS]"]),  # Mistral v11
 )
 
 

@@ -21,6 +21,7 @@ appending to it, the calls by appending calls (only the last call's arguments ma
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import uuid
 from abc import ABC, abstractmethod
@@ -210,12 +211,13 @@ class Llama3JsonToolParser(ToolParser):
 
 
 class MistralToolParser(ToolParser):
-    """Mistral (tokenizer v3+): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``. Text
+    """Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (tokenizer v3 to v7),
+    or ``[TOOL_CALLS]name[ARGS]{...}`` once per call (v11 on, e.g. Mistral Small 3.2). Text
     before the marker is content. ``[TOOL_CALLS]`` is a special token, so replies keep special
     tokens in their text while tools are offered; call ids are 9 letters and digits, the only
     form Mistral's chat templates accept back."""
 
-    marker = "[TOOL_CALLS]"
+    marker, args = "[TOOL_CALLS]", "[ARGS]"
     keeps_special_tokens = True
 
     def parse(self, text: str, finished: bool) -> Parsed:
@@ -225,8 +227,8 @@ class MistralToolParser(ToolParser):
             return Parsed(text[:keep])
         body = at + len(self.marker)
         start = text.find("[", body)
-        if start < 0 or text[body:start].strip():  # not (yet) the array form
-            return Parsed(text if finished else text[:at])
+        if start < 0 or text[body:start].strip():  # the v11 form (or not decidable yet)
+            return self._named_calls(text, at, finished)
         spans, stop = _json_spans(text, start + 1)  # each call is final once its object closes
         content, calls = [text[:at]], []
         for begin, end in spans:
@@ -236,6 +238,31 @@ class MistralToolParser(ToolParser):
         rest = text[stop:].strip()
         if finished and rest != "]":  # whatever is not a call stays text
             content.append(text[stop:])
+        return Parsed("".join(content), tuple(calls))
+
+    def _named_calls(self, text: str, at: int, finished: bool) -> Parsed:
+        """``[TOOL_CALLS]name[ARGS]{...}`` repeated: each call is final once its object
+        closes; what does not read as one stays text once the reply ends."""
+        decoder = json.JSONDecoder()
+        content, calls, pos = [text[:at]], [], at
+        while pos >= 0:
+            name_from = pos + len(self.marker)
+            args_at = text.find(self.args, name_from)
+            name = text[name_from:args_at].strip() if args_at >= 0 else ""
+            value, end = None, -1
+            if name:
+                json_from = args_at + len(self.args)
+                json_from += len(text[json_from:]) - len(text[json_from:].lstrip())
+                with contextlib.suppress(*_UNREADABLE):  # incomplete JSON: wait, or text
+                    value, end = decoder.raw_decode(text, json_from)
+            if not isinstance(value, dict):  # incomplete, or not a call
+                content += [text[pos:]] if finished else []
+                break
+            calls.append(Call(name, json.dumps(value, ensure_ascii=False)))
+            pos = text.find(self.marker, end)
+            between = text[end : pos if pos >= 0 else len(text)]
+            if (pos >= 0 or finished) and between.strip():
+                content.append(between)
         return Parsed("".join(content), tuple(calls))
 
     def call_id(self) -> str:
