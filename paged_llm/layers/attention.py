@@ -10,7 +10,7 @@ from torch import nn
 
 from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata
-from paged_llm.ops.paged_attention.reference import check_window
+from paged_llm.utils.checks import check_window
 
 
 @dataclass

@@ -26,6 +26,12 @@ _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 _BARE = ("wte.", "wpe.", "h.", "ln_f.")  # GPT2Model's tensors, without "transformer."
 
 
+def split_c_attn(rows: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The fused ``c_attn``'s output rows [3H, ...] (weight, bias, or a LoRA B) as the q, k and
+    v layers' rows: three consecutive thirds."""
+    return list(zip(("q_proj", "k_proj", "v_proj"), rows.chunk(3, dim=0)))
+
+
 class GPT2Attention(nn.Module):
     """Multi-head attention with biased q/k/v (column-parallel) and c_proj (row-parallel)."""
 
@@ -128,8 +134,7 @@ class GPT2LMHeadModel(CausalLM):
         if not module.endswith("attn.c_attn") or b.dim() != 2 or b.shape[0] % 3:
             return [(module, a, b)]
         prefix = module.removesuffix("c_attn")
-        parts = zip(("q_proj", "k_proj", "v_proj"), b.chunk(3, dim=0))
-        return [(prefix + name, a, piece) for name, piece in parts]
+        return [(prefix + name, a, piece) for name, piece in split_c_attn(b)]
 
     def checkpoint_tensors(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -147,7 +152,7 @@ class GPT2LMHeadModel(CausalLM):
                 tensor = tensor.t()  # [in, out] -> [out, in]
             if module.endswith("attn.c_attn"):
                 prefix, kind = module.removesuffix("c_attn"), name.rsplit(".", 1)[1]
-                for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3, dim=0)):
+                for part, piece in split_c_attn(tensor):
                     yield f"{prefix}{part}.{kind}", piece
                 continue
             yield name, tensor

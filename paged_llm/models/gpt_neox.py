@@ -22,6 +22,15 @@ from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_paramete
 from paged_llm.models.base import CausalLM
 
 
+def split_query_key_value(rows: torch.Tensor, heads: int) -> list[tuple[str, torch.Tensor]]:
+    """The fused ``query_key_value``'s output rows [3H, ...] (weight, bias, or a LoRA B) as the
+    q, k and v layers' rows: per head, head_dim rows of q, then of k, then of v."""
+    rest = rows.shape[1:]
+    per_head = rows.reshape(heads, 3, -1, *rest)  # [heads, q|k|v, head_dim, ...]
+    return [(name, per_head[:, i].reshape(-1, *rest))
+            for i, name in enumerate(("q_proj", "k_proj", "v_proj"))]  # fmt: skip
+
+
 class GPTNeoXAttention(nn.Module):
     """q/k/v (column-parallel), partial RoPE on q and k, paged attention, dense (row-parallel)."""
 
@@ -134,15 +143,13 @@ class GPTNeoXForCausalLM(CausalLM):
     ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """A PEFT adapter of the fused ``query_key_value`` adapts q, k and v: the same A, and
         B's rows per head split as the weight is; other modules map one to one."""
-        heads = self.config.num_attention_heads
         if not module.endswith("attention.query_key_value") or b.dim() != 2:
             return [(module, a, b)]
         if b.shape[0] != 3 * self.config.hidden_size:
             return [(module, a, b)]  # the shape check names the mismatch
-        per_head = b.reshape(heads, 3, -1, b.shape[1])  # [heads, q|k|v, d, r]
         prefix = module.removesuffix("query_key_value")
-        return [(prefix + name, a, per_head[:, i].reshape(-1, b.shape[1]))
-                for i, name in enumerate(("q_proj", "k_proj", "v_proj"))]  # fmt: skip
+        heads = self.config.num_attention_heads
+        return [(prefix + name, a, piece) for name, piece in split_query_key_value(b, heads)]
 
     def checkpoint_tensors(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -151,7 +158,6 @@ class GPTNeoXForCausalLM(CausalLM):
         q/k/v per head, and buffers older checkpoints saved (causal mask, rotary frequencies)
         are dropped."""
         heads = self.config.num_attention_heads
-        head_dim = self.config.hidden_size // heads
         for name, tensor in weights:
             if name.endswith((".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")):
                 continue
@@ -159,9 +165,7 @@ class GPTNeoXForCausalLM(CausalLM):
                 yield "lm_head." + name.removeprefix("embed_out."), tensor
             elif ".attention.query_key_value." in name:
                 prefix, kind = name.split("query_key_value.")
-                rest = tensor.shape[1:]  # (hidden,) for the weight, () for the bias
-                per_head = tensor.reshape(heads, 3, head_dim, *rest)  # [heads, q|k|v, d, ...]
-                for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
-                    yield f"{prefix}{part}.{kind}", per_head[:, i].reshape(heads * head_dim, *rest)
+                for part, piece in split_query_key_value(tensor, heads):
+                    yield f"{prefix}{part}.{kind}", piece
             else:
                 yield name, tensor

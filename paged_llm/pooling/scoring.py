@@ -51,15 +51,13 @@ def cross_encoder_input(first: Any, second: Any, tokenizer: Any) -> dict[str, li
     (``tokenizer(text, text_pair)``, the model's own pair template); token ids, or a text
     with token ids, are joined first then second."""
     texts = [_text_of(p) for p in (first, second)]
-    if texts[0] is not None and texts[1] is not None:
-        if tokenizer is None:
-            raise ValueError("scoring texts needs a tokenizer; pass token ids instead")
+    if tokenizer is None and texts != [None, None]:
+        raise ValueError("scoring texts needs a tokenizer; pass token ids instead")
+    if None not in texts:
         return {"prompt_token_ids": list(tokenizer(text=texts[0], text_pair=texts[1])["input_ids"])}
     ids = []
     for prompt, text in zip((first, second), texts):
         if text is not None:
-            if tokenizer is None:
-                raise ValueError("scoring texts needs a tokenizer; pass token ids instead")
             ids += tokenizer(text=text)["input_ids"]
         else:
             ids += list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from paged_llm.utils.checks import check_window
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -46,8 +48,7 @@ class ModelShape:
             )
         if self.num_experts * self.expert_params > self.num_params:
             raise ValueError("the experts' parameters exceed num_params")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
+        check_window(self.sliding_window)
 
     @property
     def head_dim(self) -> int:
@@ -108,17 +109,12 @@ def opt_params(
     return vocab * hidden + (positions + 2) * hidden + layers * layer + 2 * hidden
 
 
-def llama_params(hidden: int, layers: int, inter: int, vocab: int = 32000) -> int:
-    """Parameters of a LLaMA-1 model (untied head, no biases, RMSNorm)."""
-    layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
-    return 2 * vocab * hidden + layers * layer + hidden
-
-
-def gqa_llama_params(
-    hidden: int, layers: int, inter: int, heads: int, kv_heads: int, vocab: int = 32000
+def llama_params(
+    hidden: int, layers: int, inter: int, vocab: int = 32000, kv_dim: int | None = None
 ) -> int:
-    """Parameters of a grouped-query LLaMA-style model (Mistral 7B: untied head, no biases)."""
-    kv_dim = hidden // heads * kv_heads
+    """Parameters of a LLaMA-style model (untied head, no biases, RMSNorm); ``kv_dim``: the
+    width of k and v under grouped-query attention (Mistral 7B: 1024; None: ``hidden``)."""
+    kv_dim = hidden if kv_dim is None else kv_dim
     layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * inter + 2 * hidden
     return 2 * vocab * hidden + layers * layer + hidden
 
@@ -164,7 +160,7 @@ MODEL_SHAPES: dict[str, ModelShape] = {
         4096,
         32,
         8,
-        gqa_llama_params(4096, 32, 14336, 32, 8),
+        llama_params(4096, 32, 14336, kv_dim=1024),
         32000,
         max_model_len=32768,
         sliding_window=4096,

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from paged_llm.core.block_pool import BlockPool
 from paged_llm.core.kv.base import KVCacheManager, MemoryBreakdown
 from paged_llm.core.request import Request
+from paged_llm.utils.checks import check_window
 
 # A block-table entry whose block fell out of the sliding window and went back to the pool.
 # Such entries are a prefix of the table; kernels never read them (the runner writes block 0
@@ -43,8 +44,7 @@ class PagedKVCacheManager(KVCacheManager):
         sliding_window: int | None = None,
     ) -> None:
         super().__init__(num_blocks, block_size, max_model_len)
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        check_window(sliding_window)
         # Every token sees only its last sliding_window positions, so earlier blocks can go.
         self.sliding_window = sliding_window
         self._num_released: dict[str, int] = {}  # request -> leading NULL_BLOCK entries

@@ -44,12 +44,6 @@ def gather_blocks(
     return KVCacheSpec.dequantize(vectors, scales, dtype or torch.float32)
 
 
-def check_window(sliding_window: int | None) -> None:
-    """A sliding window is None (none) or a positive number of positions."""
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
-
-
 def attention_mask(
     lq: int, lk: int, sliding_window: int | None, device: torch.device | str = "cpu"
 ) -> torch.Tensor:

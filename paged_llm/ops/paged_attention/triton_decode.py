@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_llm.ops.paged_attention.reference import check_window
 from paged_llm.ops.tuning import FP32_ATTENTION_BLOCK, kernel_config, num_sms
+from paged_llm.utils.checks import check_window
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the fast hardware instruction)
 

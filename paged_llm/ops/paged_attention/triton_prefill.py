@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_llm.ops.paged_attention.reference import check_window
 from paged_llm.ops.paged_attention.triton_decode import (
     LOG2E,
     check_paged_inputs,
@@ -30,6 +29,7 @@ from paged_llm.ops.paged_attention.triton_decode import (
     online_softmax_step,
     quantized_cache_args,
 )
+from paged_llm.utils.checks import check_window
 
 
 @triton.jit
