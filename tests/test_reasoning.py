@@ -247,3 +247,25 @@ def test_server_returns_the_thought_as_reasoning(server, tags):
     # /tokenize still sees the plain template; other routes are unaffected
     tokens = httpx.post(server.url + "/tokenize", json={"prompt": "<think>"}).json()["tokens"]
     assert tokens[-1] == tags[0]
+
+
+def test_responses_carry_the_thought_as_a_reasoning_item(server, tags):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    ask = dict(model="thinker", input="hi", temperature=0, max_output_tokens=8,
+               extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.responses.create(**ask)
+    assert [it.type for it in r.output] == ["reasoning"] and r.output_text == ""
+    assert r.output[0].content[0].text and r.usage.output_tokens_details.reasoning_tokens == 8
+    events = list(client.responses.create(stream=True, **ask))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == r.output[0].content[0].text
+    assert events[-1].response.output[0].content[0].text == thought
+    # an answer after a (forced, empty) thought: no reasoning item, the JSON as the message
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    fmt = {"format": {"type": "json_schema", "name": "a", "schema": schema}}
+    body = {**ask, "max_output_tokens": 30, "text": fmt,
+            "extra_body": {"logit_bias": {str(tags[1]): 100}}}  # fmt: skip
+    r = client.responses.create(**body)
+    assert [it.type for it in r.output] == ["message"] and r.status == "completed"
+    assert isinstance(json.loads(r.output_text)["ok"], bool)

@@ -155,7 +155,7 @@ class LLMEngine:
         self._structured: StructuredOutputCompiler | None = None  # built on first guided request
         # with a reasoning parser, grammars wait for the end of the thought (tags as token ids)
         self.reasoning = reasoning_parser(mc.reasoning_parser) if mc.reasoning_parser else None
-        self._reasoning_tags = self.reasoning.tag_ids(self.tokenizer) if self.reasoning else None
+        self.reasoning_tags = self.reasoning.tag_ids(self.tokenizer) if self.reasoning else None
         if self.drafter is not None:
             self.drafter.load(self)
             block_bytes += self.drafter.bytes_per_block(cc.block_size)  # both pools share blocks
@@ -311,7 +311,7 @@ class LLMEngine:
         guide = self._structured_outputs().guide(guided)
         if self.reasoning is None:
             return guide
-        return self.reasoning.gate(guide, prompt_ids, self._reasoning_tags)
+        return self.reasoning.gate(guide, prompt_ids, self.reasoning_tags)
 
     def make_request(
         self,

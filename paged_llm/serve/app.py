@@ -57,6 +57,14 @@ from paged_llm.serve.render import (
     whole_response,
 )
 from paged_llm.serve.replies import ChatReply
+from paged_llm.serve.responses import (
+    EventSequence,
+    ResponseRun,
+    ResponsesRequest,
+    ResponseStore,
+    input_messages,
+    to_chat_request,
+)
 from paged_llm.serve.tool_calls import ToolParser, parse_tools, tool_mode
 
 logger = logging.getLogger(__name__)
@@ -79,6 +87,8 @@ class ServerSettings:
     allow_runtime_lora_updating: bool = False
     # --enable-auto-tool-choice with --tool-call-parser: how "auto" finds calls (None: refused)
     tool_parser: ToolParser | None = None
+    # /v1/responses kept for previous_response_id and GET (in memory; the oldest forgotten)
+    max_stored_responses: int = 1000
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -302,10 +312,11 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         )
         return await _generate(request, req, subs, choices, model, chat=False)
 
-    @router.post("/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        req = parse_request(await request.body(), ChatCompletionRequest)
-        model = model_name(req.model)
+    def _chat_work(
+        req: ChatCompletionRequest, model: str, always_reply: bool = False
+    ) -> tuple[list[SubRequest], Choices]:
+        """The engine request of a chat request, and its choices' progress (with a ChatReply
+        when reasoning or tools need one, or ``always_reply``)."""
         tools = parse_tools(req.tools)
         mode = tool_mode(tools, req.tool_choice, settings.tool_parser, req.parallel_tool_calls)
         forced = mode.structured_output() if mode is not None else None
@@ -325,9 +336,50 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         subs = [SubRequest(render, params, default_max_tokens=unset, priority=req.priority,
                            lora_request=lora)]  # fmt: skip
         reasoning = engine.engine.reasoning
-        reply = ChatReply(reasoning, mode) if reasoning or mode else None  # None: plain text
-        choices = Choices([params], reply=reply)
+        needed = reasoning or mode or always_reply
+        reply = ChatReply(reasoning, mode) if needed else None  # None: plain text
+        return subs, Choices([params], reply=reply)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse_request(await request.body(), ChatCompletionRequest)
+        model = model_name(req.model)
+        subs, choices = _chat_work(req, model)
         return await _generate(request, req, subs, choices, model, chat=True)
+
+    store = ResponseStore(settings.max_stored_responses)
+
+    @router.post("/responses")
+    async def responses(request: Request) -> Response:
+        req = parse_request(await request.body(), ResponsesRequest)
+        model = model_name(req.model)
+        earlier = store.conversation(req.previous_response_id) if req.previous_response_id else []
+        conversation = earlier + input_messages(req.input)
+        subs, choices = _chat_work(to_chat_request(req, conversation), model, always_reply=True)
+        group = await engine.submit(subs, request_id=f"resp_{uuid.uuid4().hex}")
+        tags = engine.engine.reasoning_tags
+        run = ResponseRun(group.request_id, model, req, choices, conversation,
+                          tags[1] if tags else None)  # fmt: skip
+        if settings.log_requests:
+            logger.info("request %s: a response", group.request_id)
+        if req.stream:
+            return _GroupStream(group, _response_sse(group, run, store))
+        try:
+            done = await _unless_disconnected(request, _whole_response(group, run, store))
+        finally:
+            group.close()
+        if not done:
+            return Response(status_code=499)  # nobody is listening any more
+        return JSONResponse(run.final)
+
+    @router.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return store.get(response_id)
+
+    @router.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     def _pooler(what: str, classifier: bool | None = None) -> Any:
         """This server's pooler; 400 unless it pools the way ``what`` (the route) needs:
@@ -527,8 +579,12 @@ class _GroupStream(StreamingResponse):
             self.group.close()
 
 
+def _json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
 def _event(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"data: {_json(obj)}\n\n"
 
 
 async def _sse(
@@ -561,6 +617,47 @@ async def _sse(
             obj = "chat.completion.chunk" if chat else "text_completion"
             yield _event(usage_chunk(rid, created, model, obj, choices))
     yield "data: [DONE]\n\n"
+
+
+async def _response_steps(
+    group: RequestGroup, run: ResponseRun, store: ResponseStore
+) -> AsyncIterator[dict[str, Any]]:
+    """A response's events as its engine request runs (its error raised); the finished
+    response is ``run.final``, and is stored unless the request says not to."""
+    for event in run.opening_events():
+        yield event
+    async for update in group.updates():
+        if update.error is not None:
+            raise update.error
+        for delta in run.choices.apply(update):
+            for event in run.feed(delta.text, finished=delta.finish_reason is not None):
+                yield event
+    events, body = run.finish()
+    if run.req.store:
+        store.put(body, run.stored_conversation())
+    for event in events:
+        yield event
+
+
+async def _response_sse(
+    group: RequestGroup, run: ResponseRun, store: ResponseStore
+) -> AsyncIterator[str]:
+    """A streamed response's SSE (no ``[DONE]``: the Responses API ends with
+    ``response.completed``, ``.incomplete`` or ``.failed``)."""
+    sequence = EventSequence()
+    try:
+        async for event in _response_steps(group, run, store):
+            yield sequence.sse(event, _json)
+    except APIError as err:
+        for event in run.failed(err.code or err.error_type, err.message):
+            yield sequence.sse(event, _json)
+
+
+async def _whole_response(group: RequestGroup, run: ResponseRun, store: ResponseStore) -> bool:
+    """Run a response that is not streamed through the same steps (``run.final``)."""
+    async for _ in _response_steps(group, run, store):
+        pass
+    return True
 
 
 async def _pooled(group: RequestGroup) -> list[Any]:

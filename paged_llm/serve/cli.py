@@ -47,6 +47,13 @@ def make_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chat-template", help="chat template file (or inline Jinja text)")
     srv.add_argument("--max-logprobs", type=int, default=20)
     srv.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="/v1/responses kept in memory for previous_response_id and GET (oldest dropped; "
+        "0 stores none)",
+    )
+    srv.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model decide when to call tools (tool_choice "auto"); needs a parser',
@@ -335,6 +342,8 @@ def server_settings(args: argparse.Namespace) -> Any:
         raise ValueError("--max-waiting must be >= 0 (0: no limit)")
     if args.max_logprobs < 0:
         raise ValueError("--max-logprobs must be >= 0")
+    if args.max_stored_responses < 0:
+        raise ValueError("--max-stored-responses must be >= 0")
     model = model_name(args)
     parser = tool_parser(args.tool_call_parser) if args.tool_call_parser else None
     if args.enable_auto_tool_choice and parser is None:
@@ -350,6 +359,7 @@ def server_settings(args: argparse.Namespace) -> Any:
         lora_modules=lora_modules(args),
         allow_runtime_lora_updating=runtime_lora_updating(),
         tool_parser=parser if args.enable_auto_tool_choice else None,
+        max_stored_responses=args.max_stored_responses,
     )
 
 

@@ -38,11 +38,17 @@ class Unauthorized(APIError):
     default_code = "invalid_api_key"
 
 
-class ModelNotFound(APIError):
-    """404: the request names a model this server does not serve."""
+class NotFound(APIError):
+    """404: the request names something this server does not have."""
 
     status_code = 404
     error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    """404: the request names a model this server does not serve."""
+
     default_code = "model_not_found"
 
 

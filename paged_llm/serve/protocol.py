@@ -237,17 +237,24 @@ def parse_request(raw: bytes, model_cls: type[BaseModel]) -> Any:
         raise BadRequest(f"malformed JSON body: {err}") from None
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
+    req = validate_request(data, model_cls)
+    # fields a request model hands on to another one (``passthrough``) are not unknown
+    unknown = set(req.model_extra or ()) - getattr(model_cls, "passthrough", frozenset())
+    if unknown:
+        logger.warning("ignoring unknown request fields: %s", sorted(unknown))
+    return req
+
+
+def validate_request(data: dict[str, Any], model_cls: type[BaseModel]) -> Any:
+    """``data`` as a ``model_cls``; a BadRequest naming the first bad field."""
     try:
-        req = model_cls.model_validate(data)
+        return model_cls.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         loc = [str(p) for p in first["loc"]]
         param = loc[0] if loc else None
         got = repr(first.get("input"))[:80] if first["type"] != "missing" else "nothing"
         raise BadRequest(f"invalid '{param}': {first['msg']} (got {got})", param=param) from None
-    if req.model_extra:
-        logger.warning("ignoring unknown request fields: %s", sorted(req.model_extra))
-    return req
 
 
 def _reject_unsupported(req: _GenerationRequest) -> None:

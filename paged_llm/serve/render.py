@@ -67,6 +67,7 @@ class Choices:
                                 reply_stream=reply.stream() if reply else None)
                         for p in params for _ in range(p.n)]  # fmt: skip
         self.prompt_tokens: dict[int, int] = {}  # engine request index -> prompt length
+        self.cached_tokens: dict[int, int] = {}  # ... -> its prompt tokens from the prefix cache
         # engine request index -> its prompt's logprobs (SamplingParams.prompt_logprobs)
         self.prompt_logprobs: dict[int, list[LogprobEntry | None]] = {}
         self.strings: dict[int, str] = {}  # token id -> text, for logprobs
@@ -79,6 +80,7 @@ class Choices:
         out = update.output
         if out is not None:
             self.prompt_tokens[update.index] = len(out.prompt_token_ids)
+            self.cached_tokens[update.index] = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 self.prompt_logprobs[update.index] = out.prompt_logprobs
             for completion in out.outputs:
