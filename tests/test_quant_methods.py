@@ -6,13 +6,15 @@ import copy
 
 import pytest
 import torch
+from test_models import VOCAB, _hf_model, _save
 from torch import nn
 
 from paged_llm import LLM, SamplingParams
 from paged_llm.models import trained
 from paged_llm.models.loader import load_model
 from paged_llm.quant import apply_quantization
-from paged_llm.quant.awq import search_clip, search_scale
+from paged_llm.quant.awq import AWQ, _out_channels, apply_scale, search_clip, search_scale
+from paged_llm.quant.base import linears_by_block
 from paged_llm.quant.calibration import calibration_windows
 from paged_llm.quant.evaluation import (
     divergence,
@@ -129,3 +131,54 @@ def test_llm_quantization_argument_selects_the_modules(target):
 def test_prequantized_names_need_a_prequantized_checkpoint(target):
     with pytest.raises(ValueError, match="no quantization_config.*int4_gptq"):
         LLM(str(target[0]), quantization="gptq", cpu_kv_cache_gib=0.01)
+
+
+# AWQ's scaling plans per family: pre-LN OPT (the paper's models; ReLU, so fc1 -> fc2 scales
+# too), post-LN OPT-350m (no norm before q/k/v), GPT-2 and GPT-NeoX (GELU: fc -> proj is
+# skipped), Llama under GQA (v -> o skipped), Qwen3 (q/k norms after the projections).
+AWQ_FAMILIES = ["llama-gqa", "qwen3", "opt", "opt-350m-like", "gpt2", "gpt-neox",
+                "gpt-neox-sequential"]  # fmt: skip
+
+
+def _tiny(case, tmp_path):
+    model, _ = load_model(_save(_hf_model(case), tmp_path), torch.float32)
+    windows = torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(1))
+    return model, windows
+
+
+@pytest.mark.parametrize("case", AWQ_FAMILIES)
+def test_awq_scaling_plans_keep_the_float_function(case, tmp_path):
+    """Every pair a plan scales (random scales on the group's inputs, their inverse folded into
+    the layer before) leaves the model's predictions unchanged: the plan only pairs layers a
+    scale can cross."""
+    model, windows = _tiny(case, tmp_path)
+    before = next_token_logprobs(model, windows)
+    gen = torch.Generator().manual_seed(0)
+    scaled = []
+    for block in linears_by_block(model):
+        for prev_name, group in AWQ()._plan(model, block):
+            prev = model.get_submodule(f"{block}.{prev_name}")
+            linears = [model.get_submodule(f"{block}.{n}") for n in group]
+            if _out_channels(prev) != linears[0].in_features:
+                continue  # as AWQ does (grouped-query v -> o)
+            apply_scale(prev, linears, torch.exp(0.5 * torch.randn(_out_channels(prev),
+                                                                    generator=gen)))  # fmt: skip
+            scaled.append(prev_name)
+    assert scaled  # every family scales something
+    after = next_token_logprobs(model, windows)
+    assert max((a - b).abs().max().item() for a, b in zip(after, before)) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["opt", "gpt2", "gpt-neox"])
+def test_awq_quantizes_the_gpt_families_closer_than_rtn(case, tmp_path):
+    model, windows = _tiny(case, tmp_path)
+    reference = next_token_logprobs(model, windows)
+    kl = {}
+    for name, target in [("rtn", "paged_llm.quant.simple.Int4RTN"),
+                         ("awq", "paged_llm.quant.awq.AWQ")]:  # fmt: skip
+        spec = {"_target_": target, "group_size": 32}
+        q = apply_quantization(copy.deepcopy(model), spec, calibration=windows)
+        layers = [q.get_submodule(n) for names in linears_by_block(model).values() for n in names]
+        assert layers and all(isinstance(lin, Int4Linear) for lin in layers)
+        kl[name] = divergence(reference, next_token_logprobs(q, windows))["kl_divergence"]
+    assert kl["awq"] < kl["rtn"]

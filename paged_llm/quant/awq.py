@@ -9,7 +9,10 @@ Writes the same packed int4 format as RTN and GPTQ.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paged_llm.quant.base import QuantMethod, linears_by_block, set_module
@@ -17,16 +20,72 @@ from paged_llm.quant.calibration import BlockwiseCalibration
 from paged_llm.quant.int4 import fake_quantize, rtn_quantize
 from paged_llm.quant.layers import Int4Linear, check_int4_layers
 
-# For each block type: (layer whose output feeds the group, linears sharing that input). The
-# scale is folded into the first; groups whose shapes do not line up (e.g. v_proj -> o_proj
-# under grouped-query attention, where heads are shared) are left unscaled, as in AWQ.
-SCALING_PLANS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "LlamaDecoderLayer": [
-        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+Plan = list[tuple[str, tuple[str, ...]]]  # (layer whose output feeds the group, its linears)
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _under(prefix: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f"{prefix}.{n}" for n in names)
+
+
+def _homogeneous(act: object) -> bool:
+    """Whether ``act(x / s) == act(x) / s`` for s > 0 (ReLU), so a scale can cross it; GELU and
+    SiLU do not allow it (AWQ then leaves that pair unscaled)."""
+    return act is F.relu
+
+
+def _norm_folds(norm: nn.Module) -> bool:
+    """A norm can take a scale only if it has a weight (elementwise affine)."""
+    return getattr(norm, "weight", None) is not None
+
+
+def _llama_plan(layer: nn.Module) -> Plan:
+    return [
+        ("input_layernorm", _under("self_attn", QKV)),
         ("self_attn.v_proj", ("self_attn.o_proj",)),
         ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        ("mlp.up_proj", ("mlp.down_proj",)),
-    ],
+        ("mlp.up_proj", ("mlp.down_proj",)),  # down(act(gate) * up): up's rows scale linearly
+    ]
+
+
+def _opt_plan(layer: nn.Module) -> Plan:
+    # Post-LN blocks (OPT-350m) feed the raw residual to q/k/v and fc1: no norm to fold into.
+    pre = layer.do_layer_norm_before and _norm_folds(layer.self_attn_layer_norm)
+    plan = [("self_attn_layer_norm", _under("self_attn", QKV))] if pre else []
+    plan.append(("self_attn.v_proj", ("self_attn.out_proj",)))
+    if pre:
+        plan.append(("final_layer_norm", ("fc1",)))
+    if _homogeneous(layer.activation_fn):
+        plan.append(("fc1", ("fc2",)))
+    return plan
+
+
+def _gpt2_plan(layer: nn.Module) -> Plan:
+    plan = [("ln_1", _under("attn", QKV)), ("attn.v_proj", ("attn.c_proj",)),
+            ("ln_2", ("mlp.c_fc",))]  # fmt: skip
+    if _homogeneous(layer.mlp.act):
+        plan.append(("mlp.c_fc", ("mlp.c_proj",)))
+    return plan
+
+
+def _gpt_neox_plan(layer: nn.Module) -> Plan:
+    plan = [("input_layernorm", _under("attention", QKV)),
+            ("attention.v_proj", ("attention.dense",)),
+            ("post_attention_layernorm", ("mlp.dense_h_to_4h",))]  # fmt: skip
+    if _homogeneous(layer.mlp.act):
+        plan.append(("mlp.dense_h_to_4h", ("mlp.dense_4h_to_h",)))
+    return plan
+
+
+# For each block type, its scaling plan: the pairs (layer whose output feeds a group, the
+# linears sharing that input) where a scale on the group's inputs can be folded into that layer
+# without changing the block's function. Groups whose shapes do not line up (v_proj -> o_proj
+# under grouped-query attention, where heads are shared) are skipped at run time, as in AWQ.
+SCALING_PLANS: dict[str, Callable[[nn.Module], Plan]] = {
+    "LlamaDecoderLayer": _llama_plan,  # also Mistral, Qwen2 and Qwen3 (dense)
+    "OPTDecoderLayer": _opt_plan,
+    "GPT2Block": _gpt2_plan,
+    "GPTNeoXLayer": _gpt_neox_plan,
 }
 
 
@@ -41,6 +100,15 @@ def fold_inverse_scale(prev: nn.Module, scale: torch.Tensor) -> None:
     prev.weight.div_(scale.view(-1, *([1] * (prev.weight.dim() - 1))).to(prev.weight.dtype))
     if getattr(prev, "bias", None) is not None:
         prev.bias.div_(scale.to(prev.bias.dtype))
+
+
+@torch.no_grad()
+def apply_scale(prev: nn.Module, linears: list[nn.Module], scale: torch.Tensor) -> None:
+    """Scale the group's input channels up by ``scale`` and ``prev``'s outputs down by it: the
+    same function, with the channels that matter larger before rounding."""
+    fold_inverse_scale(prev, scale)
+    for lin in linears:
+        lin.weight.mul_(scale.to(lin.weight.dtype))
 
 
 def search_scale(
@@ -123,14 +191,15 @@ class AWQ(QuantMethod):
         self.seq_len = seq_len
         self.max_search_tokens = max_search_tokens  # inputs kept per layer for the searches
 
-    def _plan(self, model: nn.Module, block: str) -> list[tuple[str, tuple[str, ...]]]:
-        kind = type(model.get_submodule(block)).__name__
+    def _plan(self, model: nn.Module, block: str) -> Plan:
+        layer = model.get_submodule(block)
+        kind = type(layer).__name__
         if kind not in SCALING_PLANS:
             raise ValueError(
                 f"AWQ has no scaling plan for {kind} (block '{block}'); known: "
                 f"{sorted(SCALING_PLANS)}. Use int4_gptq or int4_rtn for this model."
             )
-        return SCALING_PLANS[kind]
+        return SCALING_PLANS[kind](layer)
 
     @torch.no_grad()
     def quantize(self, model: nn.Module, calibration: torch.Tensor | None) -> nn.Module:
@@ -153,9 +222,8 @@ class AWQ(QuantMethod):
                 x = inputs[f"{block}.{group[0]}"]
                 stacked = torch.cat([lin.weight.float() for lin in linears])
                 s = search_scale(x, stacked, self.group_size, self.grid)
-                fold_inverse_scale(prev, s)
-                for n, lin in zip(group, linears):
-                    lin.weight.mul_(s.to(lin.weight.dtype))
+                apply_scale(prev, linears, s)
+                for n in group:
                     input_scale[f"{block}.{n}"] = s
             for name in names:
                 lin = model.get_submodule(name)
