@@ -70,7 +70,7 @@ class Beam:
     cum_logprob: float
 
 
-def _score(seq: BeamSearchSequence, num_prompt: int, length_penalty: float) -> float:
+def score_beam(seq: BeamSearchSequence, num_prompt: int, length_penalty: float) -> float:
     """Cumulative logprob over generated length ** length_penalty (transformers' convention)."""
     return seq.cum_logprob / max(1, len(seq.tokens) - num_prompt) ** length_penalty
 
@@ -135,12 +135,48 @@ def beam_search(
                 )
     results = []
     for p, seqs in enumerate(done):
-        seqs.sort(key=lambda s: _score(s, num_prompt[p], params.length_penalty), reverse=True)
+        seqs.sort(key=lambda s: score_beam(s, num_prompt[p], params.length_penalty), reverse=True)
         if engine.tokenizer is not None:  # vLLM's LLM.beam_search: the prompt's text included
             for s in seqs:
                 s.text = engine.tokenizer.decode(s.tokens)
         results.append(BeamSearchOutput(seqs[:width]))
     return results
+
+
+@dataclass
+class BeamStep:
+    """One step's outcome for a prompt's beams: ``(parent index, token, logprob, cumulative
+    logprob)`` of each extension kept (best first) and of each that ended with EOS."""
+
+    kept: list[tuple[int, int, float, float]]
+    ended: list[tuple[int, int, float, float]]
+
+
+def rank_extensions(
+    cum_logprobs: list[float],  # per live beam
+    tops: list[list[tuple[float, int]]],  # per live beam: its top 2 * width (logprob, token)
+    width: int,
+    eos: int | None,
+    ignore_eos: bool,
+) -> BeamStep:
+    """The best ``width`` extensions of the beams (transformers' rule: an EOS extension ends a
+    hypothesis, and counts only if it ranks among the best ``width``)."""
+    candidates = [
+        (cum + lp, lp, tok, i)
+        for i, (cum, top) in enumerate(zip(cum_logprobs, tops))
+        for lp, tok in top
+    ]
+    best = heapq.nlargest(2 * width, candidates, key=lambda c: c[0])
+    step = BeamStep([], [])
+    for rank, (cum, lp, tok, i) in enumerate(best):
+        if len(step.kept) == width:
+            break
+        if not ignore_eos and tok == eos:
+            if rank < width:
+                step.ended.append((i, tok, lp, cum))
+            continue
+        step.kept.append((i, tok, lp, cum))
+    return step
 
 
 def beam_ready(beam: Beam, rows: dict[str, Any]) -> bool:
@@ -167,27 +203,22 @@ def advance_beams(
     """Keep the best ``width`` extensions of a prompt's beams; fork them, drop the parents."""
     sched = engine.scheduler
     eos = engine.eos_token_id
-    candidates = []
+    tops = []
     for b in beams:
         row = rows.pop(b.request.request_id)
         top = row.topk(min(2 * width, row.shape[0]))
-        for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
-            candidates.append((b.cum_logprob + lp, lp, tok, b))
-    best = heapq.nlargest(2 * width, candidates, key=lambda c: c[0])
+        tops.append(list(zip(top.values.tolist(), top.indices.tolist())))
     final = len(beams[0].logprobs) + 1 >= params.max_tokens  # all of a prompt's beams align
-    new_beams: list[Beam] = []
-    kept = 0
-    for rank, (cum, lp, tok, parent) in enumerate(best):
-        if kept == width:
-            break
+    step = rank_extensions([b.cum_logprob for b in beams], tops, width, eos, params.ignore_eos)
+    for i, tok, lp, cum in step.ended:
+        parent = beams[i]
         tokens = parent.request.all_token_ids + [tok]
-        if not params.ignore_eos and tok == eos:
-            # an ended hypothesis counts only if it ranks among the best `width` (transformers)
-            if rank < width:
-                done.append(BeamSearchSequence(tokens, parent.logprobs + [lp], cum, None, "stop"))
-            continue
-        kept += 1
+        done.append(BeamSearchSequence(tokens, parent.logprobs + [lp], cum, None, "stop"))
+    new_beams: list[Beam] = []
+    for i, tok, lp, cum in step.kept:
+        parent = beams[i]
         if final:
+            tokens = parent.request.all_token_ids + [tok]
             done.append(BeamSearchSequence(tokens, parent.logprobs + [lp], cum))
             continue
         child = Request(
@@ -204,7 +235,7 @@ def advance_beams(
         )
         sched.fork_request(parent.request, child)
         if on_fork is not None:  # live beams are kept best first, so an index is a rank
-            on_fork(len(beams), len(new_beams), beams.index(parent))
+            on_fork(len(beams), len(new_beams), i)
         new_beams.append(Beam(child, parent.logprobs + [lp], cum))
     for b in beams:
         sched.abort_request(b.request.request_id)

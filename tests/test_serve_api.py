@@ -512,7 +512,7 @@ def test_prompt_logprobs_field_like_vllm(server, chat_model_dir):
     assert httpx.post(url, json=streamed).status_code == 200  # 0 is accepted and dropped
 
 
-def test_truncate_prompt_tokens_and_refused_beam_search(server):
+def test_truncate_prompt_tokens(server):
     url = server.url + "/v1/completions"
     long = [5, 6, 7, 8] * 80  # 320 tokens, beyond the 256-token context
     body = {"prompt": long, "max_tokens": 2, "truncate_prompt_tokens": 10, "temperature": 0}
@@ -522,8 +522,6 @@ def test_truncate_prompt_tokens_and_refused_beam_search(server):
     assert got["choices"][0]["text"] == tail["choices"][0]["text"]
     r = httpx.post(url, json={"prompt": long, "max_tokens": 2})
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
-    r = httpx.post(url, json={"prompt": "x", "max_tokens": 2, "use_beam_search": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
 
 
 def test_echo_text_prompt_streamed_and_whole(client):

@@ -359,6 +359,20 @@ def test_fully_cached_prompt_still_computes_a_token(tiny_llama):
     assert engine.iteration_stats[0].num_batched_tokens < 16  # three blocks came from cache
 
 
+def test_a_request_that_ends_at_its_prefill_leaves_its_blocks_cached(tiny_llama):
+    """One-token requests (scoring, vLLM's server-side beam search) finish in the step that
+    computed their prompt: their full blocks still join the cache, with the right contents."""
+    kw = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01)
+    llm = LLM(str(tiny_llama[0]), enable_prefix_caching=True, **kw)
+    prompt = list(range(3, 21))  # 18 tokens: four full blocks
+    assert llm.generate({"prompt_token_ids": prompt}, greedy(1))[0].num_cached_tokens == 0
+    longer = {"prompt_token_ids": prompt + [7, 8, 9]}
+    hit = llm.generate(longer, greedy(6))[0]
+    assert hit.num_cached_tokens == 16
+    cold = LLM(str(tiny_llama[0]), **kw).generate(longer, greedy(6))[0]
+    assert ids_of([hit]) == ids_of([cold])
+
+
 def test_reset_prefix_cache_starts_the_next_run_cold(tiny_llama):
     """vLLM's ``LLM.reset_prefix_cache()``: refused while a request holds blocks, then every
     cached block is forgotten, and the next run computes its whole prompt again."""

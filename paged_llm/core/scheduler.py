@@ -471,6 +471,8 @@ class Scheduler:
                 req.append_token(token, now)
                 status = req.check_stop()
                 if status is not None:
+                    if not (s.num_lookahead or req.spec_token_ids):  # (drafts' KV may be invalid)
+                        self.kv.on_computed(req)  # ending now, it still leaves its blocks cached
                     self._finish(req, status, now)
                     finished.append(req)
                     break

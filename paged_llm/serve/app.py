@@ -21,7 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_llm.metrics.run_info import hardware_info
 from paged_llm.pooling.scoring import check_cross_encoder, cosine_scores, score_pairs
-from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest
+from paged_llm.sampling_params import SamplingParams
+from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest, Update
+from paged_llm.serve.beam_search import beam_params, beam_search
 from paged_llm.serve.errors import (
     APIError,
     BadRequest,
@@ -293,6 +295,10 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
     async def completions(request: Request) -> Response:
         req = parse_request(await request.body(), CompletionRequest)
         model = model_name(req.model)
+        if req.use_beam_search:
+            renders = [text_prompt(p, req.add_special_tokens) if isinstance(p, str)
+                       else token_prompt(p) for p in completion_prompts(req.prompt)]  # fmt: skip
+            return await _beam_response(request, req, renders, model, chat=False)
         params = sampling_params(req, settings.max_logprobs, defaults)
         # one engine request per prompt; the engine samples its n choices itself
         subs = [
@@ -344,6 +350,11 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
     async def chat_completions(request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
         model = model_name(req.model)
+        if req.use_beam_search:
+            render = chat_prompt(chat_messages(req.messages), settings.chat_template,
+                                 req.add_generation_prompt, req.continue_final_message,
+                                 req.chat_template_kwargs)  # fmt: skip
+            return await _beam_response(request, req, [render], model, chat=True)
         subs, choices = _chat_work(req, model)
         return await _generate(request, req, subs, choices, model, chat=True)
 
@@ -529,6 +540,31 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
 
     router.add_api_route("/classify", classify, methods=["POST"])
     aliases.add_api_route("/classify", classify, methods=["POST"])
+
+    async def _beam_response(
+        request: Request, req: Any, renders: list[Any], model: str, chat: bool
+    ) -> Response:
+        """vLLM's ``use_beam_search``: the ``n`` best beams of each prompt as its choices."""
+        max_tokens = req.max_tokens
+        if chat and req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+        unset = max_tokens_unset(req)
+        params = beam_params(req, max_tokens)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        lora = settings.lora_modules.get(model)
+        searches = [
+            beam_search(
+                engine, r, dataclasses.replace(params), f"{rid}-{i}", unset, req.priority, lora
+            )  # fmt: skip
+            for i, r in enumerate(renders)
+        ]
+        outputs = await _unless_disconnected(request, asyncio.gather(*searches))
+        if outputs is False:
+            return Response(status_code=499)  # nobody is listening any more
+        choices = Choices([SamplingParams(n=params.beam_width) for _ in outputs])
+        for i, out in enumerate(outputs):
+            choices.apply(Update(i, output=out))
+        return JSONResponse(whole_response(rid, int(time.time()), model, choices, chat))
 
     async def _generate(
         request: Request,

@@ -73,7 +73,8 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # each prompt token's logprob + this many alternatives
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
-    use_beam_search: bool = False  # vLLM's; refused (beam search is LLM.beam_search offline)
+    use_beam_search: bool = False  # vLLM's: n beams instead of n samples (serve/beam_search.py)
+    length_penalty: float = 1.0  # beam search: score = logprob sum / length ** length_penalty
     best_of: int | None = None  # sample this many, return the n with the highest logprob sum
     priority: int = 0  # with --scheduling-policy priority: smaller runs sooner
 
@@ -262,7 +263,6 @@ def _reject_unsupported(req: _GenerationRequest) -> None:
     checks: list[tuple[str, bool]] = []
     if isinstance(req, CompletionRequest):
         checks += [("suffix", req.suffix is not None)]
-    checks += [("use_beam_search", req.use_beam_search)]
     for name, bad in checks:
         if bad:
             raise BadRequest(f"'{name}' is not supported by this server yet", param=name)
