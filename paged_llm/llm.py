@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -93,6 +93,12 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache, so the next run starts cold (True once done)."""
         return self.llm_engine.reset_prefix_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> int:  # (name, torch.Tensor)
+        """Update the model in place from Hugging-Face-named tensors (any part of a checkpoint,
+        e.g. ``hf_model.state_dict().items()`` after an RL step), between generate calls; the
+        prefix cache is dropped. Returns the number of tensors written."""
+        return self.llm_engine.load_weights(weights)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's recommended settings (its generation_config.json,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,6 +45,7 @@ from paged_llm.pooling.config import resolve_pooler_config
 from paged_llm.pooling.pooler import Pooler
 from paged_llm.pooling_params import PoolingParams
 from paged_llm.quant.kv_cache import SCALE_DTYPE, kv_cache_spec
+from paged_llm.quant.layers import QuantLinear
 from paged_llm.runner.cuda_graphs import cuda_graph_sizes
 from paged_llm.runner.kv_cache import kv_bytes_per_block
 from paged_llm.runner.logits_processors import bad_words_token_ids
@@ -804,6 +805,23 @@ class LLMEngine:
         """Empty the prefix cache (e.g. between benchmark runs); False, and nothing dropped,
         while requests are running."""
         return self.scheduler.kv.reset_prefix_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy Hugging-Face-named tensors (a whole checkpoint or any part of it, e.g. the
+        layers an RL step trained) into the model in place, between requests; the prefix
+        cache, whose KV the old weights computed, is dropped. Returns the tensors written."""
+        if self.has_unfinished_requests():
+            raise ValueError("load_weights runs between requests; some are still running")
+        if self.parallel is not None:
+            raise ValueError("load_weights is not supported with tensor_parallel_size > 1")
+        if self.lora is not None:
+            raise ValueError("load_weights is not supported with enable_lora (adapters wrap "
+                             "the layers); build the engine without it")  # fmt: skip
+        if any(isinstance(m, QuantLinear) for m in self.model.modules()):
+            raise ValueError("load_weights needs float weights; this model is quantized")
+        written = self.model.update_weights(weights)
+        self.reset_prefix_cache()
+        return len(written)
 
     def kv_usage(self) -> float:
         """Fraction of device KV blocks in use."""

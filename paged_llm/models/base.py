@@ -92,6 +92,33 @@ class CausalLM(nn.Module):
             self.tie_word_embeddings = True
             self.tie_weights()
 
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy HF-named tensors, any part of a checkpoint, into the parameters in place (e.g.
+        after a training step); all are checked first, so a bad name or shape changes nothing.
+        Returns the parameter names written."""
+        renamed = shard_checkpoint(self, self.checkpoint_tensors(weights))
+        if self.tie_word_embeddings:  # the head is the embedding table (updated under its name)
+            renamed = ((n, t) for n, t in renamed if n != "lm_head.weight")
+        items = [(n, t) for n, t in renamed if n is not None]
+        params = dict(self.named_parameters())
+        unexpected = [n for n, _ in items if n not in params]
+        if unexpected:
+            raise ValueError(f"unexpected tensors: {_summary(unexpected)}")
+        for name, tensor in items:
+            _check_shape(name, params[name], tensor)
+        with torch.no_grad():
+            for name, tensor in items:
+                params[name].copy_(tensor)
+        return [n for n, _ in items]
+
+
+def _check_shape(name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(
+            f"shape mismatch for '{name}': checkpoint {tuple(tensor.shape)}, "
+            f"model {tuple(param.shape)}"
+        )
+
 
 def load_named_weights(
     module: nn.Module,
@@ -111,11 +138,7 @@ def load_named_weights(
         if param is None:
             unexpected.append(name)
             continue
-        if param.shape != tensor.shape:
-            raise ValueError(
-                f"shape mismatch for '{name}': checkpoint {tuple(tensor.shape)}, "
-                f"model {tuple(param.shape)}"
-            )
+        _check_shape(name, param, tensor)
         with torch.no_grad():
             param.copy_(tensor)  # casts to the model's dtype and device
         loaded.add(name)
