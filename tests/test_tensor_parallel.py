@@ -167,10 +167,20 @@ def test_llama_gqa_with_swapping_and_chunked_prefill(tmp_path):
 )
 def test_llama_family_matches_single_process(tmp_path, kind):
     path = save_model(kind, tmp_path)
-    expected = run(LLM(path, block_size=8, cpu_kv_cache_gib=0.01))
+    single = LLM(path, block_size=8, cpu_kv_cache_gib=0.01)
+    expected = run(single)
     llm = LLM(path, block_size=8, cpu_kv_cache_gib=0.01, tensor_parallel_size=2)
     processes = llm.llm_engine.parallel.processes
     assert run(llm) == expected
+    if kind == "gpt2":  # new weights (fused c_attn, split then sharded) reach both ranks
+        gen = torch.Generator().manual_seed(3)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path)
+        new = [(n, p.detach() + 0.3 * torch.randn(p.shape, generator=gen))
+               for n, p in hf.named_parameters() if ".h.1." in n]  # fmt: skip
+        single.load_weights(new)
+        llm.load_weights(new)
+        updated = run(single)
+        assert updated != expected and run(llm) == updated
     if kind == "llama-kv1":
         assert llm.llm_engine.runner.kv_caches[0][0].shape[2] == 1  # a replica of the one head
         llm.shutdown()

@@ -47,6 +47,14 @@ class StepMessage:
 
 
 @dataclass
+class WeightsMessage:
+    """New weights for ranks > 0 (``LLM.load_weights``): full HF-named CPU tensors; each rank
+    keeps its own slices."""
+
+    weights: list[tuple[str, torch.Tensor]]
+
+
+@dataclass
 class _State:
     """What tear-down needs; kept apart from TensorParallel so a finalizer can hold it."""
 
@@ -114,12 +122,21 @@ class TensorParallel:
         yield
         self._state.clean = True
 
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Rank 0, between steps: send new weights (already written and checked on rank 0)."""
+        self._state.clean = False
+        self._send(WeightsMessage([(n, t.detach().cpu()) for n, t in weights]))
+        self._state.clean = True
+
     def serve(self, runner: Any) -> None:
         """Ranks > 0: run each step rank 0 sends, until it sends STOP."""
         while True:
             msg = self._receive()
             if msg == STOP:
                 return
+            if isinstance(msg, WeightsMessage):
+                runner.model.update_weights(msg.weights)
+                continue
             with torch.inference_mode():
                 runner.run_batch(msg.block_ops, msg.batch)
 
