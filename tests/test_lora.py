@@ -4,6 +4,7 @@ adapters and the base model in one batch, the max_loras limit, prefix caching, a
 
 from __future__ import annotations
 
+import copy
 import json
 
 import peft  # a dev dependency: the reference implementation
@@ -168,6 +169,27 @@ def test_fused_qkv_adapters_match_peft(kind, targets, tmp_path):
     assert token_ids(outs) == [hf_greedy(pm, p) for p in PROMPTS]
     base = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert token_ids(base) != token_ids(outs)  # the adapter changed something
+
+
+def test_new_base_weights_keep_the_adapters_on_top(llama_adapters, tmp_path):
+    """load_weights writes the base layers under the adapters (LoRALinear's ``base``): with
+    and without an adapter, greedy tokens are PEFT's on the updated base model."""
+    base_dir, base, adapters = llama_adapters
+    request, _ = adapters["a1"]
+    llm = engine(base_dir)
+    new_base = copy.deepcopy(base)
+    gen = torch.Generator().manual_seed(7)
+    changed = {}
+    with torch.no_grad():
+        for name, p in new_base.named_parameters():
+            if ".layers.1." in name:  # q/k/v/o (adapted) and the MLP
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+                changed[name] = p.detach().clone()
+    assert llm.load_weights(changed.items()) == len(changed)
+    reference = peft.PeftModel.from_pretrained(copy.deepcopy(new_base), request.lora_path).eval()
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY, use_tqdm=False,
+                        lora_request=[request, None])  # fmt: skip
+    assert token_ids(outs) == [hf_greedy(reference, PROMPTS[0]), hf_greedy(new_base, PROMPTS[1])]
 
 
 def test_one_slot_serves_many_adapters_in_turn(llama_adapters):

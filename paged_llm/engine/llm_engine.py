@@ -812,9 +812,6 @@ class LLMEngine:
         cache, whose KV the old weights computed, is dropped. Returns the tensors written."""
         if self.has_unfinished_requests():
             raise ValueError("load_weights runs between requests; some are still running")
-        if self.lora is not None:
-            raise ValueError("load_weights is not supported with enable_lora (adapters wrap "
-                             "the layers); build the engine without it")  # fmt: skip
         if any(isinstance(m, QuantLinear) for m in self.model.modules()):
             raise ValueError("load_weights needs float weights; this model is quantized")
         if self.parallel is not None:  # every rank keeps its slices of the same full tensors

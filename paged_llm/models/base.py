@@ -96,7 +96,9 @@ class CausalLM(nn.Module):
         """Copy HF-named tensors, any part of a checkpoint, into the parameters in place (e.g.
         after a training step); all are checked first, so a bad name or shape changes nothing.
         Returns the parameter names written."""
-        renamed = shard_checkpoint(self, self.checkpoint_tensors(weights))
+        wrapped = self._wrapped_names()
+        renamed = ((wrapped.get(n, n), t) for n, t in self.checkpoint_tensors(weights))
+        renamed = shard_checkpoint(self, renamed)
         if self.tie_word_embeddings:  # the head is the embedding table (updated under its name)
             renamed = ((n, t) for n, t in renamed if n != "lm_head.weight")
         items = [(n, t) for n, t in renamed if n is not None]
@@ -110,6 +112,17 @@ class CausalLM(nn.Module):
             for name, tensor in items:
                 params[name].copy_(tensor)
         return [n for n, _ in items]
+
+    def _wrapped_names(self) -> dict[str, str]:
+        """Checkpoint names of parameters that a wrapper layer holds as its ``base`` (LoRA's
+        ``LoRALinear``) -> their names inside the wrapper."""
+        out = {}
+        for prefix, module in self.named_modules():
+            inner = getattr(module, "base", None)
+            if isinstance(inner, nn.Module):
+                for name, _ in inner.named_parameters():
+                    out[f"{prefix}.{name}"] = f"{prefix}.base.{name}"
+        return out
 
 
 def _check_shape(name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
