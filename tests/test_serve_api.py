@@ -826,3 +826,46 @@ def test_random_bodies_never_break_the_server(server, path, bodies, data):
     r = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=60)
     assert r.status_code == 200 or 400 <= r.status_code < 500, r.text
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def sse_json(server, route, body):
+    """The JSON chunks of a streamed request ([DONE] left out)."""
+    with httpx.stream("POST", server.url + route, json={**body, "stream": True}) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+def test_return_token_ids_whole_and_streamed(server):
+    """vLLM's ``return_token_ids``: the prompt's ids (per choice for completions, top-level for
+    chat; a stream's first chunk) and each choice's generated ids (new ones per chunk)."""
+    base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": "def f(x):"}).json()["tokens"]
+    body = {**base, "prompt": "def f(x):", "n": 2, "seed": 1, "temperature": 1.0}
+    whole = httpx.post(server.url + "/v1/completions", json=body).json()
+    for choice in whole["choices"]:
+        assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 6
+        text = httpx.post(server.url + "/detokenize", json={"tokens": choice["token_ids"]}).json()
+        assert text["prompt"] == choice["text"]
+    chunks = sse_json(server, "/v1/completions", body)
+    streamed: dict[int, list[int]] = {}
+    for chunk in chunks:
+        (c,) = chunk["choices"]
+        assert ("prompt_token_ids" in c) == (c["index"] not in streamed)  # the first chunk's
+        streamed.setdefault(c["index"], []).extend(c["token_ids"])
+    assert [streamed[i] for i in (0, 1)] == [c["token_ids"] for c in whole["choices"]]
+    echoed = httpx.post(server.url + "/v1/completions", json={**base, "prompt": prompt_ids,
+                                                               "echo": True}).json()  # fmt: skip
+    assert len(echoed["choices"][0]["token_ids"]) == 6  # the echoed prompt is not generated
+    messages = [{"role": "user", "content": "hi"}]
+    chat_prompt = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    chat = httpx.post(server.url + "/v1/chat/completions",
+                      json={**base, "messages": messages}).json()  # fmt: skip
+    assert chat["prompt_token_ids"] == chat_prompt["tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == 6
+    chunks = sse_json(server, "/v1/chat/completions", {**base, "messages": messages})
+    assert chunks[0]["prompt_token_ids"] == chat_prompt["tokens"]
+    assert "prompt_token_ids" not in chunks[1]
+    ids = [t for chunk in chunks for c in chunk["choices"] for t in c.get("token_ids", [])]
+    assert ids == chat["choices"][0]["token_ids"]
+    plain = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert "token_ids" not in plain.json()["choices"][0]  # only when asked for

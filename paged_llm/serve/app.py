@@ -314,7 +314,10 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
             for p in completion_prompts(req.prompt)
         ]
         choices = Choices(
-            [s.params for s in subs], echo=req.echo, prompt_only=req.echo and req.max_tokens == 0
+            [s.params for s in subs],
+            echo=req.echo,
+            prompt_only=req.echo and req.max_tokens == 0,
+            return_token_ids=req.return_token_ids,
         )
         return await _generate(request, req, subs, choices, model, chat=False)
 
@@ -344,7 +347,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         reasoning = engine.engine.reasoning
         needed = reasoning or mode or always_reply
         reply = ChatReply(reasoning, mode) if needed else None  # None: plain text
-        return subs, Choices([params], reply=reply)
+        return subs, Choices([params], reply=reply, return_token_ids=req.return_token_ids)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -561,7 +564,8 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         outputs = await _unless_disconnected(request, asyncio.gather(*searches))
         if outputs is False:
             return Response(status_code=499)  # nobody is listening any more
-        choices = Choices([SamplingParams(n=params.beam_width) for _ in outputs])
+        choices = Choices([SamplingParams(n=params.beam_width) for _ in outputs],
+                          return_token_ids=req.return_token_ids)  # fmt: skip
         for i, out in enumerate(outputs):
             choices.apply(Update(i, output=out))
         return JSONResponse(whole_response(rid, int(time.time()), model, choices, chat))

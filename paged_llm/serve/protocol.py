@@ -77,6 +77,7 @@ class _GenerationRequest(BaseModel):
     length_penalty: float = 1.0  # beam search: score = logprob sum / length ** length_penalty
     best_of: int | None = None  # sample this many, return the n with the highest logprob sum
     priority: int = 0  # with --scheduling-policy priority: smaller runs sooner
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids too
 
 
 class CompletionRequest(_GenerationRequest):

@@ -29,6 +29,7 @@ class Delta:
     first: bool  # the choice's first update (chat sends the role then)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    start: int = 0  # position of token_ids[0] in the choice's tokens (an echoed prompt's first)
 
 
 @dataclass
@@ -58,11 +59,14 @@ class Choices:
         echo: bool = False,  # show each prompt (text, tokens, logprobs) before its choices
         prompt_only: bool = False,
         reply: ChatReply | None = None,  # chat: reasoning and tool calls in the replies
+        return_token_ids: bool = False,  # vLLM's: prompt and output token ids in the JSON
     ):
         if len({p.n for p in params}) > 1:
             raise ValueError("every prompt of a request has the same n")
         self.n = params[0].n if params else 1  # choice i belongs to prompt i // n
         self.reply = reply
+        self.return_token_ids = return_token_ids
+        self.prompt_ids: dict[int, list[int]] = {}  # engine request index -> its prompt's ids
         self.choices = [_Choice(p, echo=echo, prompt_only=prompt_only,
                                 reply_stream=reply.stream() if reply else None)
                         for p in params for _ in range(p.n)]  # fmt: skip
@@ -80,6 +84,7 @@ class Choices:
         out = update.output
         if out is not None:
             self.prompt_tokens[update.index] = len(out.prompt_token_ids)
+            self.prompt_ids[update.index] = list(out.prompt_token_ids)
             self.cached_tokens[update.index] = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 self.prompt_logprobs[update.index] = out.prompt_logprobs
@@ -120,6 +125,7 @@ class Choices:
         c = self.choices[index]
         first, c.started = not c.started, True
         finished = c.finish_reason is not None
+        start = c.sent.sent_tokens
         text, token_ids, logprobs = c.sent.take(
             c.text, c.token_ids, c.logprobs, finished, stop_holdback(c.params)
         )
@@ -131,7 +137,20 @@ class Choices:
             first=first,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            start=start,
         )
+
+    def prompt_token_ids(self, index: int) -> list[int] | None:
+        """Choice ``index``'s prompt ids when the request asked for token ids (else None)."""
+        return self.prompt_ids.get(index // self.n) if self.return_token_ids else None
+
+    def output_token_ids(self, delta: Delta) -> list[int] | None:
+        """The delta's generated token ids (an echoed prompt's are not among them) when the
+        request asked for token ids (else None)."""
+        if not self.return_token_ids:
+            return None
+        echoed = max(0, self.choices[delta.index].num_prompt_tokens - delta.start)
+        return delta.token_ids[echoed:]
 
     def usage(self) -> dict[str, int]:
         """OpenAI usage: each prompt counted once, every choice's generated tokens."""
@@ -223,9 +242,22 @@ def completion_chunk(
                 "logprobs": choices.completion_logprobs(delta, offset),
                 "finish_reason": delta.finish_reason,
                 "stop_reason": delta.stop_reason,
+                **_token_ids(choices, delta, first_only=delta.first),
             }
         ],
     }
+
+
+def _token_ids(choices: Choices, delta: Delta, first_only: bool) -> dict[str, Any]:
+    """vLLM's ``return_token_ids`` fields of one choice: ``token_ids`` (new ones, in a stream),
+    and ``prompt_token_ids`` where ``first_only`` allows (a stream's first chunk)."""
+    if not choices.return_token_ids:
+        return {}
+    out: dict[str, Any] = {}
+    if first_only:
+        out["prompt_token_ids"] = choices.prompt_token_ids(delta.index)
+    out["token_ids"] = choices.output_token_ids(delta)
+    return out
 
 
 def chat_chunks(
@@ -233,12 +265,15 @@ def chat_chunks(
 ) -> list[dict[str, Any]]:
     """Streamed ``chat.completion.chunk``s: the role first, then content."""
 
-    def chunk(content: dict[str, Any], logprobs: Any, finish: str | None) -> dict[str, Any]:
+    def chunk(
+        content: dict[str, Any], logprobs: Any, finish: str | None, ids: dict[str, Any]
+    ) -> dict[str, Any]:
         return {
             "id": rid,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
+            **({"prompt_token_ids": ids["prompt_token_ids"]} if "prompt_token_ids" in ids else {}),
             "choices": [
                 {
                     "index": delta.index,
@@ -246,20 +281,24 @@ def chat_chunks(
                     "logprobs": logprobs,
                     "finish_reason": finish,
                     "stop_reason": delta.stop_reason if finish else None,
+                    **({"token_ids": ids["token_ids"]} if "token_ids" in ids else {}),
                 }
             ],
         }
 
     out = []
-    if delta.first:
-        out.append(chunk({"role": "assistant", "content": ""}, None, None))
+    if delta.first:  # the role; vLLM's prompt ids ride on a stream's first chunk
+        first = _token_ids(choices, delta, first_only=True)
+        first.pop("token_ids", None)
+        out.append(chunk({"role": "assistant", "content": ""}, None, None, first))
     body: dict[str, Any] = {"content": delta.text}
     finish = delta.finish_reason
     stream = choices.choices[delta.index].reply_stream
     if stream is not None:
         body = stream.feed(delta.text, finished=finish is not None)
         finish = stream.finish_reason(finish)
-    out.append(chunk(body, choices.chat_logprobs(delta), finish))
+    ids = _token_ids(choices, delta, first_only=False)
+    out.append(chunk(body, choices.chat_logprobs(delta), finish, ids))
     return out
 
 
@@ -294,6 +333,7 @@ def whole_response(rid: str, created: int, model: str, choices: Choices, chat: b
         item["stop_reason"] = c.stop_reason
         if not chat:  # each choice carries its own prompt's (a request may have several)
             item["prompt_logprobs"] = choices.prompt_logprobs_json(i)
+        item.update(_token_ids(choices, delta, first_only=not chat))
         items.append(item)
     body = {
         "id": rid,
@@ -303,6 +343,8 @@ def whole_response(rid: str, created: int, model: str, choices: Choices, chat: b
         "choices": items,
         "usage": choices.usage(),
     }
-    if chat:  # one conversation, so one prompt for every choice (vLLM's top-level field)
+    if chat:  # one conversation, so one prompt for every choice (vLLM's top-level fields)
         body["prompt_logprobs"] = choices.prompt_logprobs_json(0)
+        if choices.return_token_ids:
+            body["prompt_token_ids"] = choices.prompt_token_ids(0)
     return body
