@@ -407,3 +407,33 @@ def test_prefix_cache_hits_before_the_window_are_skipped():
     assert sum(kv.pool.ref_counts) == 2  # only the two hits inside the window were taken
     kv.cancel_admission(again)
     assert sum(kv.pool.ref_counts) == 0 and again.num_computed_tokens == 0
+
+
+def test_a_window_hit_needs_only_the_blocks_its_first_query_reads():
+    """vLLM's sliding-window rule: a repeat finds its window's blocks even after the prompt's
+    first blocks were evicted (they fell behind the window first, so they are the oldest);
+    a full-attention lookup would stop at the missing first block."""
+    from paged_llm.core.kv.paged import NULL_BLOCK, PagedKVCacheManager
+    from paged_llm.core.request import Request
+
+    kv = PagedKVCacheManager(16, 4, 64, enable_prefix_caching=True, sliding_window=8)
+    prompt = list(range(3, 43))
+    first = Request("a", prompt, SamplingParams(max_tokens=1), max_model_len=64)
+    assert kv.allocate_slots(first, 40)
+    for computed in (20, 40):  # two chunks: blocks 0-2 fall behind the window, then 3-7
+        first.num_computed_tokens = computed
+        kv.on_computed(first)
+    kv.free(first)
+    filler = Request("f", list(range(100, 136)), SamplingParams(max_tokens=1), max_model_len=64)
+    assert kv.allocate_slots(filler, 36)  # 9 blocks: the 6 never used, then 3 evicted
+    kv.free(filler)
+    first_block = kv._block_hashes(Request("h", prompt, SamplingParams(), max_model_len=64), 4)
+    assert kv.pool.lookup(first_block[0], tuple(prompt[:4])) is None  # evicted
+    again = Request("b", prompt, SamplingParams(max_tokens=1), max_model_len=64)
+    kv.prepare_admission(again)
+    assert again.num_computed_tokens == 36 and again.num_cached_tokens == 36
+    table = kv.get_block_table(again)
+    assert table[:7] == [NULL_BLOCK] * 7 and NULL_BLOCK not in table[7:9]
+    assert sum(kv.pool.ref_counts) == 2  # the two blocks the first query reads
+    kv.cancel_admission(again)
+    assert sum(kv.pool.ref_counts) == 0

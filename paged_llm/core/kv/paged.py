@@ -197,28 +197,40 @@ class PagedKVCacheManager(KVCacheManager):
         hashes = self._block_hashes(request, request.num_tokens - 1)
         tokens = request.all_token_ids
         bs = self.block_size
-        hits: list[int] = []
+        found = []  # per block of the prompt: its cached block, or None
         for i, h in enumerate(hashes):
-            b = self.pool.lookup(h, tuple(tokens[i * bs : (i + 1) * bs]))
-            if b is None:
-                break
-            hits.append(b)
+            found.append(self.pool.lookup(h, tuple(tokens[i * bs : (i + 1) * bs])))
+            if found[-1] is None and self.sliding_window is None:
+                break  # a full-attention prefix needs every block from the start
+        num_hit, first = self._cached_prefix(found)
         self.prefix_queries += len(hashes)
-        self.prefix_hits += len(hits)
-        # With a sliding window the first query (at the end of the hits) reads only the last
-        # W positions: hits before them are skipped, not taken (their entries stay NULL).
-        skipped = 0
-        if self.sliding_window is not None:
-            skipped = max(0, len(hits) * bs - self.sliding_window) // bs
-        for b in hits[skipped:]:
+        self.prefix_hits += num_hit
+        # With a sliding window the first query (at the end of the prefix) reads only the last
+        # W positions: blocks before them are neither needed nor taken (their entries stay NULL).
+        hits = found[first:num_hit]
+        for b in hits:
             self.pool.take_cached(b)
         self._sharing = self._sharing or bool(hits)
-        request.num_cached_tokens = len(hits) * bs
-        if hits:
-            self.block_tables[request.request_id] = [NULL_BLOCK] * skipped + hits[skipped:]
-            if skipped:
-                self._num_released[request.request_id] = skipped
-            request.num_computed_tokens = len(hits) * bs
+        request.num_cached_tokens = num_hit * bs
+        if num_hit:
+            self.block_tables[request.request_id] = [NULL_BLOCK] * first + hits
+            if first:
+                self._num_released[request.request_id] = first
+            request.num_computed_tokens = num_hit * bs
+
+    def _cached_prefix(self, found: list[int | None]) -> tuple[int, int]:
+        """(blocks of the longest prefix that need not be computed, the first of them the next
+        query reads). Full attention: the leading run of cached blocks. A sliding window: the
+        longest prefix whose blocks inside the window are cached, whatever came before (vLLM's
+        sliding-window rule; earlier blocks may have been evicted)."""
+        if self.sliding_window is None:
+            num = next((i for i, b in enumerate(found) if b is None), len(found))
+            return num, 0
+        for num in range(len(found), 0, -1):
+            first = max(0, num * self.block_size - self.sliding_window) // self.block_size
+            if all(b is not None for b in found[first:num]):
+                return num, first
+        return 0, 0
 
     def cancel_admission(self, request: Request) -> None:
         """Undo prepare_admission for a request that did not get in after all."""
