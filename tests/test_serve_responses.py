@@ -328,6 +328,31 @@ def test_instructions_and_previous_response_make_the_prompt(server, client):
     assert client.responses.retrieve(kept[-1]).id == kept[-1]
 
 
+def test_input_items_list_back_the_request_input(server, client):
+    items = [{"role": "developer", "content": "be brief"},
+             {"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "hi"}], "id": "msg_mine"},
+             {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "again"}]  # fmt: skip
+    r = respond(client, input=items)
+    listed = client.responses.input_items.list(r.id)  # newest first, as OpenAI lists them
+    assert [it.role for it in listed.data] == ["user", "assistant", "user", "developer"]
+    assert listed.data[2].id == "msg_mine" and all(it.id for it in listed.data)
+    assert listed.data[1].content[0].type == "output_text"
+    assert listed.data[0].content[0].text == "again"
+    url = f"{server.url}/v1/responses/{r.id}/input_items"
+    page = httpx.get(url, params={"order": "asc", "limit": 2}).json()
+    assert [it["role"] for it in page["data"]] == ["developer", "user"] and page["has_more"]
+    rest = httpx.get(url, params={"order": "asc", "after": page["last_id"]}).json()
+    assert [it["role"] for it in rest["data"]] == ["assistant", "user"] and not rest["has_more"]
+    for bad in ({"limit": "0"}, {"limit": "x"}, {"order": "up"}, {"after": "nope"}):
+        assert httpx.get(url, params=bad).status_code == 400
+    assert httpx.get(f"{server.url}/v1/responses/resp_nope/input_items").status_code == 404
+    text = respond(client, input="just text")
+    (only,) = client.responses.input_items.list(text.id).data
+    assert (only.role, only.content[0].text) == ("user", "just text")
+
+
 def test_named_and_required_tool_choices_give_function_calls(client):
     for choice in ({"type": "function", "name": "get_weather"}, "required"):
         one = {"parallel_tool_calls": False}  # "required" then closes its array after a call

@@ -385,6 +385,14 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
     async def get_response(response_id: str) -> dict[str, Any]:
         return store.get(response_id)
 
+    @router.get("/responses/{response_id}/input_items")
+    async def response_input_items(
+        response_id: str, order: str = "desc", limit: str = "20", after: str | None = None
+    ) -> dict[str, Any]:
+        if not limit.isdigit():  # checked here, so the error has OpenAI's shape
+            raise BadRequest(f"limit must be an integer, got {limit!r}", param="limit")
+        return store.input_items(response_id, order, int(limit), after)
+
     @router.delete("/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:
         store.delete(response_id)
@@ -518,9 +526,8 @@ async def _response_steps(
         for delta in run.choices.apply(update):
             for event in run.feed(delta.text, finished=delta.finish_reason is not None):
                 yield event
-    events, body = run.finish()
-    if run.req.store:
-        store.put(body, run.stored_conversation())
+    events, _ = run.finish()
+    run.store_in(store)
     for event in events:
         yield event
 

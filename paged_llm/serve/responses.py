@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -484,6 +485,11 @@ class ResponseRun:
         """The conversation this response ends: its input and its reply."""
         return self.conversation + output_messages(self.builder.items)
 
+    def store_in(self, store: ResponseStore) -> None:
+        """Keep the finished response (unless the request said not to)."""
+        if self.req.store and self.final is not None:
+            store.put(self.final, self.stored_conversation(), stored_input_items(self.req.input))
+
     def _body(self, status: str, usage: Any = None, incomplete: Any = None,
               error: Any = None) -> dict[str, Any]:  # fmt: skip
         return response_json(self.rid, self.created, self.model, self.req, self.builder.items,
@@ -491,42 +497,92 @@ class ResponseRun:
 
 
 # ---- store ------------------------------------------------------------------------------------
+def stored_input_items(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's ``input`` as OpenAI lists it back: items with ids, text as content parts."""
+    raw = [{"role": "user", "content": input}] if isinstance(input, str) else input
+    out = []
+    for item in raw:
+        item = {"type": "message", **item}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+        item.setdefault("id", _new_id(prefix.get(item["type"], "item")))
+        out.append(item)
+    return out
+
+
+@dataclass
+class _Stored:
+    body: dict[str, Any]  # the response
+    conversation: list[dict[str, Any]]  # chat messages up to and with its reply
+    input_items: list[dict[str, Any]]  # its request's input, as listed back
+
+
 class ResponseStore:
     """Finished responses by id, with the conversation each ends (its messages, for
-    ``previous_response_id``); beyond ``capacity`` the oldest are forgotten."""
+    ``previous_response_id``) and its input items; beyond ``capacity`` the oldest are
+    forgotten."""
 
     def __init__(self, capacity: int = 1000):
         if capacity < 0:
             raise ValueError(f"the response store's capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._entries: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self._entries: OrderedDict[str, _Stored] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        """Keep a finished response and its whole conversation."""
+    def put(
+        self,
+        body: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        input_items: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Keep a finished response, its whole conversation and its input items."""
         if self.capacity == 0:
             return
-        self._entries[body["id"]] = (body, conversation)
+        self._entries[body["id"]] = _Stored(body, conversation, input_items or [])
         self._entries.move_to_end(body["id"])
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
     def get(self, rid: str) -> dict[str, Any]:
         """The response ``rid``; NotFound if it was never stored or is forgotten."""
-        return self._entry(rid, "id")[0]
+        return self._entry(rid, "id").body
 
     def conversation(self, rid: str) -> list[dict[str, Any]]:
         """The messages of ``rid``'s conversation, its reply included (a copy)."""
-        return [dict(m) for m in self._entry(rid, "previous_response_id")[1]]
+        return [dict(m) for m in self._entry(rid, "previous_response_id").conversation]
+
+    def input_items(
+        self, rid: str, order: str = "desc", limit: int = 20, after: str | None = None
+    ) -> dict[str, Any]:
+        """OpenAI's list of ``rid``'s input items (newest first by default), a page of at most
+        ``limit`` after the item ``after``."""
+        if order not in ("asc", "desc"):
+            raise BadRequest(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        if not 1 <= limit <= 100:
+            raise BadRequest(f"limit must be between 1 and 100, got {limit}", param="limit")
+        items = list(self._entry(rid, "id").input_items)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise BadRequest(f"no input item '{after}' in response '{rid}'", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {"object": "list", "data": page, "has_more": len(items) > limit,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None}  # fmt: skip
 
     def delete(self, rid: str) -> None:
         """Forget ``rid``; NotFound if unknown."""
         self._entry(rid, "id")
         del self._entries[rid]
 
-    def _entry(self, rid: str, param: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def _entry(self, rid: str, param: str) -> _Stored:
         entry = self._entries.get(rid)
         if entry is None:
             raise NotFound(f"Response with id '{rid}' not found.", param=param)
