@@ -98,6 +98,7 @@ def test_ranking_keeps_the_best_extensions_and_ends_beams_at_eos():
         ({"stop": ["x"]}, "'stop' is not supported"),
         ({"temperature": 0.7}, "temperature must be 0"),
         ({"max_tokens": 300}, "maximum context length"),
+        ({"n": 500}, "beam width) must be between 1 and 128"),
     ],
 )
 def test_what_beam_search_cannot_honour_is_a_400(servers, extra, words):

@@ -24,6 +24,7 @@ from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.async_engine import AsyncEngine, SubRequest
 from paged_llm.serve.errors import BadRequest, EngineUnavailable
 from paged_llm.serve.prompts import PromptRenderer, check_fits, token_prompt
+from paged_llm.serve.protocol import MAX_N
 
 # request fields beam search does not honour: refused rather than ignored
 _NOT_WITH_BEAMS = (
@@ -36,6 +37,9 @@ _NOT_WITH_BEAMS = (
 def beam_params(req: Any, max_tokens: int | None) -> BeamSearchParams:
     """The request's BeamSearchParams (``n`` is the beam width, as in vLLM); a 400 for a field
     beam search cannot honour, or a bad value."""
+    if not 1 <= req.n <= MAX_N:
+        raise BadRequest(f"n (the beam width) must be between 1 and {MAX_N}, got {req.n}",
+                         param="n")  # fmt: skip
     for name in _NOT_WITH_BEAMS:
         value = getattr(req, name, None)
         if value not in (None, False, 0, [], ""):
