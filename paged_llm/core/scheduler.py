@@ -461,8 +461,12 @@ class Scheduler:
             if req.is_finished:  # aborted between schedule and update
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            # Blocks of draft tokens may hold rejected KV: registered only after the truncation
+            # below. Others join the prefix cache now, also when the request ends this step.
+            drafted = bool(s.num_lookahead or req.spec_token_ids)
+            if not drafted:
+                self.kv.on_computed(req)
             if req.is_pooling and req.num_computed_tokens >= req.num_prompt_tokens:
-                self.kv.on_computed(req)  # its full blocks join the prefix cache first
                 self._finish(req, RequestStatus.FINISHED_STOPPED, now)  # pooled this step
                 finished.append(req)
                 continue
@@ -471,18 +475,15 @@ class Scheduler:
                 req.append_token(token, now)
                 status = req.check_stop()
                 if status is not None:
-                    if not (s.num_lookahead or req.spec_token_ids):  # (drafts' KV may be invalid)
-                        self.kv.on_computed(req)  # ending now, it still leaves its blocks cached
                     self._finish(req, status, now)
                     finished.append(req)
                     break
-            if req.is_finished:
+            if req.is_finished or not drafted:
                 continue
-            if s.num_lookahead or req.spec_token_ids:
-                # rejected drafts: their KV is invalid, so the count of computed tokens stops
-                # before the newest token, and blocks past it go back to the pool
-                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-                req.spec_token_ids = []
-                self.kv.truncate(req, req.num_tokens)
+            # rejected drafts: their KV is invalid, so the count of computed tokens stops before
+            # the newest token, and blocks past it go back to the pool
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            req.spec_token_ids = []
+            self.kv.truncate(req, req.num_tokens)
             self.kv.on_computed(req)
         return finished
