@@ -81,12 +81,9 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters; raise on unexpected or missing ones."""
-        renamed = self.checkpoint_tensors(weights)
-        renamed = shard_checkpoint(self, renamed)  # tensor parallel: keep this rank's slices
-        if self.tie_word_embeddings:
-            # A tied head has no storage of its own; some checkpoints still carry a copy of it.
-            renamed = ((n, t) for n, t in renamed if n != "lm_head.weight")
-        loaded = load_named_weights(self, renamed, optional={"lm_head.weight"})
+        loaded = load_named_weights(
+            self, self._parameter_tensors(weights), optional={"lm_head.weight"}
+        )
         if "lm_head.weight" not in loaded and not self.tie_word_embeddings:
             logger.warning("checkpoint has no lm_head.weight: tying the LM head to the embeddings")
             self.tie_word_embeddings = True
@@ -96,12 +93,7 @@ class CausalLM(nn.Module):
         """Copy HF-named tensors, any part of a checkpoint, into the parameters in place (e.g.
         after a training step); all are checked first, so a bad name or shape changes nothing.
         Returns the parameter names written."""
-        wrapped = self._wrapped_names()
-        renamed = ((wrapped.get(n, n), t) for n, t in self.checkpoint_tensors(weights))
-        renamed = shard_checkpoint(self, renamed)
-        if self.tie_word_embeddings:  # the head is the embedding table (updated under its name)
-            renamed = ((n, t) for n, t in renamed if n != "lm_head.weight")
-        items = [(n, t) for n, t in renamed if n is not None]
+        items = [(n, t) for n, t in self._parameter_tensors(weights) if n is not None]
         params = dict(self.named_parameters())
         unexpected = [n for n, _ in items if n not in params]
         if unexpected:
@@ -112,6 +104,19 @@ class CausalLM(nn.Module):
             for name, tensor in items:
                 params[name].copy_(tensor)
         return [n for n, _ in items]
+
+    def _parameter_tensors(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str | None, torch.Tensor]]:
+        """Checkpoint tensors under this rank's parameter names: renamed, under a wrapper's
+        ``base`` where one wraps the layer, sliced for tensor parallelism, and without a copy
+        of a tied head (which has no storage of its own; some checkpoints still carry one)."""
+        wrapped = self._wrapped_names()
+        renamed = ((wrapped.get(n, n), t) for n, t in self.checkpoint_tensors(weights))
+        renamed = shard_checkpoint(self, renamed)
+        if self.tie_word_embeddings:
+            renamed = ((n, t) for n, t in renamed if n != "lm_head.weight")
+        return renamed
 
     def _wrapped_names(self) -> dict[str, str]:
         """Checkpoint names of parameters that a wrapper layer holds as its ``base`` (LoRA's
