@@ -32,7 +32,7 @@ from paged_llm.serve.errors import (
     error_body,
 )
 from paged_llm.serve.pooling_routes import pooling_routes
-from paged_llm.serve.prompts import chat_prompt, text_prompt, token_prompt
+from paged_llm.serve.prompts import chat_prompt, completion_prompt, text_prompt
 from paged_llm.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,6 +44,7 @@ from paged_llm.serve.protocol import (
     completion_prompts,
     max_tokens_unset,
     parse_request,
+    requested_max_tokens,
     sampling_params,
 )
 from paged_llm.serve.render import (
@@ -62,7 +63,7 @@ from paged_llm.serve.responses import (
     input_messages,
     to_chat_request,
 )
-from paged_llm.serve.tool_calls import ToolParser, parse_tools, tool_mode
+from paged_llm.serve.tool_calls import Tool, ToolParser, parse_tools, tool_mode
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,14 @@ def _public_routes(engine: AsyncEngine) -> APIRouter:
     return router
 
 
+def _chat_render(req: Any, settings: ServerSettings, tools: list[Tool]) -> Any:
+    """The prompt renderer of a request's ``messages`` (chat, ``/tokenize``) and the tools the
+    model is offered, with the server's or the tokenizer's chat template."""
+    return chat_prompt(chat_messages(req.messages), settings.chat_template,
+                       req.add_generation_prompt, req.continue_final_message,
+                       req.chat_template_kwargs, [t.raw for t in tools])  # fmt: skip
+
+
 def _check_model(settings: ServerSettings, requested: str | None) -> None:
     known = (*settings.served_model_names, *settings.lora_modules)
     if requested is not None and requested not in known:
@@ -229,11 +238,7 @@ def _tokenizer_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRoute
         if (req.prompt is None) == (req.messages is None):
             raise BadRequest("send exactly one of 'prompt' and 'messages'", param="prompt")
         if req.messages is not None:
-            render = chat_prompt(
-                chat_messages(req.messages), settings.chat_template, req.add_generation_prompt,
-                req.continue_final_message, req.chat_template_kwargs,
-                [t.raw for t in parse_tools(req.tools)],
-            )  # fmt: skip
+            render = _chat_render(req, settings, parse_tools(req.tools))
         else:
             render = text_prompt(req.prompt, req.add_special_tokens)
         ids = (await engine.with_tokenizer(render))["prompt_token_ids"]
@@ -290,23 +295,22 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
     async def completions(request: Request) -> Response:
         req = parse_request(await request.body(), CompletionRequest)
         model = model_name(req.model)
+        # echo shows token prompts as text
+        renders = [completion_prompt(p, req.add_special_tokens, decode=req.echo)
+                   for p in completion_prompts(req.prompt)]  # fmt: skip
         if req.use_beam_search:
-            renders = [text_prompt(p, req.add_special_tokens) if isinstance(p, str)
-                       else token_prompt(p) for p in completion_prompts(req.prompt)]  # fmt: skip
             return await _beam_response(request, req, renders, model, chat=False)
         params = sampling_params(req, settings.max_logprobs, defaults)
         # one engine request per prompt; the engine samples its n choices itself
         subs = [
             SubRequest(
-                text_prompt(p, req.add_special_tokens)
-                if isinstance(p, str)
-                else token_prompt(p, decode=req.echo),  # echo shows token prompts as text
+                render,
                 params,
                 default_max_tokens=max_tokens_unset(req),
                 priority=req.priority,
                 lora_request=settings.lora_modules.get(model),
             )
-            for p in completion_prompts(req.prompt)
+            for render in renders
         ]
         choices = Choices(
             [s.params for s in subs],
@@ -327,14 +331,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         params = sampling_params(req, settings.max_logprobs, defaults, forced)
         if mode is not None and mode.keeps_special_tokens():  # e.g. Mistral's [TOOL_CALLS]
             params = dataclasses.replace(params, skip_special_tokens=False)
-        render = chat_prompt(
-            chat_messages(req.messages),
-            settings.chat_template,
-            req.add_generation_prompt,
-            req.continue_final_message,
-            req.chat_template_kwargs,
-            [t.raw for t in tools],  # offered even with tool_choice "none", as vLLM does
-        )
+        render = _chat_render(req, settings, tools)  # offered even with tool_choice "none"
         unset = max_tokens_unset(req)
         lora = settings.lora_modules.get(model)
         subs = [SubRequest(render, params, default_max_tokens=unset, priority=req.priority,
@@ -348,10 +345,8 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
     async def chat_completions(request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
         model = model_name(req.model)
-        if req.use_beam_search:
-            render = chat_prompt(chat_messages(req.messages), settings.chat_template,
-                                 req.add_generation_prompt, req.continue_final_message,
-                                 req.chat_template_kwargs)  # fmt: skip
+        if req.use_beam_search:  # (with tools it is a 400: beam_params)
+            render = _chat_render(req, settings, [])
             return await _beam_response(request, req, [render], model, chat=True)
         subs, choices = _chat_work(req, model)
         return await _generate(request, req, subs, choices, model, chat=True)
@@ -402,11 +397,8 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         request: Request, req: Any, renders: list[Any], model: str, chat: bool
     ) -> Response:
         """vLLM's ``use_beam_search``: the ``n`` best beams of each prompt as its choices."""
-        max_tokens = req.max_tokens
-        if chat and req.max_completion_tokens is not None:
-            max_tokens = req.max_completion_tokens
         unset = max_tokens_unset(req)
-        params = beam_params(req, max_tokens)
+        params = beam_params(req, requested_max_tokens(req)[0])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         lora = settings.lora_modules.get(model)
         searches = [
@@ -526,7 +518,7 @@ async def _response_steps(
         for delta in run.choices.apply(update):
             for event in run.feed(delta.text, finished=delta.finish_reason is not None):
                 yield event
-    events, _ = run.finish()
+    events = run.finish()
     run.store_in(store)
     for event in events:
         yield event

@@ -114,6 +114,17 @@ class RequestGroup:
                 pending.discard(update.index)
             yield update
 
+    async def final_outputs(self) -> list[Any]:
+        """Every sub-request's last output, in order (None for one aborted before it had
+        any); the first error is raised."""
+        outputs: list[Any] = [None] * len(self.subs)
+        async for update in self.updates():
+            if update.error is not None:
+                raise update.error
+            if update.output is not None:
+                outputs[update.index] = update.output
+        return outputs
+
     def close(self) -> None:
         """Forget the group; abort its unfinished engine requests. Idempotent."""
         self.engine._close(self)

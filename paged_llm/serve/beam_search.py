@@ -87,13 +87,10 @@ async def beam_search(
         for i, tok, lp, total in ranked.ended:
             tokens, lps, _ = live[i]
             done.append(BeamSearchSequence(tokens + [tok], lps + [lp], total, None, "stop"))
-        last = step + 1 == params.max_tokens
-        kept = [(live[i][0] + [tok], live[i][1] + [lp], total) for i, tok, lp, total in ranked.kept]
-        if last:
-            done += [BeamSearchSequence(t, lps, total) for t, lps, total in kept]
-        live = [] if last else kept
-        if not live:
+        live = [(live[i][0] + [tok], live[i][1] + [lp], total) for i, tok, lp, total in ranked.kept]
+        if not live:  # every hypothesis ended
             break
+    done += [BeamSearchSequence(t, lps, total) for t, lps, total in live]  # at max_tokens
     done.sort(key=lambda s: score_beam(s, 0, params.length_penalty), reverse=True)
     best = done[:width]
 
@@ -113,17 +110,12 @@ async def beam_search(
 async def _run(engine: AsyncEngine, subs: list[SubRequest], request_id: str) -> list[Any]:
     """Every sub-request's final output, in order (their error raised)."""
     group = await engine.submit(subs, request_id=request_id)
-    outputs: list[Any] = [None] * len(subs)
     try:
-        async for update in group.updates():
-            if update.error is not None:
-                raise update.error
-            if update.aborted:  # the engine is shutting down
-                raise EngineUnavailable("the engine stopped before the beam search finished")
-            if update.output is not None:
-                outputs[update.index] = update.output
+        outputs = await group.final_outputs()
     finally:
         group.close()
+    if any(out is None for out in outputs):  # aborted: the engine is shutting down
+        raise EngineUnavailable("the engine stopped before the beam search finished")
     return outputs
 
 

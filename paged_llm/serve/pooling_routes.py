@@ -14,10 +14,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from paged_llm.pooling.scoring import check_cross_encoder, cosine_scores, score_pairs
-from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest
+from paged_llm.serve.async_engine import AsyncEngine, SubRequest
 from paged_llm.serve.disconnect import unless_disconnected
 from paged_llm.serve.errors import BadRequest
-from paged_llm.serve.prompts import pair_prompt, text_prompt, token_prompt
+from paged_llm.serve.prompts import completion_prompt, pair_prompt
 from paged_llm.serve.protocol import (
     ClassifyRequest,
     EmbeddingRequest,
@@ -64,20 +64,17 @@ def pooling_routes(
         params = pooling_params(req)
         lora = settings.lora_modules.get(model)
 
-        def render(p: Any) -> Any:
-            if isinstance(p, str):
-                return text_prompt(p, req.add_special_tokens)
-            return p if callable(p) else token_prompt(p)
-
-        return [SubRequest(render(p), params, priority=req.priority, lora_request=lora)
-                for p in prompts]  # fmt: skip
+        renders = [p if callable(p) else completion_prompt(p, req.add_special_tokens)
+                   for p in prompts]  # fmt: skip
+        return [SubRequest(render, params, priority=req.priority, lora_request=lora)
+                for render in renders]  # fmt: skip
 
     async def _pool(request: Request, subs: list[SubRequest], prefix: str) -> tuple[str, Any]:
         """Run the pooling requests; (request id, outputs in order), or None outputs if the
         client went away."""
         group = await engine.submit(subs, request_id=f"{prefix}-{uuid.uuid4().hex}")
         try:
-            outputs = await unless_disconnected(request, _pooled(group))
+            outputs = await unless_disconnected(request, group.final_outputs())
         finally:
             group.close()
         return group.request_id, (None if outputs is False else outputs)
@@ -190,17 +187,6 @@ def pooling_routes(
     aliases.add_api_route("/classify", classify, methods=["POST"])
 
     return router, aliases
-
-
-async def _pooled(group: RequestGroup) -> list[Any]:
-    """Every sub-request's final pooling output, in order."""
-    outputs: list[Any] = [None] * len(group.subs)
-    async for update in group.updates():
-        if update.error is not None:
-            raise update.error
-        if update.output is not None:
-            outputs[update.index] = update.output
-    return outputs
 
 
 def _usage(outputs: list[Any]) -> dict[str, int]:

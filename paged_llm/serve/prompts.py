@@ -48,6 +48,16 @@ def token_prompt(token_ids: list[int], decode: bool = False) -> PromptRenderer:
     return render
 
 
+def completion_prompt(
+    prompt: str | list[int], add_special_tokens: bool = True, decode: bool = False
+) -> PromptRenderer:
+    """One prompt of a completion-style request (text, or token ids; ``decode``: their text
+    too, for echo)."""
+    if isinstance(prompt, str):
+        return text_prompt(prompt, add_special_tokens)
+    return token_prompt(prompt, decode=decode)
+
+
 def pair_prompt(first: str | list[int], second: str | list[int]) -> PromptRenderer:
     """A cross-encoder's input: two texts tokenized together as a pair, or token ids joined
     (``pooling.scoring.cross_encoder_input``)."""

@@ -295,10 +295,8 @@ def sampling_params(
         )
     if req.stream and (req.best_of or req.n) > req.n:  # chunks would change choice mid-stream
         raise BadRequest("best_of > n is not available when stream is true", param="best_of")
-    max_tokens, max_tokens_field = req.max_tokens, "max_tokens"
+    max_tokens, max_tokens_field = requested_max_tokens(req)
     if isinstance(req, ChatCompletionRequest):
-        if req.max_completion_tokens is not None:
-            max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"
         logprobs = _chat_logprobs(req, max_logprobs)
     else:
         logprobs = req.logprobs
@@ -344,10 +342,19 @@ def sampling_params(
         raise BadRequest(str(err), param=_param_of(str(err))) from None
 
 
+def requested_max_tokens(req: _GenerationRequest) -> tuple[int | None, str]:
+    """(the output length the request asks for, the field it came from): chat's
+    ``max_completion_tokens`` wins over its older ``max_tokens``."""
+    chat_limit = getattr(req, "max_completion_tokens", None)
+    if chat_limit is not None:
+        return chat_limit, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
 def max_tokens_unset(req: _GenerationRequest) -> bool:
     """True when the request leaves its output length to the server (chat: neither max_tokens
     nor max_completion_tokens; completions: ``"max_tokens": null``)."""
-    return req.max_tokens is None and getattr(req, "max_completion_tokens", None) is None
+    return requested_max_tokens(req)[0] is None
 
 
 def _shaping(req: _GenerationRequest, recommended: Mapping[str, Any]) -> dict[str, Any]:

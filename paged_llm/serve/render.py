@@ -66,11 +66,10 @@ class Choices:
         self.n = params[0].n if params else 1  # choice i belongs to prompt i // n
         self.reply = reply
         self.return_token_ids = return_token_ids
-        self.prompt_ids: dict[int, list[int]] = {}  # engine request index -> its prompt's ids
         self.choices = [_Choice(p, echo=echo, prompt_only=prompt_only,
                                 reply_stream=reply.stream() if reply else None)
                         for p in params for _ in range(p.n)]  # fmt: skip
-        self.prompt_tokens: dict[int, int] = {}  # engine request index -> prompt length
+        self.prompt_ids: dict[int, list[int]] = {}  # engine request index -> its prompt's ids
         self.cached_tokens: dict[int, int] = {}  # ... -> its prompt tokens from the prefix cache
         # engine request index -> its prompt's logprobs (SamplingParams.prompt_logprobs)
         self.prompt_logprobs: dict[int, list[LogprobEntry | None]] = {}
@@ -83,8 +82,7 @@ class Choices:
         changed = set()
         out = update.output
         if out is not None:
-            self.prompt_tokens[update.index] = len(out.prompt_token_ids)
-            self.prompt_ids[update.index] = list(out.prompt_token_ids)
+            self.prompt_ids[update.index] = out.prompt_token_ids
             self.cached_tokens[update.index] = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 self.prompt_logprobs[update.index] = out.prompt_logprobs
@@ -154,7 +152,7 @@ class Choices:
 
     def usage(self) -> dict[str, int]:
         """OpenAI usage: each prompt counted once, every choice's generated tokens."""
-        prompt = sum(self.prompt_tokens.values())  # the n choices of a prompt share it
+        prompt = sum(map(len, self.prompt_ids.values()))  # the n choices of a prompt share it
         completion = sum(len(c.token_ids) - c.num_prompt_tokens for c in self.choices)
         return {
             "prompt_tokens": prompt,
@@ -242,21 +240,20 @@ def completion_chunk(
                 "logprobs": choices.completion_logprobs(delta, offset),
                 "finish_reason": delta.finish_reason,
                 "stop_reason": delta.stop_reason,
-                **_token_ids(choices, delta, first_only=delta.first),
+                **_token_ids(choices, delta, with_prompt=delta.first),
             }
         ],
     }
 
 
-def _token_ids(choices: Choices, delta: Delta, first_only: bool) -> dict[str, Any]:
-    """vLLM's ``return_token_ids`` fields of one choice: ``token_ids`` (new ones, in a stream),
-    and ``prompt_token_ids`` where ``first_only`` allows (a stream's first chunk)."""
+def _token_ids(choices: Choices, delta: Delta, with_prompt: bool) -> dict[str, Any]:
+    """vLLM's ``return_token_ids`` fields of one completion choice: ``token_ids`` (new ones, in
+    a stream), with ``prompt_token_ids`` too if ``with_prompt`` (a stream's first chunk)."""
     if not choices.return_token_ids:
         return {}
-    out: dict[str, Any] = {}
-    if first_only:
+    out: dict[str, Any] = {"token_ids": choices.output_token_ids(delta)}
+    if with_prompt:
         out["prompt_token_ids"] = choices.prompt_token_ids(delta.index)
-    out["token_ids"] = choices.output_token_ids(delta)
     return out
 
 
@@ -266,39 +263,37 @@ def chat_chunks(
     """Streamed ``chat.completion.chunk``s: the role first, then content."""
 
     def chunk(
-        content: dict[str, Any], logprobs: Any, finish: str | None, ids: dict[str, Any]
+        content: dict[str, Any],
+        logprobs: Any,
+        finish: str | None,
+        token_ids: list[int] | None = None,  # None: not asked for (return_token_ids)
+        prompt_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            **({"prompt_token_ids": ids["prompt_token_ids"]} if "prompt_token_ids" in ids else {}),
-            "choices": [
-                {
-                    "index": delta.index,
-                    "delta": content,
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                    "stop_reason": delta.stop_reason if finish else None,
-                    **({"token_ids": ids["token_ids"]} if "token_ids" in ids else {}),
-                }
-            ],
+        choice = {
+            "index": delta.index,
+            "delta": content,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": delta.stop_reason if finish else None,
         }
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        if prompt_ids is not None:
+            body["prompt_token_ids"] = prompt_ids
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return {**body, "choices": [choice]}
 
     out = []
     if delta.first:  # the role; vLLM's prompt ids ride on a stream's first chunk
-        first = _token_ids(choices, delta, first_only=True)
-        first.pop("token_ids", None)
-        out.append(chunk({"role": "assistant", "content": ""}, None, None, first))
+        prompt_ids = choices.prompt_token_ids(delta.index)
+        out.append(chunk({"role": "assistant", "content": ""}, None, None, None, prompt_ids))
     body: dict[str, Any] = {"content": delta.text}
     finish = delta.finish_reason
     stream = choices.choices[delta.index].reply_stream
     if stream is not None:
         body = stream.feed(delta.text, finished=finish is not None)
         finish = stream.finish_reason(finish)
-    ids = _token_ids(choices, delta, first_only=False)
-    out.append(chunk(body, choices.chat_logprobs(delta), finish, ids))
+    out.append(chunk(body, choices.chat_logprobs(delta), finish, choices.output_token_ids(delta)))
     return out
 
 
@@ -333,7 +328,7 @@ def whole_response(rid: str, created: int, model: str, choices: Choices, chat: b
         item["stop_reason"] = c.stop_reason
         if not chat:  # each choice carries its own prompt's (a request may have several)
             item["prompt_logprobs"] = choices.prompt_logprobs_json(i)
-        item.update(_token_ids(choices, delta, first_only=not chat))
+        item.update(_token_ids(choices, delta, with_prompt=not chat))
         items.append(item)
     body = {
         "id": rid,

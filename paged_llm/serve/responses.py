@@ -336,13 +336,14 @@ def output_messages(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [message]
 
 
-def status_of(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
-    """(response status, incomplete_details) for the engine's finish reason."""
+def status_of(finish_reason: str | None) -> tuple[str, dict[str, str] | None, dict | None]:
+    """(response status, incomplete_details, error) for the engine's finish reason; an abort
+    (the server shutting down) fails the response."""
     if finish_reason == "length":
-        return "incomplete", {"reason": "max_output_tokens"}
+        return "incomplete", {"reason": "max_output_tokens"}, None
     if finish_reason == "abort":
-        return "cancelled", None
-    return "completed", None
+        return "failed", None, {"code": "aborted", "message": "the request was aborted"}
+    return "completed", None, None
 
 
 def reasoning_tokens(token_ids: Sequence[int], thought: str, end_id: int | None) -> int:
@@ -452,14 +453,11 @@ class ResponseRun:
         stream = self.choices.choices[0].reply_stream
         return self.builder.feed(stream.feed(text, finished=finished))
 
-    def finish(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """(the closing events, the finished response)."""
+    def finish(self) -> list[dict[str, Any]]:
+        """The closing events; the finished response is then ``final``."""
         choice = self.choices.choices[0]
-        status, incomplete = status_of(choice.finish_reason)
+        status, incomplete, error = status_of(choice.finish_reason)
         events = self.builder.close("incomplete" if status == "incomplete" else "completed")
-        error = None
-        if status == "cancelled":  # the engine aborted it (the server is shutting down)
-            status, error = "failed", {"code": "aborted", "message": "the request was aborted"}
         usage = self.choices.usage()
         thought = choice.reply_stream.thought
         body = self._body(
@@ -470,10 +468,9 @@ class ResponseRun:
             incomplete,
             error,
         )  # fmt: skip
-        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
-        events.append({"type": kind.get(status, "response.failed"), "response": body})
+        events.append({"type": f"response.{status}", "response": body})  # .completed, ...
         self.final = body
-        return events, body
+        return events
 
     def failed(self, code: str, message: str) -> list[dict[str, Any]]:
         """The events of a stream that ends in an error."""
