@@ -225,6 +225,20 @@ def test_shutdown_aborts_requests_in_flight():
     assert len(updates) == 1 and updates[0].aborted
 
 
+def test_final_outputs_of_an_aborted_group_is_engine_unavailable():
+    """A pooling request or a server beam step cut short by shutdown: a 503, not None outputs."""
+    fake = FakeEngine()
+    fake.hold = True
+
+    async def body(engine):
+        group = await engine.submit([sub(), sub()])
+        await engine.shutdown(timeout=5)
+        with pytest.raises(EngineUnavailable, match="stopped before the request finished"):
+            await group.final_outputs()
+
+    run(fake, body)
+
+
 def test_engine_failure_fails_requests_and_refuses_new_ones():
     fake = FakeEngine()
 

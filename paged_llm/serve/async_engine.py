@@ -115,12 +115,14 @@ class RequestGroup:
             yield update
 
     async def final_outputs(self) -> list[Any]:
-        """Every sub-request's last output, in order (None for one aborted before it had
-        any); the first error is raised."""
+        """Every sub-request's last output, in order; the first error is raised, and
+        EngineUnavailable if the engine aborted one before its end (it is shutting down)."""
         outputs: list[Any] = [None] * len(self.subs)
         async for update in self.updates():
             if update.error is not None:
                 raise update.error
+            if update.aborted:
+                raise EngineUnavailable("the engine stopped before the request finished")
             if update.output is not None:
                 outputs[update.index] = update.output
         return outputs

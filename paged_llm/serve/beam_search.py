@@ -22,7 +22,7 @@ from paged_llm.beam_search import (
 from paged_llm.outputs import CompletionOutput, RequestOutput
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.async_engine import AsyncEngine, SubRequest
-from paged_llm.serve.errors import BadRequest, EngineUnavailable
+from paged_llm.serve.errors import BadRequest
 from paged_llm.serve.prompts import PromptRenderer, check_fits, token_prompt
 from paged_llm.serve.protocol import MAX_N
 
@@ -111,12 +111,9 @@ async def _run(engine: AsyncEngine, subs: list[SubRequest], request_id: str) -> 
     """Every sub-request's final output, in order (their error raised)."""
     group = await engine.submit(subs, request_id=request_id)
     try:
-        outputs = await group.final_outputs()
+        return await group.final_outputs()
     finally:
         group.close()
-    if any(out is None for out in outputs):  # aborted: the engine is shutting down
-        raise EngineUnavailable("the engine stopped before the beam search finished")
-    return outputs
 
 
 def _top(out: RequestOutput, k: int) -> list[tuple[float, int]]:
