@@ -33,6 +33,9 @@ class ModelConfig:
     tensor_parallel_size: int = 1
     # True: never use CUDA graphs for decode steps (they are only used on CUDA anyway)
     enforce_eager: bool = False
+    # vLLM's: allow LLM.sleep / wake_up (free the weights' and KV cache's memory between uses;
+    # paged_llm/runner/sleep.py). Costs nothing until sleep() is called.
+    enable_sleep_mode: bool = False
     # CPU: linear layers send inputs of at least this many rows to oneDNN's matmul, faster than
     # torch's default (MKL) there; None keeps torch's default. See paged_llm/layers/cpu_linear.py
     cpu_onednn_min_rows: int | None = 1

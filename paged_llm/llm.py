@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -99,6 +99,31 @@ class LLM:
         e.g. ``hf_model.state_dict().items()`` after an RL step), between generate calls; the
         prefix cache is dropped. Returns the number of tensors written."""
         return self.llm_engine.load_weights(weights)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory between generate calls (needs ``enable_sleep_mode=True``):
+        level 1 offloads the weights to CPU memory and discards the KV cache; level 2 discards
+        both, for ``load_weights`` to write new weights after ``wake_up``."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` freed: ``tags`` "weights" and/or "kv_cache" (None: both)."""
+        self.llm_engine.wake_up(tags)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a ``ModelRunner`` method (by name) or ``method(runner, *args, **kwargs)`` on
+        every tensor-parallel rank; the results in rank order."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """``func(model)`` on every rank's model; the results in rank order."""
+        return self.llm_engine.apply_model(func)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's recommended settings (its generation_config.json,

@@ -151,3 +151,28 @@ def test_priority_reaches_the_engine(offline):
     run(fcfs)
     outs = run(prio, scheduling_policy="priority")
     assert outs[-1].outputs[0].token_ids == offline[0].token_ids
+
+
+def test_sleep_mode_and_collective_rpc(offline):
+    """vLLM's async methods: a sleeping engine refuses generate with RuntimeError, and after
+    wake_up streams what it streamed before; bad levels and tags are ValueErrors."""
+
+    async def body(engine):
+        before = await collect(engine, PROMPTS[0], GREEDY, "a")
+        assert await engine.collective_rpc(lambda runner: runner.block_size) == [16]
+        assert await engine.reset_prefix_cache()
+        with pytest.raises(ValueError, match="sleep level"):
+            await engine.sleep(4)
+        await engine.sleep(1)
+        assert await engine.is_sleeping()
+        with pytest.raises(RuntimeError, match="asleep"):
+            await collect(engine, PROMPTS[0], GREEDY, "b")
+        with pytest.raises(ValueError, match="unknown sleep tag"):
+            await engine.wake_up(["kv"])
+        await engine.wake_up()
+        assert not await engine.is_sleeping()
+        after = await collect(engine, PROMPTS[0], GREEDY, "c")
+        return before[-1].outputs[0].token_ids, after[-1].outputs[0].token_ids
+
+    before, after = run(body, enable_sleep_mode=True)
+    assert before == after == offline[0].token_ids

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from paged_llm.engine.sleep_mode import SleepState
 from paged_llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest, Update
@@ -28,6 +29,7 @@ class FakeEngine:
         self.scheduler = SimpleNamespace(
             running=[], waiting=[], swapped=[], num_preemptions_total=0
         )
+        self.sleep_state = SleepState()
         self.live = {}  # id -> (prompt ids, params, output ids)
         self.aborted = []
         self.hold = False  # True: steps produce nothing (requests stay waiting)

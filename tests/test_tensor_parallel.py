@@ -124,6 +124,31 @@ def _no_workers_left():
     assert not multiprocessing.active_children()
 
 
+def _device_bytes(runner) -> tuple[int, int]:
+    """(parameter bytes, KV pool bytes) of one rank's runner (a collective_rpc function)."""
+    params = sum(p.untyped_storage().nbytes() for p in runner.model.parameters())
+    pools = sum(t.untyped_storage().nbytes() for pair in runner.kv_caches for t in pair)
+    return params, pools
+
+
+def check_sleep_mode_on_every_rank(llm: LLM, path: str, expected: list[list[int]]) -> None:
+    """collective_rpc answers from both ranks (an error on rank 1 too, leaving the world
+    usable); a level-2 sleep frees both ranks' weights and KV; after waking and loading the
+    checkpoint again the engine generates what it did before."""
+    awake = llm.collective_rpc(_device_bytes)
+    assert len(awake) == 2 and all(params > 0 and pools > 0 for params, pools in awake)
+    with pytest.raises(ValueError, match="no public method 'nope'"):
+        llm.collective_rpc("nope")
+    llm.sleep(level=2)
+    assert llm.collective_rpc(_device_bytes) == [(0, 0), (0, 0)]
+    llm.wake_up(tags=["weights"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
+    llm.load_weights(hf.state_dict().items())
+    llm.wake_up(tags=["kv_cache"])
+    assert llm.collective_rpc(_device_bytes) == awake
+    assert run(llm, 12) == expected
+
+
 def assert_stopped(processes) -> None:
     assert processes, "a 2-rank engine spawns one worker"
     assert not any(p.is_alive() for p in processes)
@@ -142,7 +167,7 @@ def test_llama_gqa_with_swapping_and_chunked_prefill(tmp_path):
     single = LLM(path, **settings)
     expected = run(single, 12)
     assert single.llm_engine.scheduler.num_preemptions_total > 0
-    with LLM(path, tensor_parallel_size=2, **settings) as llm:
+    with LLM(path, tensor_parallel_size=2, enable_sleep_mode=True, **settings) as llm:
         processes = llm.llm_engine.parallel.processes
         assert run(llm, 12) == expected
         assert llm.llm_engine.scheduler.num_preemptions_total > 0
@@ -153,6 +178,7 @@ def test_llama_gqa_with_swapping_and_chunked_prefill(tmp_path):
         sp = SamplingParams(max_tokens=3, logprobs=3, prompt_logprobs=2)
         lp_single = single.generate(PROMPTS[0], sp)
         lp_tp = llm.generate(PROMPTS[0], sp)
+        check_sleep_mode_on_every_rank(llm, path, run(single, 12))
     assert_stopped(processes)
     pairs = list(zip(lp_single[0].outputs[0].logprobs, lp_tp[0].outputs[0].logprobs))
     pairs += list(zip(lp_single[0].prompt_logprobs[1:], lp_tp[0].prompt_logprobs[1:]))

@@ -28,6 +28,9 @@ class AttentionBackend(ABC):
     def check_device(self, device: torch.device) -> None:
         """Raise a clear error when this backend cannot run on ``device``."""
 
+    def release_buffers(self) -> None:
+        """Drop scratch memory kept between steps (sleep mode frees it); none by default."""
+
     @abstractmethod
     def forward(
         self,

@@ -105,6 +105,10 @@ class TorchAttentionBackend(AttentionBackend):
             decode_one_sequence_into(outs[b], queries[b], k, v, scale)
         return num
 
+    def release_buffers(self) -> None:
+        """Drop the reused gather buffers (they grow back on the next step)."""
+        self._buffers.clear()
+
     def _buffer(self, cache: torch.Tensor, which: int, num_blocks: int) -> torch.Tensor:
         """A reused [>= num_blocks, block_size, Hkv, D] buffer shaped like ``cache``'s blocks."""
         key = (which, tuple(cache.shape[1:]), cache.dtype, cache.device)

@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import logging
 import os
+import pickle
 import time
 import weakref
 from collections.abc import Iterator
@@ -47,11 +48,41 @@ class StepMessage:
 
 
 @dataclass
-class WeightsMessage:
-    """New weights for ranks > 0 (``LLM.load_weights``): full HF-named CPU tensors; each rank
-    keeps its own slices."""
+class CallMessage:
+    """A call to run on every rank's model runner between steps (``LLM.collective_rpc``,
+    ``load_weights``, sleep mode): a method name, or a picklable function taking the runner
+    first; its arguments are pickled to ranks > 0 (tensors as CPU tensors)."""
 
-    weights: list[tuple[str, torch.Tensor]]
+    method: Any  # str | Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def run_call(runner: Any, method: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """Run one call on ``runner`` (a ModelRunner): ``runner.<method>(...)`` or
+    ``method(runner, ...)``."""
+    if isinstance(method, str):
+        fn = None if method.startswith("_") else getattr(runner, method, None)
+        if not callable(fn):
+            raise ValueError(f"the model runner has no public method '{method}'")
+        return fn(*args, **(kwargs or {}))
+    if not callable(method):
+        raise ValueError(f"method must be a name or a callable, got {type(method).__name__}")
+    return method(runner, *args, **(kwargs or {}))
+
+
+def _answer(runner: Any, msg: CallMessage) -> tuple[bool, Any]:
+    """(True, result) or (False, error) of a call, in a form that can be pickled back."""
+    try:
+        answer: tuple[bool, Any] = (True, run_call(runner, msg.method, msg.args, msg.kwargs))
+    except Exception as err:
+        answer = (False, err)
+    try:
+        pickle.dumps(answer)
+    except Exception as err:
+        what = "result" if answer[0] else "error"
+        answer = (False, RuntimeError(f"the call's {what} cannot be sent between ranks: {err}"))
+    return answer
 
 
 @dataclass
@@ -122,20 +153,26 @@ class TensorParallel:
         yield
         self._state.clean = True
 
-    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Rank 0, between steps: send new weights (already written and checked on rank 0)."""
+    def call(self, runner: Any, msg: CallMessage) -> list[Any]:
+        """Rank 0, between steps: run a call on every rank; the results in rank order. An error
+        on any rank is raised here (the first rank's first), after every rank has answered."""
         self._state.clean = False
-        self._send(WeightsMessage([(n, t.detach().cpu()) for n, t in weights]))
+        self._send(msg)
+        answers = self._gather(_answer(runner, msg))
         self._state.clean = True
+        for ok, value in answers:
+            if not ok:
+                raise value
+        return [value for _, value in answers]
 
     def serve(self, runner: Any) -> None:
-        """Ranks > 0: run each step rank 0 sends, until it sends STOP."""
+        """Ranks > 0: run each step (or call) rank 0 sends, until it sends STOP."""
         while True:
             msg = self._receive()
             if msg == STOP:
                 return
-            if isinstance(msg, WeightsMessage):
-                runner.model.update_weights(msg.weights)
+            if isinstance(msg, CallMessage):
+                self._gather(_answer(runner, msg))
                 continue
             with torch.inference_mode():
                 runner.run_batch(msg.block_ops, msg.batch)
@@ -144,6 +181,14 @@ class TensorParallel:
         import torch.distributed as dist
 
         dist.broadcast_object_list([obj], src=0, group=self._state.object_group)
+
+    def _gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0, in rank order (None on ranks > 0)."""
+        import torch.distributed as dist
+
+        out = [None] * self.group.size if self.is_driver else None
+        dist.gather_object(obj, out, dst=0, group=self._state.object_group)
+        return out
 
     def _receive(self) -> Any:
         import torch.distributed as dist

@@ -17,7 +17,7 @@ from paged_llm.core.kv import POLICIES
 from paged_llm.core.request import Request
 from paged_llm.core.scheduler import Scheduler, SchedulerLimits
 from paged_llm.distributed import building_for
-from paged_llm.distributed.launch import start_tensor_parallel
+from paged_llm.distributed.launch import CallMessage, run_call, start_tensor_parallel
 from paged_llm.distributed.sharding import kv_heads_per_rank
 from paged_llm.engine.deltas import DeltaCursor, stop_holdback
 from paged_llm.engine.detokenizer import IncrementalDetokenizer, tokenizer_facts
@@ -25,6 +25,7 @@ from paged_llm.engine.generation_config import load_generation_defaults
 from paged_llm.engine.inputs import to_token_ids, truncate_prompt, validate_token_ids
 from paged_llm.engine.loading import checkpoint_path, load_model_and_tokenizer, resolve_device
 from paged_llm.engine.reasoning import reasoning_parser
+from paged_llm.engine.sleep_mode import SleepState, describe
 from paged_llm.engine.stop_strings import StopStringChecker
 from paged_llm.engine.structured_output import StructuredOutputCompiler
 from paged_llm.layers.attention import PagedAttention
@@ -194,6 +195,9 @@ class LLMEngine:
         self.runner.initialize_cache(num_blocks, num_cpu_blocks)
         if self.drafter is not None:
             self.drafter.allocate(num_blocks, cc.block_size)
+            if hasattr(self.drafter, "device_memory"):  # a draft model's weights and KV
+                self.runner.memory_owners.append(self.drafter)
+        self.sleep_state = SleepState(enabled=mc.enable_sleep_mode)
         graph_sizes = cuda_graph_sizes(
             self.device, mc.enforce_eager, self.backend, mc.tensor_parallel_size, sc.max_num_seqs,
             enable_lora=self.lora is not None,
@@ -323,7 +327,9 @@ class LLMEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> _Group:
-        """Validate a prompt and its parameters; raise ValueError before any work is done."""
+        """Validate a prompt and its parameters; raise ValueError before any work is done
+        (EngineAsleepError while sleep mode has the engine's memory)."""
+        self.sleep_state.check_awake()
         if self.parallel is not None and not self.parallel.is_driver:
             raise ValueError(
                 f"tensor-parallel rank {self.parallel.group.rank} only runs the model; "
@@ -812,15 +818,64 @@ class LLMEngine:
         cache, whose KV the old weights computed, is dropped. Returns the tensors written."""
         if self.has_unfinished_requests():
             raise ValueError("load_weights runs between requests; some are still running")
-        if any(isinstance(m, QuantLinear) for m in self.model.modules()):
+        if self._quantized():
             raise ValueError("load_weights needs float weights; this model is quantized")
-        if self.parallel is not None:  # every rank keeps its slices of the same full tensors
-            weights = list(weights)
-        written = self.model.update_weights(weights)  # checks everything first (rank 0)
-        if self.parallel is not None:
-            self.parallel.load_weights(weights)
+        self.sleep_state.check_can_load()
+        if self.parallel is not None:  # pickled to every rank, which keeps its own slices
+            weights = [(n, t.detach().cpu()) for n, t in weights]
+        written = self.collective_rpc("update_weights", args=(weights,))[0]  # checked first
+        self.sleep_state.loaded(written)
         self.reset_prefix_cache()
         return len(written)
+
+    def _quantized(self) -> bool:
+        return any(isinstance(m, QuantLinear) for m in self.model.modules())
+
+    # ---- calls on every rank, and sleep mode (vLLM's methods for RL and multi-model use) ------
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Between steps, run ``runner.<method>(*args, **kwargs)`` (a ``ModelRunner`` method)
+        or ``method(runner, *args, **kwargs)`` on every tensor-parallel rank; the results in
+        rank order. Under tensor parallelism the function, arguments and results are pickled."""
+        if timeout is not None:
+            raise ValueError("collective_rpc does not support timeout; leave it None")
+        msg = CallMessage(method, tuple(args), dict(kwargs or {}))
+        if self.parallel is None:
+            return [run_call(self.runner, msg.method, msg.args, msg.kwargs)]
+        return self.parallel.call(self.runner, msg)
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """``func(model)`` on every rank's model (its slices under tensor parallelism)."""
+        return self.collective_rpc("apply_model", args=(func,))
+
+    def sleep(self, level: int = 1) -> None:
+        """Between requests (with ``enable_sleep_mode=True``), free the device memory of every
+        rank: the KV cache is discarded, the weights offloaded to CPU memory (level 1) or
+        discarded (level 2: for load_weights to write new ones after ``wake_up``). The prefix
+        cache is dropped. Requests are refused (EngineAsleepError) until ``wake_up``."""
+        busy = self.has_unfinished_requests()
+        self.sleep_state.check_can_sleep(level, busy, self._quantized())
+        self.reset_prefix_cache()
+        reports = self.collective_rpc("sleep", args=(level,))
+        self.sleep_state.fell_asleep(level, (n for n, _ in self.model.named_parameters()))
+        logger.info(describe(reports, self.device.type))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the memory of ``tags`` ("weights", "kv_cache"; None: both): wake the
+        weights first to update them (load_weights) before the KV cache takes its memory."""
+        tags = self.sleep_state.tags_to_wake(tags)
+        if tags:
+            self.collective_rpc("wake_up", args=(tags,))
+        self.sleep_state.woke(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while any of the engine's memory is asleep."""
+        return bool(self.sleep_state.asleep)
 
     def kv_usage(self) -> float:
         """Fraction of device KV blocks in use."""

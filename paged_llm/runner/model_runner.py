@@ -19,6 +19,7 @@ from paged_llm.quant.kv_cache import SCALE_DTYPE, KVCacheSpec
 from paged_llm.runner.cuda_graphs import CudaGraphRunner, is_decode_batch
 from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, allocate_kv_scales, move_blocks
 from paged_llm.runner.sampler import Sampler, SampleResult, logprob_entries
+from paged_llm.runner.sleep import RankMemory, Sleeper, SleepReport, trim_host_heap
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,11 @@ class ModelRunner:
         self.lora: Any = None  # lora.manager.LoRAManager when LoRA is enabled (set by the engine)
         self.pooler: Any = None  # pooling.pooler.Pooler for a pooling model (set by the engine)
         self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
+        self._graph_sizes: list[int] = []  # what capture_cuda_graphs captured (wake_up redoes it)
+        self._max_model_len = 0
+        self.sleeper = Sleeper()
+        # other owners of this rank's device memory (a draft model): ``device_memory()``
+        self.memory_owners: list[Any] = []
         self.cuda_graph_error: str | None = None  # why capturing failed, if it did
         # How each forward ran ("graph" replay, "eager_decode", "eager_prefill": a batch with
         # any prompt tokens), counted and last: benchmarks attribute step time by kind.
@@ -229,6 +235,7 @@ class ModelRunner:
     def capture_cuda_graphs(self, sizes: list[int], max_model_len: int) -> None:
         """Capture decode graphs for these batch buckets (after initialize_cache; [] = none).
         A capture that fails leaves the engine eager, with a warning: graphs only save time."""
+        self._graph_sizes, self._max_model_len = list(sizes), max_model_len
         if not sizes:
             return
         graphs = CudaGraphRunner(
@@ -242,6 +249,45 @@ class ModelRunner:
             logger.warning("CUDA graph capture failed, running eagerly: %s", err, exc_info=True)
             return
         self.cuda_graphs = graphs
+
+    # ---- sleep mode (runner/sleep.py): the same calls on every tensor-parallel rank -------------
+    def device_memory(self) -> RankMemory:
+        """This rank's model weights and KV pools, and those of ``memory_owners``."""
+        params = [p for p in self.model.parameters()]
+        lora_and_buffers = [b for b in self.model.buffers()]
+        pools = [t for pair in self.kv_caches + self.kv_scales for t in pair]
+        memory = RankMemory(params, lora_and_buffers, pools)
+        for owner in self.memory_owners:
+            extra = owner.device_memory()
+            memory.other_weights += extra.parameters + extra.other_weights
+            memory.kv_cache += extra.kv_cache
+        return memory
+
+    def sleep(self, level: int) -> SleepReport:
+        """Free this rank's weights and KV cache (level 1 offloads the weights, level 2
+        discards the parameters); CUDA graphs, which bake in their addresses, go too."""
+        self.cuda_graphs = None  # their memory pool is freed with them
+        self.backend.release_buffers()
+        report = self.sleeper.sleep(level, self.device_memory())
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks back to the driver
+        else:
+            trim_host_heap()
+        return report
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Restore these tags' memory; once all is awake, capture the CUDA graphs again."""
+        self.sleeper.wake_up(tags)
+        if not self.sleeper.asleep and self.cuda_graphs is None and self._graph_sizes:
+            self.capture_cuda_graphs(self._graph_sizes, self._max_model_len)
+
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list[str]:
+        """Write HF-named tensors into this rank's model (its slices); the names written."""
+        return self.model.update_weights(weights)
+
+    def apply_model(self, func: Any) -> Any:
+        """``func(model)`` on this rank's model (vLLM's ``LLM.apply_model``)."""
+        return func(self.model)
 
     def _forward(
         self, out: SchedulerOutput

@@ -22,6 +22,7 @@ from paged_llm.metrics.run_info import hardware_info
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.async_engine import AsyncEngine, RequestGroup, SubRequest, Update
 from paged_llm.serve.beam_search import beam_params, beam_search
+from paged_llm.serve.dev_routes import dev_routes
 from paged_llm.serve.disconnect import unless_disconnected
 from paged_llm.serve.errors import (
     APIError,
@@ -87,6 +88,8 @@ class ServerSettings:
     tool_parser: ToolParser | None = None
     # /v1/responses kept for previous_response_id and GET (in memory; the oldest forgotten)
     max_stored_responses: int = 1000
+    # vLLM's VLLM_SERVER_DEV_MODE: /sleep, /wake_up, /is_sleeping, /collective_rpc
+    dev_mode: bool = False
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -104,7 +107,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     _add_error_handlers(app)
     app.include_router(_public_routes(engine))
     app.include_router(_tokenizer_routes(engine, settings))
-    for router in _openai_routes(engine, settings):
+    routers = _openai_routes(engine, settings)
+    if settings.dev_mode:
+        routers.append(dev_routes(engine))
+    for router in routers:
         app.include_router(router, dependencies=[Depends(_api_key_check(settings))])
     return app
 

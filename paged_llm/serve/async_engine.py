@@ -23,6 +23,7 @@ from typing import Any
 
 from paged_llm.engine.inputs import truncate_prompt
 from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.engine.sleep_mode import EngineAsleepError
 from paged_llm.outputs import LogprobEntry, PoolingRequestOutput, RequestOutput
 from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import SamplingParams
@@ -393,6 +394,8 @@ class AsyncEngine:
                     )  # fmt: skip
                 except ValueError as err:
                     raise BadRequest(str(err)) from None
+                except EngineAsleepError as err:
+                    raise EngineUnavailable(str(err)) from None
                 added.append(sub_id)
                 wants = getattr(sub.params, "logprobs", None) is not None
                 self._live[sub_id] = _Live(group, index, wants, sub.num_seqs)

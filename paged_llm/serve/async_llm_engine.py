@@ -110,6 +110,41 @@ class AsyncLLMEngine:
         """The model's tokenizer (None if it has none)."""
         return self.engine.tokenizer
 
+    # ---- sleep mode, calls on every rank (vLLM's names) --------------------------------------
+    async def _on_engine(self, fn: Any) -> Any:
+        """``fn(engine)`` on the engine thread between steps; BadRequest -> ValueError."""
+        if not self._loop.started and self.start_engine_loop:
+            self.start_background_loop()
+        try:
+            return await self._loop.with_engine(fn)
+        except BadRequest as err:
+            raise ValueError(err.message) from None
+        except EngineUnavailable as err:
+            raise RuntimeError(err.message) from None
+
+    async def sleep(self, level: int = 1) -> None:
+        """``LLMEngine.sleep`` (needs ``enable_sleep_mode=True`` and no running requests)."""
+        await self._on_engine(lambda e: e.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """``LLMEngine.wake_up``: restore ``tags`` ("weights", "kv_cache"; None: both)."""
+        await self._on_engine(lambda e: e.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        """True while any of the engine's memory is asleep."""
+        return await self._on_engine(lambda e: e.is_sleeping())
+
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False while requests hold cached blocks."""
+        return await self._on_engine(lambda e: e.reset_prefix_cache())
+
+    async def collective_rpc(
+        self, method: Any, timeout: float | None = None, args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:  # fmt: skip
+        """``LLMEngine.collective_rpc`` between steps: the results of every rank."""
+        return await self._on_engine(lambda e: e.collective_rpc(method, timeout, args, kwargs))
+
     async def check_health(self) -> None:
         """Raise RuntimeError if the engine has failed or its loop has stopped."""
         if self.errored:

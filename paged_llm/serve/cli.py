@@ -170,6 +170,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="accepted for compatibility; no remote code is ever run",
     )
     eng.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="allow sleep / wake_up (the endpoints need VLLM_SERVER_DEV_MODE=1)",
+    )
+    eng.add_argument(
         "--enforce-eager",
         action="store_true",
         help="never capture CUDA graphs for decode steps (they are only used on CUDA)",
@@ -270,6 +275,11 @@ def runtime_lora_updating() -> bool:
     return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
 
 
+def server_dev_mode() -> bool:
+    """vLLM's switch for the development endpoints (sleep mode, collective_rpc)."""
+    return os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments; ValueError for flags the engine cannot honour."""
     refused = {"--pipeline-parallel-size": args.pipeline_parallel_size != 1}
@@ -307,6 +317,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype": None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "enforce_eager": args.enforce_eager,
+        "enable_sleep_mode": args.enable_sleep_mode,
         "generation_config": args.generation_config,
         "override_generation_config": args.override_generation_config,
         "enable_lora": args.enable_lora or None,
@@ -360,6 +371,7 @@ def server_settings(args: argparse.Namespace) -> Any:
         allow_runtime_lora_updating=runtime_lora_updating(),
         tool_parser=parser if args.enable_auto_tool_choice else None,
         max_stored_responses=args.max_stored_responses,
+        dev_mode=server_dev_mode(),
     )
 
 

@@ -40,6 +40,7 @@ class EngineGauges:
     prefix_cache: PrefixCacheCounts | None = None  # None: prefix caching is off
     spec_decode: SpecDecodeCounts | None = None  # None: no speculative decoding
     lora: LoRAGauges | None = None  # None: LoRA is off
+    sleep_level: int = 0  # sleep mode: 0 awake, else the level the engine sleeps at
     time: float = 0.0  # when the snapshot was taken (time.time())
 
 
@@ -83,6 +84,7 @@ def engine_gauges(engine: Any) -> EngineGauges:
         prefix_cache=_prefix_cache_counts(getattr(sched, "kv", None)),
         spec_decode=_spec_decode_counts(engine),
         lora=_lora_gauges(engine),
+        sleep_level=engine.sleep_state.level,
         time=time.time(),
     )
 
@@ -237,6 +239,12 @@ class ServerMetrics:
                 f'running_lora_adapters="{_label(",".join(lg.running))}",'
                 f'waiting_lora_adapters="{_label(",".join(lg.waiting))}"}} {_num(gauges.time)}'
             )
+        name = "vllm:engine_sleep_state"  # as vLLM: one line per state, 1 for the current one
+        header(name, "gauge", "Engine sleep state: awake, weights_offloaded (level 1) or "
+               "discard_all (level 2).")  # fmt: skip
+        for level, state in enumerate(("awake", "weights_offloaded", "discard_all")):
+            value = int(gauges.sleep_level == level)
+            lines.append(f'{name}{{{lbl},sleep_state="{state}"}} {value}')
         if gauges.spec_decode is not None:
             name = "vllm:spec_decode_num_accepted_tokens_per_pos"
             header(name, "counter", "Accepted draft tokens, by position in the draft.")

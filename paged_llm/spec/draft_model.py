@@ -15,6 +15,7 @@ from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from paged_llm.runner.sampler import process_request_rows
+from paged_llm.runner.sleep import RankMemory
 
 
 class DraftModelDrafter:
@@ -56,6 +57,12 @@ class DraftModelDrafter:
         self.kv_caches = allocate_kv_caches(
             layers, num_blocks, block_size, heads, dim, self.dtype, self.device
         )
+
+    def device_memory(self) -> RankMemory:
+        """For sleep mode: the draft's weights (load_weights never writes them, so a sleep
+        always offloads them) and its KV pool."""
+        weights = [*self.model.parameters(), *self.model.buffers()]
+        return RankMemory([], weights, [t for pair in self.kv_caches for t in pair])
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's state."""

@@ -1,0 +1,189 @@
+"""Sleep mode (vLLM's ``sleep`` / ``wake_up``): free a rank's device memory between uses of the
+engine, e.g. while an RL trainer needs the GPU, and get it back without rebuilding the engine.
+
+Memory is tagged as vLLM tags it: ``weights`` and ``kv_cache``. A sleep level says what happens
+to each:
+
+* level 1: weights are offloaded (copied to CPU memory, then freed on the device), the KV cache
+  is discarded (its content is forgotten);
+* level 2: the weights that ``load_weights`` can write (the model's parameters) are discarded
+  too; everything else of the ``weights`` tag (buffers such as rotary tables and quantized
+  weights, LoRA slots, a draft model) is offloaded as at level 1.
+
+Freeing keeps every tensor object: only its storage is resized to zero bytes, and waking
+resizes it back (FSDP frees parameters the same way). So the model, the attention backend and
+the runner keep their references and nothing is rebuilt. A woken storage gets its CPU copy
+back, or zeros when its content was discarded. On a CPU device, "offloading" would copy host
+memory to host memory, so offloaded tensors are simply left in place there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+SLEEP_TAGS = ("weights", "kv_cache")
+SLEEP_LEVELS = (1, 2)
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:  # [nbytes] uint8 view
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+@dataclass
+class _Released:
+    """One freed storage: its size, and its content on the CPU when kept (None: discarded)."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+    backup: torch.Tensor | None
+
+
+@dataclass
+class SleepingMemory:
+    """The storages of one tag freed by a sleep; ``restore`` brings them back."""
+
+    released: list[_Released] = field(default_factory=list)
+
+    @classmethod
+    def release(
+        cls,
+        keep: Iterable[torch.Tensor],
+        discard: Iterable[torch.Tensor],
+        offload_host: bool = False,
+    ) -> SleepingMemory:
+        """Free the storages of ``keep`` (after a CPU copy) and of ``discard`` (content
+        forgotten); a storage shared by both is kept. Kept CPU storages stay in place unless
+        ``offload_host`` (which tests use to run the copy path on a CPU)."""
+        kept = _unique_storages(keep)
+        kept_keys = {_key(s) for s in kept}
+        discarded = [s for s in _unique_storages(discard) if _key(s) not in kept_keys]
+        out = cls()
+        pin = torch.cuda.is_available()
+        for storage, is_kept in [(s, True) for s in kept] + [(s, False) for s in discarded]:
+            if is_kept and storage.device.type == "cpu" and not offload_host:
+                continue
+            backup = None
+            if is_kept:
+                backup = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+                backup.copy_(_as_bytes(storage))
+            out.released.append(_Released(storage, storage.nbytes(), backup))
+            storage.resize_(0)
+        return out
+
+    @property
+    def freed_bytes(self) -> int:
+        """Device (or, on a CPU device, host) bytes this sleep freed."""
+        return sum(r.nbytes for r in self.released)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Of those, the bytes copied to CPU memory to be restored."""
+        return sum(r.nbytes for r in self.released if r.backup is not None)
+
+    def restore(self) -> None:
+        """Re-create every freed storage at its old size: the CPU copy, or zeros."""
+        for r in self.released:
+            r.storage.resize_(r.nbytes)
+            data = _as_bytes(r.storage)
+            if r.backup is None:
+                data.zero_()
+            else:
+                data.copy_(r.backup)
+        self.released = []
+
+
+def _key(storage: torch.UntypedStorage) -> tuple[str, int]:
+    return (str(storage.device), storage.data_ptr())
+
+
+def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """Each distinct storage once (tied weights and views share one), in first-seen order."""
+    seen: dict[tuple[str, int], torch.UntypedStorage] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            seen.setdefault(_key(storage), storage)
+    return list(seen.values())
+
+
+@dataclass
+class RankMemory:
+    """One rank's device tensors by what a sleep does to them."""
+
+    parameters: list[torch.Tensor]  # load_weights writes these: discarded at level 2
+    other_weights: list[torch.Tensor]  # buffers, LoRA slots, a draft model: always offloaded
+    kv_cache: list[torch.Tensor]  # pools and their scales: always discarded
+
+
+@dataclass
+class SleepReport:
+    """What one rank's sleep did, in bytes."""
+
+    freed: int = 0  # device memory released
+    offloaded: int = 0  # of it, copied to CPU memory (weights at level 1, buffers at 2)
+
+
+class Sleeper:
+    """Puts one rank's memory to sleep by level and wakes it by tag."""
+
+    def __init__(self) -> None:
+        self.asleep: dict[str, SleepingMemory] = {}
+
+    def sleep(self, level: int, memory: RankMemory) -> SleepReport:
+        """Free the weights and the KV cache as ``level`` says (see the module docstring)."""
+        check_level(level)
+        if self.asleep:
+            raise ValueError(f"already asleep ({sorted(self.asleep)}); wake_up() first")
+        if level == 1:
+            weights = SleepingMemory.release(memory.parameters + memory.other_weights, [])
+        else:
+            weights = SleepingMemory.release(memory.other_weights, memory.parameters)
+        self.asleep = {"weights": weights, "kv_cache": SleepingMemory.release([], memory.kv_cache)}
+        parts = self.asleep.values()
+        return SleepReport(sum(p.freed_bytes for p in parts), sum(p.offloaded_bytes for p in parts))
+
+    def wake_up(self, tags: Iterable[str]) -> None:
+        """Restore the memory of these tags (those already awake are skipped)."""
+        for tag in check_tags(tags):
+            memory = self.asleep.pop(tag, None)
+            if memory is not None:
+                memory.restore()
+
+
+def trim_host_heap() -> bool:
+    """Hand freed heap memory back to the OS (glibc's ``malloc_trim``): glibc keeps freed
+    blocks below its mmap threshold (which grows to 32 MiB) for reuse, so without this a CPU
+    sleep frees the large tensors only. False where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+def check_level(level: int) -> None:
+    """Raise ValueError unless ``level`` is one of SLEEP_LEVELS (an int, not a bool)."""
+    if isinstance(level, bool) or level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+
+
+def check_tags(tags: Iterable[str] | None) -> list[str]:
+    """The tags to wake (None: all), each one of SLEEP_TAGS."""
+    if tags is None:
+        return list(SLEEP_TAGS)
+    if isinstance(tags, str):
+        tags = [tags]
+    tags = list(tags)
+    unknown = [t for t in tags if t not in SLEEP_TAGS]
+    if unknown:
+        raise ValueError(f"unknown sleep tag(s) {unknown}; choose from {list(SLEEP_TAGS)}")
+    return tags
