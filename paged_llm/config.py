@@ -90,6 +90,9 @@ class CacheConfig:
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = False
+    # vLLM's: GiB of CPU memory for a second prefix-cache tier: cached blocks evicted from the
+    # device are copied there and copied back on a later hit (core/kv/offload.py); 0: off
+    kv_offloading_size: float = 0.0
 
     def __post_init__(self) -> None:
         b = self.block_size
@@ -99,7 +102,7 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        for name in ("cpu_kv_cache_gib", "swap_space"):
+        for name in ("cpu_kv_cache_gib", "swap_space", "kv_offloading_size"):
             if not getattr(self, name) >= 0:  # NaN fails too
                 raise ValueError(f"{name} must be >= 0 GiB, got {getattr(self, name)}")
 

@@ -43,10 +43,12 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
 def test_engine_features_pass_through():
     kw = kwargs_of(
         "--enable-prefix-caching", "--speculative-config", json.dumps(SPEC),
-        "-q", "int8", "--kv-cache-dtype", "fp8_e4m3",
+        "-q", "int8", "--kv-cache-dtype", "fp8_e4m3", "--kv-offloading-size", "2.5",
+        "--enable-sleep-mode",
     )  # fmt: skip
     cfg = EngineConfig.from_kwargs(**kw)
     assert cfg.cache.enable_prefix_caching and cfg.speculative_config == SPEC
+    assert cfg.cache.kv_offloading_size == 2.5 and cfg.model.enable_sleep_mode
     assert cfg.model.quantization == "int8" and cfg.cache.kv_cache_dtype == "fp8_e4m3"
     cfg = EngineConfig.from_kwargs(**kwargs_of("-tp", "2", "--enforce-eager"))
     assert cfg.model.tensor_parallel_size == 2 and cfg.model.enforce_eager

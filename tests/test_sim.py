@@ -266,7 +266,7 @@ def test_windowed_steps_read_only_the_window():
     def out(before, n):
         request = SimpleNamespace(num_computed_tokens=before)
         return SimpleNamespace(scheduled=[SimpleNamespace(num_new_tokens=n, request=request)],
-                               swap_in=[], swap_out=[])  # fmt: skip
+                               swap_in=[], swap_out=[], block_ops=[])  # fmt: skip
 
     decode = step_shape(out(9999, 1), 16, sliding_window=4096)  # position 9999 reads 4096 keys
     assert (decode.kv_tokens_read, decode.attn_pairs) == (4096, 4096)

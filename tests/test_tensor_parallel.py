@@ -160,9 +160,11 @@ def test_llama_gqa_with_swapping_and_chunked_prefill(tmp_path):
     # 2 K/V heads over 2 ranks (one each); a small pool forces swap preemption, and chunked
     # prefill mixes decodes with prompt chunks, so block moves and mixed batches go to rank 1.
     path = save_model("llama", tmp_path)
+    # (prefix caching with a CPU tier: the second run's prompts come back from it)
     settings = dict(
         block_size=4, num_gpu_blocks_override=16, max_model_len=64, preemption_mode="swap",
         swap_space=0.01, enable_chunked_prefill=True, max_num_batched_tokens=12,
+        enable_prefix_caching=True, kv_offloading_size=0.001,
     )  # fmt: skip
     single = LLM(path, **settings)
     expected = run(single, 12)
@@ -171,6 +173,7 @@ def test_llama_gqa_with_swapping_and_chunked_prefill(tmp_path):
         processes = llm.llm_engine.parallel.processes
         assert run(llm, 12) == expected
         assert llm.llm_engine.scheduler.num_preemptions_total > 0
+        assert run(llm, 12) == expected and llm.llm_engine.scheduler.kv.offload.num_loaded > 0
         k_cache = llm.llm_engine.runner.kv_caches[0][0]
         assert k_cache.shape[2] == 1  # rank 0 keeps its own K/V head only
         # logprobs come from rank 0's gathered full-vocabulary logits

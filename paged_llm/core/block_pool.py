@@ -8,6 +8,8 @@ evicts the least recently freed cached blocks first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class BlockPool:
     """Hands out block ids; a block returns to the free list when its last reference drops."""
@@ -22,6 +24,9 @@ class BlockPool:
         self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._cached: dict[int, int] = {}
         self.num_evictions = 0
+        # called as on_evict(block, hash, tokens) when a cached block is taken for other tokens,
+        # before anything overwrites it (a CPU tier copies it out then; see core/kv/offload.py)
+        self.on_evict: Callable[[int, int, tuple[int, ...]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -97,3 +102,5 @@ class BlockPool:
         if key is not None:
             del self._cached[key[0]]
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block, *key)

@@ -45,10 +45,9 @@ from paged_llm.pooling.classifier import classifier_head
 from paged_llm.pooling.config import resolve_pooler_config
 from paged_llm.pooling.pooler import Pooler
 from paged_llm.pooling_params import PoolingParams
-from paged_llm.quant.kv_cache import SCALE_DTYPE, kv_cache_spec
+from paged_llm.quant.kv_cache import kv_cache_spec
 from paged_llm.quant.layers import QuantLinear
 from paged_llm.runner.cuda_graphs import cuda_graph_sizes
-from paged_llm.runner.kv_cache import kv_bytes_per_block
 from paged_llm.runner.logits_processors import bad_words_token_ids
 from paged_llm.runner.model_runner import ModelRunner
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
@@ -145,10 +144,7 @@ class LLMEngine:
             parallel=self.parallel,
         )  # fmt: skip
         # A 1-byte cache (+ a scale per vector) fits about twice the blocks of a 2-byte one.
-        block_bytes = kv_bytes_per_block(
-            num_layers, num_kv_heads, head_dim, cc.block_size, kv_spec.dtype,
-            SCALE_DTYPE if kv_spec.quantized else None,
-        )  # fmt: skip
+        target_block_bytes = block_bytes = self.runner.block_bytes()
         self.lora = self._build_lora()  # wraps the model's linear layers when enabled
         self.runner.lora = self.lora
         self.pooler = self._build_pooler(path if path.is_dir() else None)
@@ -168,7 +164,11 @@ class LLMEngine:
         num_cpu_blocks = 0
         if sc.preemption_mode == "swap":
             num_cpu_blocks = int(cc.swap_space * 2**30 // block_bytes)
-        extra = {"enable_prefix_caching": True} if cc.enable_prefix_caching else {}
+        extra: dict[str, Any] = {"enable_prefix_caching": True} if cc.enable_prefix_caching else {}
+        # the offload tier holds the target's KV only (a draft model recomputes its own)
+        num_offload_blocks = int(cc.kv_offloading_size * 2**30 // target_block_bytes)
+        if num_offload_blocks:
+            extra["offload_blocks"] = num_offload_blocks
         window = self._releasable_window()
         if window is not None:
             extra["sliding_window"] = window
@@ -192,7 +192,7 @@ class LLMEngine:
             max_loras=config.lora.max_loras if self.lora is not None else 0,
         )
         self.scheduler = Scheduler(kv, limits)
-        self.runner.initialize_cache(num_blocks, num_cpu_blocks)
+        self.runner.initialize_cache(num_blocks, num_cpu_blocks, num_offload_blocks)
         if self.drafter is not None:
             self.drafter.allocate(num_blocks, cc.block_size)
             if hasattr(self.drafter, "device_memory"):  # a draft model's weights and KV

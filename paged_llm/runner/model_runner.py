@@ -17,7 +17,13 @@ from paged_llm.layers.attention import ForwardContext
 from paged_llm.outputs import LogprobEntry
 from paged_llm.quant.kv_cache import SCALE_DTYPE, KVCacheSpec
 from paged_llm.runner.cuda_graphs import CudaGraphRunner, is_decode_batch
-from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, allocate_kv_scales, move_blocks
+from paged_llm.runner.kv_cache import (
+    KVCaches,
+    allocate_kv_caches,
+    allocate_kv_scales,
+    kv_bytes_per_block,
+    move_blocks,
+)
 from paged_llm.runner.sampler import Sampler, SampleResult, logprob_entries
 from paged_llm.runner.sleep import RankMemory, Sleeper, SleepReport, trim_host_heap
 
@@ -207,30 +213,43 @@ class ModelRunner:
         self.cpu_caches: KVCaches = []
         self.kv_scales: KVCaches = []  # quantized cache only: per layer [blocks, bs, Hkv] scales
         self.cpu_scales: KVCaches = []
+        # the prefix cache's CPU tier (kv_offloading_size): its own pool beside the swap pool
+        self.offload_caches: KVCaches = []
+        self.offload_scales: KVCaches = []
         # Scale pools share the caches' slots, so every block op moves them alongside.
         device = lambda: self.kv_caches + self.kv_scales
         cpu = lambda: self.cpu_caches + self.cpu_scales
+        offload = lambda: self.offload_caches + self.offload_scales
         self._block_op_caches = {"copy": (device, device), "swap_out": (device, cpu),
-                                 "swap_in": (cpu, device)}  # fmt: skip
+                                 "swap_in": (cpu, device), "offload": (device, offload),
+                                 "onload": (offload, device)}  # fmt: skip
 
-    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate the device pool and the CPU swap pool."""
+    def block_bytes(self) -> int:
+        """Bytes of one block of this rank's KV pools (all layers, K and V, scales)."""
+        scale = SCALE_DTYPE if self.kv_spec.quantized else None
+        return kv_bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim,
+                                  self.block_size, self.kv_spec.dtype, scale)  # fmt: skip
+
+    def initialize_cache(
+        self, num_blocks: int, num_cpu_blocks: int, num_offload_blocks: int = 0
+    ) -> None:
+        """Allocate the device pool, the CPU swap pool and the prefix cache's CPU tier."""
+        self.kv_caches, self.kv_scales = self._pools(num_blocks, self.device)
+        self.cpu_caches, self.cpu_scales = self._pools(num_cpu_blocks, "cpu")
+        self.offload_caches, self.offload_scales = self._pools(num_offload_blocks, "cpu")
+
+    def _pools(self, num_blocks: int, device: torch.device | str) -> tuple[KVCaches, KVCaches]:
+        """K/V pools of ``num_blocks`` (and their scales for a quantized cache); host pools are
+        pinned when the device is a GPU, for fast copies. Nothing for 0 blocks."""
+        if not num_blocks:
+            return [], []
+        pin = str(device) == "cpu" and self.device.type == "cuda"
         shape_args = (self.block_size, self.num_kv_heads, self.head_dim, self.kv_spec.dtype)
-        self.kv_caches = allocate_kv_caches(self.num_layers, num_blocks, *shape_args, self.device)
-        pin = self.device.type == "cuda"
-        if num_cpu_blocks:
-            self.cpu_caches = allocate_kv_caches(
-                self.num_layers, num_cpu_blocks, *shape_args, "cpu", pin_memory=pin
-            )
-        if self.kv_spec.quantized:
-            scale_args = (self.block_size, self.num_kv_heads, SCALE_DTYPE)
-            self.kv_scales = allocate_kv_scales(
-                self.num_layers, num_blocks, *scale_args, self.device
-            )
-            if num_cpu_blocks:
-                self.cpu_scales = allocate_kv_scales(
-                    self.num_layers, num_cpu_blocks, *scale_args, "cpu", pin_memory=pin
-                )
+        caches = allocate_kv_caches(self.num_layers, num_blocks, *shape_args, device, pin)
+        if not self.kv_spec.quantized:
+            return caches, []
+        scale_args = (self.block_size, self.num_kv_heads, SCALE_DTYPE)
+        return caches, allocate_kv_scales(self.num_layers, num_blocks, *scale_args, device, pin)
 
     def capture_cuda_graphs(self, sizes: list[int], max_model_len: int) -> None:
         """Capture decode graphs for these batch buckets (after initialize_cache; [] = none).

@@ -114,6 +114,11 @@ def make_parser() -> argparse.ArgumentParser:
     eng.add_argument("--attention-backend", help="auto, torch, cpu, triton or contiguous")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     eng.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        help="GiB of CPU memory for a second prefix-cache tier (needs --enable-prefix-caching)",
+    )
+    eng.add_argument(
         "--speculative-config",
         type=_json_object,
         help='JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 3}',
@@ -312,6 +317,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "attention_backend": args.attention_backend,
         "log_stats": not args.disable_log_stats,
         "enable_prefix_caching": args.enable_prefix_caching or None,
+        "kv_offloading_size": args.kv_offloading_size,
         "speculative_config": args.speculative_config or None,
         "quantization": args.quantization,
         "kv_cache_dtype": None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,

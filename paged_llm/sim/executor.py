@@ -35,6 +35,9 @@ def resolve_config_path(path: str) -> str:
     return str(CONFIG_DIR / p)
 
 
+HOST_DEVICE_MOVES = frozenset({"swap_in", "swap_out", "offload", "onload"})
+
+
 def step_shape(
     out: SchedulerOutput, block_size: int, sliding_window: int | None = None
 ) -> StepShape:
@@ -50,9 +53,9 @@ def step_shape(
         kv += ctx - first  # the keys some query of this step reads
         blocks += -(-ctx // block_size) - first // block_size
         pairs += _causal_pairs(before, ctx, sliding_window)
-    return StepShape(
-        len(out.scheduled), new, kv, blocks, pairs, len(out.swap_in) + len(out.swap_out)
-    )
+    # blocks crossing between host and device: swaps and the prefix cache's offload tier
+    moved = sum(len(p) for kind, p in out.block_ops if kind in HOST_DEVICE_MOVES)
+    return StepShape(len(out.scheduled), new, kv, blocks, pairs, moved)
 
 
 def _causal_pairs(before: int, ctx: int, window: int | None) -> int:
@@ -153,9 +156,11 @@ class SimulatedExecutor:
         if settings.preemption_mode == "swap":
             num_cpu_blocks = int(settings.swap_space_gib * GiB // block_bytes)
         window = self.model.sliding_window
+        num_offload = int(settings.kv_offloading_size * GiB // block_bytes)
         scheduler = build_scheduler(
-            policy, settings, num_blocks, num_cpu_blocks, sliding_window=window
-        )
+            policy, settings, num_blocks, num_cpu_blocks, sliding_window=window,
+            num_offload_blocks=num_offload,
+        )  # fmt: skip
         records = {
             r.request_id: RequestRecord(r.request_id, r.input_len, r.output_len, r.arrival_time)
             for r in workload.requests

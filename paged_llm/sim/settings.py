@@ -25,6 +25,9 @@ class ServingSettings:
     preemption_mode: str = "recompute"
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False  # sharing policies only (paged)
+    # vLLM's: GiB of CPU memory for a second prefix-cache tier (evicted blocks are copied
+    # there and back on a hit; core/kv/offload.py); 0: off
+    kv_offloading_size: float = 0.0
     scheduling_policy: str = "fcfs"  # or "priority" (TimedRequest.priority: smaller first)
     # a windowed model: the paged policy frees each sequence's blocks behind the window (the
     # engine's behaviour); False keeps them, to measure what freeing buys
@@ -56,6 +59,7 @@ def build_scheduler(
     num_cpu_blocks: int = 0,
     track_memory: bool = False,
     sliding_window: int | None = None,
+    num_offload_blocks: int = 0,
 ) -> Scheduler:
     """The real Scheduler over the policy's KV manager (a name from POLICIES, a dotted path or a
     ``{_target_: ...}`` mapping); ``sliding_window``: the model's, if every layer has one."""
@@ -64,6 +68,8 @@ def build_scheduler(
     )
     if sliding_window is not None and settings.free_blocks_behind_window:
         extra["sliding_window"] = sliding_window
+    if num_offload_blocks:
+        extra["offload_blocks"] = num_offload_blocks
     try:
         kv = build(
             "policy", policy, POLICIES, num_blocks=num_blocks, block_size=settings.block_size,

@@ -1,7 +1,9 @@
 """vLLM's policy: blocks are allocated on demand, so waste is confined to each request's last
 block. Blocks can be shared (forked sequences, prefix caching) by reference count; a shared
 block that must be written is copied first (copy-on-write). Preempted requests can be swapped
-to a CPU block pool, each shared block once. With a sliding window (a model whose every layer
+to a CPU block pool, each shared block once. With ``offload_blocks``, cached blocks evicted from
+the device are kept in a CPU tier and copied back on a later hit (core/kv/offload.py). With a
+sliding window (a model whose every layer
 attends to its last W positions), blocks that fell wholly out of the window are freed as soon
 as they do, their table entries becoming NULL_BLOCK (no torch)."""
 
@@ -12,6 +14,7 @@ from collections.abc import Iterable
 
 from paged_llm.core.block_pool import BlockPool
 from paged_llm.core.kv.base import KVCacheManager, MemoryBreakdown
+from paged_llm.core.kv.offload import PrefixOffloadTier
 from paged_llm.core.request import Request
 from paged_llm.utils.checks import check_window
 
@@ -42,9 +45,13 @@ class PagedKVCacheManager(KVCacheManager):
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,
+        offload_blocks: int = 0,
     ) -> None:
         super().__init__(num_blocks, block_size, max_model_len)
         check_window(sliding_window)
+        if offload_blocks and not enable_prefix_caching:
+            raise ValueError("KV offloading is a tier of the prefix cache; it needs "
+                             "enable_prefix_caching=True")  # fmt: skip
         # Every token sees only its last sliding_window positions, so earlier blocks can go.
         self.sliding_window = sliding_window
         self._num_released: dict[str, int] = {}  # request -> leading NULL_BLOCK entries
@@ -60,7 +67,10 @@ class PagedKVCacheManager(KVCacheManager):
         self._ops: list[tuple[str, list[tuple[int, int]]]] = []  # this step's block moves
         self._sharing = False  # set once any block gets a second owner (fork or cache hit)
         self.prefix_queries = 0  # blocks looked up in the prefix cache
-        self.prefix_hits = 0  # of which found
+        self.prefix_hits = 0  # of which found (on the device or in the offload tier)
+        self.offload = PrefixOffloadTier(offload_blocks) if offload_blocks > 0 else None
+        if self.offload is not None:
+            self.pool.on_evict = self._offload_evicted
 
     def num_free_blocks(self) -> int:
         """Free device blocks."""
@@ -197,28 +207,77 @@ class PagedKVCacheManager(KVCacheManager):
         hashes = self._block_hashes(request, request.num_tokens - 1)
         tokens = request.all_token_ids
         bs = self.block_size
-        found = []  # per block of the prompt: its cached block, or None
+        # per block of the prompt: its cached device block, ("cpu", block) in the offload tier,
+        # or None
+        found: list[int | tuple[str, int] | None] = []
         for i, h in enumerate(hashes):
-            found.append(self.pool.lookup(h, tuple(tokens[i * bs : (i + 1) * bs])))
-            if found[-1] is None and self.sliding_window is None:
+            key = tuple(tokens[i * bs : (i + 1) * bs])
+            hit: int | tuple[str, int] | None = self.pool.lookup(h, key)
+            if hit is None and self.offload is not None:
+                cpu = self.offload.find(h, key)
+                hit = None if cpu is None else ("cpu", cpu)
+            found.append(hit)
+            if hit is None and self.sliding_window is None:
                 break  # a full-attention prefix needs every block from the start
         num_hit, first = self._cached_prefix(found)
+        num_hit = self._affordable(found, first, num_hit)
         self.prefix_queries += len(hashes)
         self.prefix_hits += num_hit
         # With a sliding window the first query (at the end of the prefix) reads only the last
         # W positions: blocks before them are neither needed nor taken (their entries stay NULL).
         hits = found[first:num_hit]
-        for b in hits:
+        on_device = [b for b in hits if isinstance(b, int)]
+        offloaded = [b[1] for b in hits if not isinstance(b, int)]
+        # both kinds of hit are held while fresh blocks are allocated for the offloaded ones:
+        # an allocation evicts (and offloads) other cached blocks, never one of these
+        for b in on_device:
             self.pool.take_cached(b)
-        self._sharing = self._sharing or bool(hits)
+        if self.offload is not None:
+            self.offload.pin(offloaded)
+        table = []
+        for i, b in enumerate(hits, start=first):
+            key = (hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+            table.append(b if isinstance(b, int) else self._load(b[1], *key))
+        if self.offload is not None:
+            self.offload.unpin(offloaded)
+        self._sharing = self._sharing or bool(on_device)
         request.num_cached_tokens = num_hit * bs
         if num_hit:
-            self.block_tables[request.request_id] = [NULL_BLOCK] * first + hits
+            self.block_tables[request.request_id] = [NULL_BLOCK] * first + table
             if first:
                 self._num_released[request.request_id] = first
             request.num_computed_tokens = num_hit * bs
 
-    def _cached_prefix(self, found: list[int | None]) -> tuple[int, int]:
+    def _affordable(self, found: list, first: int, num_hit: int) -> int:
+        """``num_hit`` cut where the hits would need more free device blocks than there are:
+        an offloaded block needs a fresh one, a cached block nobody holds leaves the free
+        list."""
+        free = self.pool.num_free
+        for i in range(first, num_hit):
+            b = found[i]
+            free -= 1 if not isinstance(b, int) or self.pool.ref_counts[b] == 0 else 0
+            if free < 0:  # (a windowed prefix cut short would need other blocks: none)
+                return i if self.sliding_window is None else 0
+        return num_hit
+
+    def _load(self, cpu: int, block_hash: int, tokens: tuple[int, ...]) -> int:
+        """A fresh device block that the step's block moves fill from offloaded block ``cpu``,
+        registered in the device cache at once (the copy runs before anything reads it)."""
+        assert self.offload is not None
+        (block,) = self.pool.allocate(1)
+        self._log("onload", [(cpu, block)])
+        self.pool.register(block, block_hash, tokens)
+        self.offload.num_loaded += 1
+        return block
+
+    def _offload_evicted(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Copy a cached device block that is about to hold other tokens to the CPU tier."""
+        assert self.offload is not None
+        cpu = self.offload.save(block_hash, tokens)
+        if cpu is not None:
+            self._log("offload", [(block, cpu)])
+
+    def _cached_prefix(self, found: list) -> tuple[int, int]:
         """(blocks of the longest prefix that need not be computed, the first of them the next
         query reads). Full attention: the leading run of cached blocks. A sliding window: the
         longest prefix whose blocks inside the window are cached, whatever came before (vLLM's
@@ -278,8 +337,13 @@ class PagedKVCacheManager(KVCacheManager):
         self._num_released[request.request_id] = dead
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached prefix block; False while requests hold blocks."""
-        return self.pool.reset_prefix_cache()
+        """Drop every cached prefix block, offloaded ones too; False while requests hold
+        blocks."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.offload is not None:
+            self.offload.reset()
+        return True
 
     def prefix_cache_hit_rate(self) -> float:
         """Fraction of looked-up prompt blocks found in the cache."""
