@@ -146,8 +146,8 @@ def test_random_add_step_abort_interleavings(llm, ops):
 @st.composite
 def engine_configs(draw):
     """Any engine the LLM constructor accepts over the tiny model: block size, pool size, token
-    budget, sequence limit, policy, queue order (FCFS or priority), preemption, prefix caching,
-    KV dtype, attention backend
+    budget, sequence limit, policy, queue order (FCFS or priority), preemption, prefix caching
+    (with or without a CPU tier), KV dtype, attention backend
     (the CPU default, torch, contiguous), weight quantization, model dtype, speculation."""
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     max_model_len = draw(st.sampled_from([48, 64, 96]))
@@ -166,6 +166,8 @@ def engine_configs(draw):
         cfg["preemption_mode"] = draw(st.sampled_from(["recompute", "swap"]))
         cfg["swap_space"] = draw(st.sampled_from([1.0, 0.0001]))  # 0.0001 GiB: swap space runs out
         cfg["enable_prefix_caching"] = draw(st.booleans())
+        if cfg["enable_prefix_caching"]:  # a CPU tier of 0, ~6 or ~60 tiny-model blocks
+            cfg["kv_offloading_size"] = draw(st.sampled_from([0.0, 0.0001, 0.001]))
     cfg["kv_cache_dtype"] = draw(st.sampled_from(["auto", "auto", "int8", "fp8"]))
     backends = ["auto", "torch"] + (["contiguous"] if policy != "paged" else [])
     cfg["attention_backend"] = draw(st.sampled_from(backends))
