@@ -37,6 +37,10 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> dict[str, Any]
     metrics = serving_metrics(trace)
     metrics["mean_batched_requests"] = mean_batched_requests(trace.iterations, window)
     metrics["iterations"] = len(trace.iterations)
+    if "prefix_cache_hit_rate" in trace.extra:
+        metrics["prefix_cache_hit_rate"] = trace.extra["prefix_cache_hit_rate"]
+    if "kv_offload" in trace.extra:  # the prefix cache's CPU tier, in blocks
+        metrics.update({f"kv_offload_{k}": v for k, v in trace.extra["kv_offload"].items()})
     if any(it.memory is not None for it in trace.iterations):
         metrics["memory_shares"] = memory_shares(trace.iterations, window)
     result = {

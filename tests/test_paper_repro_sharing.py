@@ -238,3 +238,23 @@ def test_figure_configs_compose():
     for name in ("fig14", "fig15", "fig16", "fig17"):
         cfg = compose(name)
         assert cfg.settings and cfg.executor._target_.endswith("SimulatedExecutor")
+
+
+def test_multi_turn_conversations_hit_earlier_turns_and_the_cpu_tier_keeps_more():
+    """Later turns find their conversation's earlier blocks; on a pool too small for every
+    history, the CPU tier finds more; every run serves every turn; the real engine refuses
+    conversations (it would not write the replies they replay)."""
+    wl = build_workload(WorkloadSpec(turns=4, think_time_s=20.0, request_rate=0.3,
+                                     duration_s=120.0, seed=1))  # fmt: skip
+    small = dict(num_gpu_blocks=300, max_num_seqs=256, enable_prefix_caching=True)
+    rates = {}
+    for gib in (0.0, 8.0):
+        trace = run(wl, settings=ServingSettings(**small, kv_offloading_size=gib))
+        assert all(r.finished for r in trace.requests)
+        rates[gib] = trace.extra["prefix_cache_hit_rate"]
+    assert 0 < rates[0.0] < rates[8.0]
+    assert trace.extra["kv_offload"]["loaded"] > 0
+    from paged_llm.sim.real_executor import RealExecutor
+
+    with pytest.raises(ValueError, match="simulator only"):
+        RealExecutor().run(wl, "paged", ServingSettings(**small))

@@ -7,6 +7,8 @@ import statistics
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paged_llm.workloads.arrivals import (
     TimedRequest,
@@ -155,3 +157,53 @@ def test_scale_and_prompt_ids():
     assert prompt_token_ids(r) == [0] * 7
     ids = prompt_token_ids(r, vocab_size=100)
     assert len(ids) == 7 and all(3 <= i < 100 for i in ids)
+
+
+# ---- multi-turn conversations (prefix caching across turns, the KV offload tier) -----------
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=8),
+    starts=st.lists(st.floats(0, 100), max_size=6),
+    turns=st.integers(1, 6),
+    think=st.sampled_from([0.0, 5.0, 30.0]),
+)
+def test_a_later_turn_replays_the_conversation_so_far(lengths, starts, turns, think):
+    from paged_llm.sim.groups import prompt_ids
+    from paged_llm.workloads.conversations import conversation_turns
+
+    pairs = [LengthPair(i, o) for i, o in lengths]
+    out = conversation_turns(pairs, sorted(starts), seed=1, turns=turns, think_time_s=think,
+                             max_total_len=1024)  # fmt: skip
+    assert [t.arrival_time for t in out] == sorted(t.arrival_time for t in out)
+    by_conv: dict[int, list] = {}
+    for t in out:
+        by_conv.setdefault(t.conversation, []).append(t)
+        assert t.prompt_len + t.reply_len < 1024
+    for conv, ts in by_conv.items():
+        ts.sort(key=lambda t: t.index)
+        assert [t.index for t in ts] == list(range(len(ts))) and len(ts) <= turns
+        requests = [TimedRequest(f"{conv}-{t.index}", t.prompt_len, t.reply_len, t.arrival_time,
+                                 conversation=conv, history=t.history) for t in ts]  # fmt: skip
+        ids = [prompt_ids(r, 0, distinct=False) for r in requests]
+        for a, b, r in zip(ids, ids[1:], requests):
+            # the next prompt = this prompt + this reply (the simulator's filler 0) + a message
+            assert b[: len(a) + r.output_len] == a + [0] * r.output_len
+            assert set(b[len(a) + r.output_len :]) == {a[0]}
+    # conversations never share a token id, so no prefix is shared across them
+    firsts = {prompt_ids(TimedRequest("x", 1, 1, 0.0, conversation=c), 0, False)[0]
+              for c in by_conv}  # fmt: skip
+    assert len(firsts) == len(by_conv)
+
+
+def test_a_multi_turn_workload_from_a_spec():
+    wl = build_workload(WorkloadSpec(turns=3, think_time_s=10.0, request_rate=0.5,
+                                     duration_s=60.0, seed=3))  # fmt: skip
+    assert wl.meta["turns"] == 3 and wl.synthetic
+    convs = {r.conversation for r in wl.requests}
+    assert len(wl.requests) > len(convs) >= 10  # most conversations had a second turn
+    assert all(r.input_len > sum(r.history) for r in wl.requests)  # a message of its own
+    for bad in (dict(turns=-1), dict(turns=2, n=2), dict(turns=2, think_time_s=-1.0)):
+        with pytest.raises(ValueError):
+            WorkloadSpec(**bad)

@@ -270,6 +270,9 @@ class SimulatedExecutor:
             extra["sharing"] = stats.to_dict()
         if distinct and hasattr(kv, "prefix_cache_hit_rate"):
             extra["prefix_cache_hit_rate"] = kv.prefix_cache_hit_rate()
+        if getattr(kv, "offload", None) is not None:
+            extra["kv_offload"] = {"blocks": kv.offload.num_blocks, "saved": kv.offload.num_saved,
+                                   "loaded": kv.offload.num_loaded}  # fmt: skip
         return RunTrace(
             requests=list(records.values()),
             iterations=iterations,

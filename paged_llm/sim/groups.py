@@ -56,10 +56,19 @@ def measured_parent_ranks(width: int) -> list[list[int]]:
     return tables[str(width)]
 
 
+# A conversation's messages are made of one id of its own, from this one up, so its later turns
+# find its earlier turns' blocks (whose replies the simulator fills with 0) and no other's.
+CONVERSATION_IDS = 1 << 20
+
+
 def prompt_ids(tr: TimedRequest, index: int, distinct: bool) -> list[int]:
     """Prompt token ids. Zeros (the artifact's) unless ``distinct``: then the shared prefix is
     one fixed pattern and the rest of the prompt is unique to the request, so prefix caching
     finds exactly the shared prefix (all-zero prompts would all hash alike)."""
+    if tr.conversation >= 0:  # the history as it was sent: messages, and replies of filler 0
+        own = CONVERSATION_IDS + tr.conversation
+        ids = [t for k, n in enumerate(tr.history) for t in [0 if k % 2 else own] * n]
+        return ids + [own] * (tr.input_len - len(ids))
     if not distinct:
         return [0] * tr.input_len
     own = 2 + index  # ids 0 and 1 are the output filler and the prefix

@@ -101,6 +101,12 @@ class RealExecutor:
         """Replay the workload in real time; stop when all finished or at ``stop_time``."""
         import torch
 
+        if any(r.conversation >= 0 for r in workload.requests):
+            raise ValueError(
+                "multi-turn conversations (workload.turns) run in the simulator only: their "
+                "prompts replay earlier replies, which a real model would not have written"
+            )
+
         threads = torch.get_num_threads()
         if self.num_threads:
             torch.set_num_threads(self.num_threads)

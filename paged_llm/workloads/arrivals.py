@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
-from paged_llm.workloads.conversations import conversation_pairs
+from paged_llm.workloads.conversations import conversation_pairs, conversation_turns
 from paged_llm.workloads.lengths import LengthPair, sample_pairs
 from paged_llm.workloads.traces import LengthSource, length_source
 
@@ -33,6 +33,11 @@ class TimedRequest:
     beam_width: int = 1  # > 1: beam search of this width
     prefix_len: int = 0  # the first prefix_len prompt tokens are the same in every request
     priority: int = 0  # with scheduling_policy="priority": smaller runs sooner
+    # a turn of a multi-turn conversation (-1: none): its prompt is the conversation's earlier
+    # messages and replies, of these lengths in order (message, reply, message, ...), then this
+    # turn's message (see workloads/conversations.py, conversation_turns)
+    conversation: int = -1
+    history: tuple[int, ...] = ()
 
 
 @dataclass
@@ -162,10 +167,20 @@ class WorkloadSpec:
     chat_turns: float = 0.0  # > 0: chatbot prompts with this mean number of earlier turns
     max_prompt_len: int | None = None  # keep only the last tokens of longer prompts
     max_output_len: int | None = None  # cap output lengths
+    # ---- multi-turn conversations (prefix caching across turns, the KV offload tier) ----
+    # > 0: each arrival starts a conversation of up to this many turns, each a request whose
+    # prompt is the whole conversation so far; request_rate is then conversations per second
+    turns: int = 0
+    think_time_s: float = 30.0  # mean gap (exponential) between a turn's arrival and the next's
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.beam_width < 1 or self.prefix_len < 0 or self.chat_turns < 0:
             raise ValueError("need n >= 1, beam_width >= 1, prefix_len >= 0 and chat_turns >= 0")
+        if self.turns < 0 or not self.think_time_s >= 0:
+            raise ValueError("need turns >= 0 and think_time_s >= 0")
+        if self.turns and self.shapes_requests:
+            raise ValueError("multi-turn conversations (turns) do not combine with n, "
+                             "beam_width, prefix_len, chat_turns or the length caps")  # fmt: skip
         if self.n > 1 and self.beam_width > 1:
             raise ValueError("give either n (parallel sampling) or beam_width, not both")
         if self.beam_parents not in BEAM_PARENTS:
@@ -233,7 +248,15 @@ def build_workload(spec: WorkloadSpec | dict[str, Any]) -> Workload:
     }  # fmt: skip
     if spec.chat_turns > 0:
         pairs = conversation_pairs(pairs, len(times), spec.seed + 2, spec.chat_turns)
-    requests = timed_requests(pairs, times, spec.seed + 1)
+    if spec.turns:
+        turns = conversation_turns(pairs, times, spec.seed + 3, spec.turns, spec.think_time_s,
+                                   spec.max_total_len)  # fmt: skip
+        requests = [TimedRequest(f"c{t.conversation}-t{t.index}", t.prompt_len, t.reply_len,
+                                 t.arrival_time, conversation=t.conversation, history=t.history)
+                    for t in turns]  # fmt: skip
+        meta.update(turns=spec.turns, think_time_s=spec.think_time_s)
+    else:
+        requests = timed_requests(pairs, times, spec.seed + 1)
     if spec.shapes_requests:
         requests = shape_requests(requests, spec)
         keys = ("n", "beam_width", "prefix_len", "chat_turns", "max_prompt_len", "max_output_len")

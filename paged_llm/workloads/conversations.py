@@ -1,4 +1,5 @@
-"""Chatbot prompts from single-turn length pairs (the paper's Fig. 17; plain Python).
+"""Chatbot prompts from single-turn length pairs (the paper's Fig. 17), and multi-turn
+conversations whose turns arrive as separate requests (plain Python).
 
 The published ShareGPT trace holds only the first turn of each conversation. A chatbot request
 is a later turn: its prompt is the whole history (every earlier user message and reply) plus
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 
 from paged_llm.workloads.lengths import LengthPair
 
@@ -35,3 +37,51 @@ def conversation_pairs(
         turn = rng.choice(pairs)
         out.append(LengthPair(history + turn.input_len, turn.output_len))
     return out
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of a conversation, served as its own request."""
+
+    conversation: int
+    index: int  # 0 = the first turn
+    history: tuple[int, ...]  # lengths of the earlier messages and replies, alternating
+    message_len: int
+    reply_len: int
+    arrival_time: float
+
+    @property
+    def prompt_len(self) -> int:
+        """The whole conversation so far plus this turn's message."""
+        return sum(self.history) + self.message_len
+
+
+def conversation_turns(
+    pairs: list[LengthPair],
+    start_times: list[float],
+    seed: int,
+    turns: int,
+    think_time_s: float,
+    max_total_len: int,
+) -> list[Turn]:
+    """Conversations starting at ``start_times``, each up to ``turns`` turns; every turn is an
+    (input, output) pair of ``pairs`` (message, reply). The next turn arrives an exponential
+    think time (mean ``think_time_s``) after the previous one arrived, open loop: the earlier
+    reply may not be finished yet, as with impatient users or a trace replayed at a fixed
+    rate. A conversation ends before a turn whose prompt plus reply would reach
+    ``max_total_len``. Sorted by arrival time."""
+    if not pairs:
+        raise ValueError("cannot build conversations from an empty list of length pairs")
+    rng = random.Random(seed)
+    out = []
+    for c, start in enumerate(start_times):
+        history: tuple[int, ...] = ()
+        t = start
+        for i in range(turns):
+            pair = rng.choice(pairs)
+            if sum(history) + pair.input_len + pair.output_len >= max_total_len:
+                break
+            out.append(Turn(c, i, history, pair.input_len, pair.output_len, t))
+            history += (pair.input_len, pair.output_len)
+            t += rng.expovariate(1.0 / think_time_s) if think_time_s > 0 else 0.0
+    return sorted(out, key=lambda turn: (turn.arrival_time, turn.conversation, turn.index))
