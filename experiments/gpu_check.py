@@ -32,6 +32,9 @@ Sections, in order (later ones use the bandwidth measured first):
    B x BW / (weight bytes + B x context x KV bytes per token).
 6. ``quant_decode`` (--extras; experiments/gpu_sweeps.py): decode tokens/s of the same model
    shape in bf16, int8, int4 and fp8 at batch 1 and 32.
+7. ``sleep_offload`` (--extras; experiments/gpu_memory_features.py): sleep mode at levels 1 and 2
+   with CUDA graphs (memory freed, seconds, same outputs after waking) and the prefix cache's
+   CPU tier (an evicted prompt copied back from pinned memory, same output).
 
 Targets (docs/gpu.md) are evaluated into ``targets`` in the JSON; nothing here is estimated.
 """
@@ -62,10 +65,11 @@ if "--smoke" in sys.argv[1:]:  # before triton is imported: kernels run in its C
 import torch  # noqa: E402
 
 SCHEMA = "paged_llm.gpu_check/1"
-EXTRA_SECTIONS = ("kernel_sweep", "quant_decode")  # experiments/gpu_sweeps.py, with --extras
+# with --extras: experiments/gpu_sweeps.py and experiments/gpu_memory_features.py
+EXTRA_SECTIONS = ("kernel_sweep", "quant_decode", "sleep_offload")
 SECTIONS = (
     "kernels", "parity", "kernel_sweep", "decode_bandwidth", "fig18a", "end_to_end",
-    "quant_decode",
+    "quant_decode", "sleep_offload",
 )  # fmt: skip
 
 
@@ -133,6 +137,7 @@ FULL = Plan(
         fig18a=20,
         end_to_end=220,
         quant_decode=90,
+        sleep_offload=90,
     ),
     copy_mib=2048,
     matmul_n=8192,
@@ -169,6 +174,7 @@ PLANS = {
             fig18a=15,
             end_to_end=100,
             quant_decode=60,
+            sleep_offload=75,
         ),
         copy_mib=1024,
         kernel_seq_lens=[1, 17, 300],
@@ -192,6 +198,7 @@ PLANS = {
             fig18a=4,
             end_to_end=20,
             quant_decode=15,
+            sleep_offload=20,
         ),
         copy_mib=8,
         matmul_n=128,
@@ -1313,6 +1320,7 @@ def evaluate_targets(sections: dict[str, Any], on_gpu: bool) -> dict[str, Any]:
     kernels = sections.get("kernels", {})
     return {
         "kernels_match_reference": kernels.get("all_pass"),
+        "sleep_and_offload_keep_outputs": sections.get("sleep_offload", {}).get("all_pass"),
         "fp32_greedy_identical_to_transformers": sections.get("parity", {}).get(
             "fp32_all_identical"
         ),
@@ -1421,6 +1429,7 @@ def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dic
             "sections": {},
         },
     )
+    from experiments.gpu_memory_features import section_sleep_offload
     from experiments.gpu_parity import section_parity
     from experiments.gpu_sweeps import section_kernel_sweep, section_quant_decode
 
@@ -1450,6 +1459,8 @@ def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dic
             plan, device, d, copy_bw, args.trace, Path(workdir.name), out_dir)),
         ("quant_decode", min(20, cap["quant_decode"]),
          lambda d: section_quant_decode(plan, device, d, copy_bw)),
+        ("sleep_offload", min(20, cap["sleep_offload"]),
+         lambda d: section_sleep_offload(plan, device, d, Path(workdir.name))),
     ]  # fmt: skip
     with workdir:
         for name, min_s, fn in sections:

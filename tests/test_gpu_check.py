@@ -23,7 +23,7 @@ from paged_llm.runner.cuda_graphs import (
 )
 
 SECTIONS = ["bandwidth", "kernels", "parity", "kernel_sweep", "decode_bandwidth", "fig18a",
-            "end_to_end", "quant_decode"]  # fmt: skip
+            "end_to_end", "quant_decode", "sleep_offload"]  # fmt: skip
 
 
 def test_smoke_run_writes_well_formed_json(tmp_path):
@@ -87,6 +87,11 @@ def test_smoke_run_writes_well_formed_json(tmp_path):
         assert (
             quant["methods"]["int4_rtn"]["weight_bytes"] < quant["methods"]["none"]["weight_bytes"]
         )
+    memory = doc["sections"]["sleep_offload"]
+    if memory["status"] == "ok" and "stopped" not in memory:
+        assert memory["all_pass"], memory
+        assert [r["level"] for r in memory["levels"]] == [1, 2]
+        assert memory["offload"]["blocks_copied_back"] > 0
 
 
 # ---- CUDA graphs: the logic that does not need a GPU ---------------------------------------------

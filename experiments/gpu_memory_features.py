@@ -1,0 +1,148 @@
+"""GPU check section ``sleep_offload`` (--extras; see experiments/gpu_check.py): the two memory
+features whose device paths no GPU has run yet, checked and measured on one engine.
+
+* Sleep mode at levels 1 and 2 with CUDA graphs on: the device memory in use awake, asleep and
+  woken (``torch.cuda.mem_get_info``), the seconds of each call, greedy outputs after waking
+  equal to those before (level 2 after ``load_weights`` from a transformers state dict), and
+  the decode graphs captured again and replayed after waking.
+* The prefix cache's CPU tier: a long prompt, others that evict its blocks from a small device
+  pool, the long prompt again: its cached tokens (copied back from pinned CPU memory) and the
+  same greedy output.
+
+A transformers Llama with random weights is saved first, so the engine and the state dict
+that level 2 reloads hold the same tensors. On the CPU (--smoke) the same steps run with a tiny
+model, which checks the plumbing only.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from experiments.gpu_check import Deadline, Plan, save_tiny_llama
+
+
+def _checkpoint(plan: Plan, workdir: Path) -> Path:
+    """A random Llama: tiny for --smoke, ~0.5B parameters (hidden 2048, 8 layers) in bf16."""
+    path = workdir / "sleep-llama"
+    if plan.mode == "smoke":
+        return save_tiny_llama(path)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=8192,
+        architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(path))
+    return path
+
+
+def _used_gib(device: torch.device) -> float:
+    """Device memory in use by every process (CUDA), or this process's resident memory."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        return (total - free) / 2**30
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def _timed(fn: Any, device: torch.device) -> float:
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return round(time.perf_counter() - start, 4)
+
+
+def section_sleep_offload(
+    plan: Plan, device: torch.device, deadline: Deadline, workdir: Path
+) -> dict[str, Any]:
+    """Sleep levels 1 and 2 and the CPU tier on one engine; see the module docstring."""
+    from safetensors.torch import load_file
+
+    from paged_llm import LLM, SamplingParams
+
+    smoke = plan.mode == "smoke"
+    path = _checkpoint(plan, workdir)
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    # a small pool, so the tier has work to do (the tiny model has 128 positions)
+    block, pool = (4, 24) if smoke else (16, 512)
+    llm = LLM(
+        str(path), device=str(device), dtype="float32" if smoke else "bfloat16",
+        enable_sleep_mode=True, enable_prefix_caching=True, block_size=block,
+        num_gpu_blocks_override=pool, max_model_len=pool * block, max_num_seqs=16,
+        kv_offloading_size=0.01 if smoke else 4.0, seed=0,
+    )  # fmt: skip
+    engine = llm.llm_engine
+    vocab = engine.vocab_size
+    greedy = SamplingParams(temperature=0, max_tokens=8 if smoke else 64, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(31 * i + 7 * j) % vocab for j in range(16 + 8 * i)]}
+               for i in range(8)]  # fmt: skip
+
+    def outputs(batch: list[dict] = prompts) -> list[Any]:
+        return llm.generate(batch, greedy, use_tqdm=False)
+
+    want = [o.outputs[0].token_ids for o in outputs()]
+    result: dict[str, Any] = {"model": str(path.name), "graph_sizes": engine.runner._graph_sizes}
+    levels = []
+    for level in (1, 2):
+        if deadline.left() < 5:
+            result["stopped"] = f"deadline before level {level}"
+            break
+        row: dict[str, Any] = {"level": level, "used_GiB_awake": _used_gib(device)}
+        row["sleep_s"] = _timed(lambda lv=level: llm.sleep(lv), device)
+        row["used_GiB_asleep"] = _used_gib(device)
+        row["wake_weights_s"] = _timed(lambda: llm.wake_up(tags=["weights"]), device)
+        if level == 2:
+            row["load_weights_s"] = _timed(lambda: llm.load_weights(state.items()), device)
+        row["wake_kv_cache_s"] = _timed(lambda: llm.wake_up(tags=["kv_cache"]), device)
+        row["used_GiB_woken"] = _used_gib(device)
+        graphs = engine.runner.forward_kinds["graph"]
+        row["same_outputs"] = [o.outputs[0].token_ids for o in outputs()] == want
+        row["graphs_replayed_after_waking"] = engine.runner.forward_kinds["graph"] > graphs
+        row["freed_GiB"] = round(row["used_GiB_awake"] - row["used_GiB_asleep"], 3)
+        levels.append(row)
+    result["levels"] = levels
+    if deadline.left() > 5:
+        long = {"prompt_token_ids": [(13 * j + 5) % vocab for j in range(pool * block // 2)]}
+        first = outputs([long])[0]
+        others = [{"prompt_token_ids": [(17 * i + 3 * j + 1) % vocab for j in range(pool * 3)]}
+                  for i in range(6)]  # fmt: skip
+        for other in others:  # one at a time: each fills most of the pool
+            outputs([other])
+        again = outputs([long])[0]
+        tier = engine.scheduler.kv.offload
+        result["offload"] = {
+            "prompt_tokens": len(long["prompt_token_ids"]),
+            "cached_tokens": again.num_cached_tokens,
+            "blocks_copied_out": tier.num_saved,
+            "blocks_copied_back": tier.num_loaded,
+            "same_output": again.outputs[0].token_ids == first.outputs[0].token_ids,
+        }
+    graphs_back = (
+        all(r["graphs_replayed_after_waking"] for r in levels) or not result["graph_sizes"]
+    )
+    result["all_pass"] = (
+        all(r["same_outputs"] for r in levels)
+        and graphs_back
+        and (
+            result.get("offload", {}).get("same_output", False)
+            and result["offload"]["cached_tokens"] > 0
+        )
+    )
+    llm.shutdown()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
