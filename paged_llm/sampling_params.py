@@ -148,6 +148,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        # numbers used as floats: an int too large for a float fails here, not in a step
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            setattr(self, name, _as_float(name, getattr(self, name)))
         if not 0 <= self.temperature < math.inf:  # NaN fails too
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -167,6 +171,7 @@ class SamplingParams:
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
             )
         for token, bias in (self.logit_bias or {}).items():
+            self.logit_bias[token] = bias = _as_float("logit_bias values", bias)
             if not is_int(token) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
             if not -100.0 <= bias <= 100.0:
@@ -236,6 +241,16 @@ class SamplingParams:
         """True when sampling is argmax decoding: temperature 0, or so close to it that logits
         divided by it would overflow (vLLM's threshold)."""
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+def _as_float(name: str, value: Any) -> float:
+    """``value`` as a float (ints and floats only; bools count as neither)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is too large for a float ({str(value)[:20]}...)") from None
 
 
 def logits_processor_arity(fn: Any) -> int:

@@ -140,11 +140,32 @@ def test_bad_prompts_raise_before_work(llm, prompt, params, match):
         ({"n": 3, "best_of": 2}, "best_of"),
         ({"best_of": 2.0}, "best_of"),
         ({"detokenize": False, "stop": ["x"]}, "detokenize"),
+        ({"repetition_penalty": 10**400}, "repetition_penalty is too large"),
+        ({"temperature": "hot"}, "temperature must be a number"),
+        ({"logit_bias": {1: 10**400}}, "logit_bias values is too large"),
     ],
 )
 def test_bad_sampling_params_raise(params, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**params)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"top_k": 2**64}, {"repetition_penalty": 2**64}, {"n": 2**64}, {"best_of": 2**40},
+     {"top_k": 10**6, "temperature": 1.0}],
+)  # fmt: skip
+def test_huge_numbers_are_refused_or_served(llm, params):
+    """Numbers far past any sensible range (a fuzzed server request): refused with a
+    ValueError before any work, or served. (A top_k of 2**64 once passed the checks and then
+    failed the engine's step, which stopped the server's engine loop for every request.)"""
+    try:
+        out = llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3, **params))
+    except ValueError as err:
+        assert "max_num_seqs" in str(err)  # n / best_of: more sequences than ever run together
+    else:
+        assert len(out[0].outputs[0].token_ids) <= 3
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_bad_engine_arguments_raise(tiny_llama, tmp_path):

@@ -162,16 +162,20 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.queue.add(self.waiting, request)
 
+    def check_group_size(self, num_seqs: int, what: str) -> None:
+        """ValueError when more sequences must run together than ``max_num_seqs`` (a group is
+        admitted whole, so it would wait, or be preempted, forever)."""
+        max_seqs = self.limits.max_num_seqs
+        if num_seqs > max_seqs:
+            raise ValueError(
+                f"this request has {num_seqs} sequences ({what}) that run together, more "
+                f"than max_num_seqs ({max_seqs}); lower {what} or raise max_num_seqs"
+            )
+
     def check_group_fits(self, requests: list[Request], what: str) -> None:
         """ValueError when sequences scheduled and preempted together could never all run: more
         of them than ``max_num_seqs``, or more blocks than the pool."""
-        max_seqs = self.limits.max_num_seqs
-        if len(requests) > max_seqs:
-            # a group is admitted whole, so it would wait (or be preempted) forever
-            raise ValueError(
-                f"this request has {len(requests)} sequences ({what}) that run together, more "
-                f"than max_num_seqs ({max_seqs}); lower {what} or raise max_num_seqs"
-            )
+        self.check_group_size(len(requests), what)
         if len(requests) > 1 and not self.kv.group_fits_ever(requests):
             raise ValueError(
                 f"the {len(requests)} sequences of this request ({what}) need up to "

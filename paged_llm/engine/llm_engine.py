@@ -343,6 +343,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         params.validate()
+        self.scheduler.check_group_size(params.best_of, "n/best_of")  # before any per-sample work
         self._check_priority(priority)
         lora_id = self._check_lora(lora_request)
         text, ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)

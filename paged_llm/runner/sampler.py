@@ -133,7 +133,8 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     """The distributions sampling draws from: row i of logits [R, V] (CPU, float32) scaled by
     params[i].temperature and masked by its top_k / top_p / min_p, then softmaxed."""
     temperature = torch.tensor([p.temperature for p in params])[:, None]
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+    vocab = logits.shape[-1]  # a top_k of the vocabulary or more keeps every token
+    top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.long)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     return mask_rows(logits / temperature, top_k, top_p, min_p).softmax(-1)
