@@ -7,6 +7,7 @@ equals whole, function tools in every tool_choice, structured output, and the er
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import openai
@@ -96,7 +97,8 @@ def test_input_items_become_chat_messages():
         ({"input": [{"type": "function_call", "name": "f"}]}, "needs string fields"),
         ({"input": [{"type": "function_call_output", "output": "1"}]}, "needs a 'call_id'"),
         ({"tools": [{"type": "web_search"}]}, "only function tools"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background response needs store=true"),
+        ({"background": True, "stream": True}, "cannot be streamed"),
         ({"truncation": "auto"}, "truncation"),
         ({"max_output_tokens": 0}, "max_output_tokens must be at least 1"),
         ({"text": {"format": "json"}}, "text.format must be an object"),
@@ -396,7 +398,7 @@ def test_json_schema_text_format_and_errors(client):
     with client.responses.stream(model=MODEL, input="hi", text=fmt, max_output_tokens=40) as s:
         final = s.get_final_response()  # the SDK's helper needs response.completed
     assert json.loads(final.output_text)["city"] in ("Paris", "Oslo")
-    for bad, words in [({"background": True}, "background"),
+    for bad, words in [({"background": True, "store": False}, "background"),
                        ({"tools": [{"type": "web_search"}]}, "only function tools"),
                        ({"tool_choice": "auto"}, "needs tools"),
                        ({"input": [{"type": "compaction"}]}, "item type")]:  # fmt: skip
@@ -404,3 +406,32 @@ def test_json_schema_text_format_and_errors(client):
             respond(client, **bad)
     with pytest.raises(openai.NotFoundError, match="model"):
         respond(client, model="other")
+
+
+def test_background_responses_are_polled_and_cancelled(client, server):
+    """background=true answers at once ("queued"); GET polls it to the same reply a plain
+    request gets; /cancel aborts one still running (its engine request freed) and is refused for
+    a response that was not a background one; an unfinished one cannot be continued."""
+    want = respond(client, max_output_tokens=12)
+    r = respond(client, max_output_tokens=12, background=True)
+    assert r.status == "queued" and r.background
+    for _ in range(600):
+        got = client.responses.retrieve(r.id)
+        if got.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert got.status == want.status and got.output_text == want.output_text
+    assert got.usage.output_tokens == want.usage.output_tokens
+    assert client.responses.cancel(r.id).status == want.status  # finished: unchanged
+    with pytest.raises(openai.BadRequestError, match="only background"):
+        client.responses.cancel(want.id)
+    long = respond(client, max_output_tokens=400, background=True,
+                   extra_body={"ignore_eos": True})  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="no reply to continue"):
+        respond(client, previous_response_id=long.id)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == (
+        "cancelled"
+    )
+    engine = server.server.config.app.state.engine.engine
+    assert not engine.has_unfinished_requests() and engine.kv_usage() == 0

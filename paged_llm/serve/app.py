@@ -358,11 +358,15 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         return await _generate(request, req, subs, choices, model, chat=True)
 
     store = ResponseStore(settings.max_stored_responses)
+    running: dict[str, tuple[asyncio.Task, RequestGroup, ResponseRun]] = {}  # background ones
 
     @router.post("/responses")
     async def responses(request: Request) -> Response:
         req = parse_request(await request.body(), ResponsesRequest)
         model = model_name(req.model)
+        if req.background and store.capacity == 0:
+            raise BadRequest("background responses need the response store "
+                             "(--max-stored-responses > 0)", param="background")  # fmt: skip
         earlier = store.conversation(req.previous_response_id) if req.previous_response_id else []
         conversation = earlier + input_messages(req.input)
         subs, choices = _chat_work(to_chat_request(req, conversation), model, always_reply=True)
@@ -372,6 +376,12 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
                           tags[1] if tags else None)  # fmt: skip
         if settings.log_requests:
             logger.info("request %s: a response", group.request_id)
+        if req.background:  # answered now; GET polls, /cancel aborts
+            body = run.store_unfinished(store, "queued")
+            task = asyncio.create_task(_background_response(group, run, store))
+            running[run.rid] = (task, group, run)
+            task.add_done_callback(lambda _, rid=run.rid: running.pop(rid, None))
+            return JSONResponse(body)
         if req.stream:
             return _GroupStream(group, _response_sse(group, run, store))
         try:
@@ -385,6 +395,21 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
     @router.get("/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
         return store.get(response_id)
+
+    @router.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        """Abort a background response still running; one that finished is returned as is."""
+        entry = running.get(response_id)
+        if entry is None:
+            body = store.get(response_id)
+            if not body.get("background"):
+                raise BadRequest("only background responses can be cancelled")
+            return body
+        task, group, run = entry
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return run.store_unfinished(store, "cancelled")
 
     @router.get("/responses/{response_id}/input_items")
     async def response_input_items(
@@ -528,6 +553,19 @@ async def _response_steps(
     run.store_in(store)
     for event in events:
         yield event
+
+
+async def _background_response(group: RequestGroup, run: ResponseRun, store: ResponseStore):
+    """Run a background response to its end, keeping its status in the store (the engine
+    request is aborted if the task is cancelled)."""
+    try:
+        run.store_unfinished(store, "in_progress")
+        await _whole_response(group, run, store)
+    except APIError as err:
+        error = {"code": err.code or err.error_type, "message": err.message}
+        run.store_unfinished(store, "failed", error=error)
+    finally:
+        group.close()
 
 
 async def _response_sse(

@@ -180,8 +180,9 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 def to_chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> Any:
     """The chat request that generates this response, for the ``conversation`` so far (the
     earlier turns and this input) behind the request's instructions."""
-    if req.background:
-        raise BadRequest("background responses are not supported", param="background")
+    if req.background and (req.stream or not req.store):
+        raise BadRequest("a background response needs store=true and cannot be streamed here "
+                         "(poll GET /v1/responses/{id} instead)", param="background")  # fmt: skip
     if req.truncation not in (None, "disabled"):
         raise BadRequest('only truncation "disabled" is supported', param="truncation")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
@@ -390,7 +391,7 @@ def response_json(
         "metadata": req.metadata or {},
         "store": req.store,
         "truncation": req.truncation or "disabled",
-        "background": False,
+        "background": req.background,
         "user": req.user,
         "completed_at": int(time.time()) if status == "completed" else None,
     }
@@ -487,6 +488,14 @@ class ResponseRun:
         if self.req.store and self.final is not None:
             store.put(self.final, self.stored_conversation(), stored_input_items(self.req.input))
 
+    def store_unfinished(self, store: ResponseStore, status: str, **fields: Any) -> dict:
+        """Keep a background response that is not finished ("queued", "in_progress") or never
+        will be ("cancelled", "failed" with ``error``): its output so far, no conversation to
+        continue. Returns the body."""
+        body = self._body(status, **fields)
+        store.put(body, None, stored_input_items(self.req.input))
+        return body
+
     def _body(self, status: str, usage: Any = None, incomplete: Any = None,
               error: Any = None) -> dict[str, Any]:  # fmt: skip
         return response_json(self.rid, self.created, self.model, self.req, self.builder.items,
@@ -512,7 +521,8 @@ def stored_input_items(input: str | list[dict[str, Any]]) -> list[dict[str, Any]
 @dataclass
 class _Stored:
     body: dict[str, Any]  # the response
-    conversation: list[dict[str, Any]]  # chat messages up to and with its reply
+    # chat messages up to and with its reply (None: unfinished, nothing to continue from)
+    conversation: list[dict[str, Any]] | None
     input_items: list[dict[str, Any]]  # its request's input, as listed back
 
 
@@ -533,10 +543,11 @@ class ResponseStore:
     def put(
         self,
         body: dict[str, Any],
-        conversation: list[dict[str, Any]],
+        conversation: list[dict[str, Any]] | None,
         input_items: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Keep a finished response, its whole conversation and its input items."""
+        """Keep a response, its whole conversation (None while it cannot be continued) and its
+        input items; a later put of the same id replaces it."""
         if self.capacity == 0:
             return
         self._entries[body["id"]] = _Stored(body, conversation, input_items or [])
@@ -550,7 +561,12 @@ class ResponseStore:
 
     def conversation(self, rid: str) -> list[dict[str, Any]]:
         """The messages of ``rid``'s conversation, its reply included (a copy)."""
-        return [dict(m) for m in self._entry(rid, "previous_response_id").conversation]
+        conversation = self._entry(rid, "previous_response_id").conversation
+        if conversation is None:
+            status = self._entries[rid].body["status"]
+            raise BadRequest(f"response '{rid}' is {status}: it has no reply to continue from",
+                             param="previous_response_id")  # fmt: skip
+        return [dict(m) for m in conversation]
 
     def input_items(
         self, rid: str, order: str = "desc", limit: int = 20, after: str | None = None
