@@ -722,7 +722,7 @@ def test_speculative_decoding_keeps_greedy_output_and_counts_drafts(server, clie
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     # a server without speculation (or prefix caching) exports no zero-valued placeholders
     text = httpx.get(server.url + "/metrics").text
-    assert "spec_decode" not in text and "prefix_cache" not in text
+    assert "spec_decode" not in text and "prefix_cache" not in text and "kv_offload" not in text
 
 
 def test_prefix_cache_metrics_count_hits_of_a_repeated_prompt(chat_model_dir):
@@ -739,6 +739,27 @@ def test_prefix_cache_metrics_count_hits_of_a_repeated_prompt(chat_model_dir):
             counts.append((m[queries], m[hits]))
         assert counts[0] == (4, 0)  # cold cache: the blocks are looked up, none is found
         assert counts[1] == (8, 4)  # the repeat finds every block of its prefix
+    finally:
+        srv.stop()
+
+
+def test_cpu_tier_metrics_count_blocks_copied_out_and_back(chat_model_dir):
+    """--kv-offloading-size: a prompt whose blocks other prompts evicted from a 24-block pool
+    comes back from the CPU tier (its 4 full blocks), as the counters show."""
+    flags = ["--enable-prefix-caching", "--block-size", "16", "--num-gpu-blocks-override", "24",
+             "--kv-offloading-size", "0.01"]  # fmt: skip
+    srv = start_server(chat_model_dir, *flags)
+    try:
+        body = {"prompt": list(range(10, 90)), "max_tokens": 2, "temperature": 0}
+        first = httpx.post(srv.url + "/v1/completions", json=body).json()
+        for i in range(4):  # 4 x 200 tokens through a 384-token pool evict the first prompt
+            other = {"prompt": [100 + 3 * i + j % 7 for j in range(200)], "max_tokens": 2}
+            assert httpx.post(srv.url + "/v1/completions", json=other).status_code == 200
+        again = httpx.post(srv.url + "/v1/completions", json=body).json()
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        m = metrics(srv)
+        assert m[f"paged_llm:kv_offload_saved_blocks_total{LABEL}"] >= 4
+        assert m[f"paged_llm:kv_offload_loaded_blocks_total{LABEL}"] == 4
     finally:
         srv.stop()
 

@@ -49,7 +49,8 @@ class PrefixCacheCounts:
     """The KV manager's prefix-cache lookups, in blocks (not vLLM's tokens)."""
 
     queries: int
-    hits: int
+    hits: int  # on the device or in the CPU tier
+    offload: tuple[int, int] | None = None  # CPU tier: (blocks copied out, copied back); None: off
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,9 @@ def _prefix_cache_counts(kv: Any) -> PrefixCacheCounts | None:
     """The KV manager's prefix-cache counters, if it caches prefixes."""
     if not getattr(kv, "enable_prefix_caching", False):
         return None
-    return PrefixCacheCounts(kv.prefix_queries, kv.prefix_hits)
+    tier = getattr(kv, "offload", None)
+    offload = None if tier is None else (tier.num_saved, tier.num_loaded)
+    return PrefixCacheCounts(kv.prefix_queries, kv.prefix_hits, offload)
 
 
 def _spec_decode_counts(engine: Any) -> SpecDecodeCounts | None:
@@ -295,6 +298,15 @@ def _engine_counters(g: EngineGauges) -> list[tuple[str, str, float]]:
             ("vllm:prefix_cache_hits_total",
              "Prefix cache hits, in KV blocks (vLLM counts tokens): looked-up blocks found.",
              g.prefix_cache.hits),
+        ]  # fmt: skip
+    if g.prefix_cache is not None and g.prefix_cache.offload is not None:
+        saved, loaded = g.prefix_cache.offload
+        out += [
+            ("paged_llm:kv_offload_saved_blocks_total",
+             "Cached KV blocks copied from the device to the CPU tier (--kv-offloading-size) "
+             "before their device block was reused.", saved),
+            ("paged_llm:kv_offload_loaded_blocks_total",
+             "KV blocks found in the CPU tier and copied back to the device.", loaded),
         ]  # fmt: skip
     if g.spec_decode is not None:
         s = g.spec_decode
