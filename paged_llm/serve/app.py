@@ -358,7 +358,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         return await _generate(request, req, subs, choices, model, chat=True)
 
     store = ResponseStore(settings.max_stored_responses)
-    running: dict[str, tuple[asyncio.Task, RequestGroup, ResponseRun]] = {}  # background ones
+    running: dict[str, tuple[asyncio.Task, ResponseRun]] = {}  # background ones, still running
 
     @router.post("/responses")
     async def responses(request: Request) -> Response:
@@ -379,7 +379,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         if req.background:  # answered now; GET polls, /cancel aborts
             body = run.store_unfinished(store, "queued")
             task = asyncio.create_task(_background_response(group, run, store))
-            running[run.rid] = (task, group, run)
+            running[run.rid] = (task, run)
             task.add_done_callback(lambda _, rid=run.rid: running.pop(rid, None))
             return JSONResponse(body)
         if req.stream:
@@ -405,8 +405,9 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
             if not body.get("background"):
                 raise BadRequest("only background responses can be cancelled")
             return body
-        task, group, run = entry
-        task.cancel()
+        task, run = entry
+        if not task.cancel():  # it finished just now (its done callback has not run yet)
+            return store.get(response_id)
         with contextlib.suppress(asyncio.CancelledError):
             await task
         return run.store_unfinished(store, "cancelled")

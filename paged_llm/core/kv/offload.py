@@ -19,9 +19,13 @@ class PrefixOffloadTier:
 
     def __init__(self, num_blocks: int) -> None:
         self.pool = BlockPool(num_blocks)
-        self.num_blocks = num_blocks
         self.num_saved = 0  # device blocks copied here
         self.num_loaded = 0  # blocks copied back to the device (offload hits)
+
+    @property
+    def num_blocks(self) -> int:
+        """The tier's size in blocks."""
+        return self.pool.num_blocks
 
     def save(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
         """A CPU block to copy an evicted device block into, registered under its hash; None

@@ -3,9 +3,9 @@ block. Blocks can be shared (forked sequences, prefix caching) by reference coun
 block that must be written is copied first (copy-on-write). Preempted requests can be swapped
 to a CPU block pool, each shared block once. With ``offload_blocks``, cached blocks evicted from
 the device are kept in a CPU tier and copied back on a later hit (core/kv/offload.py). With a
-sliding window (a model whose every layer
-attends to its last W positions), blocks that fell wholly out of the window are freed as soon
-as they do, their table entries becoming NULL_BLOCK (no torch)."""
+sliding window (a model whose every layer attends to its last W positions), blocks that fell
+wholly out of the window are freed as soon as they do, their table entries becoming NULL_BLOCK
+(no torch)."""
 
 from __future__ import annotations
 
@@ -210,8 +210,10 @@ class PagedKVCacheManager(KVCacheManager):
         # per block of the prompt: its cached device block, ("cpu", block) in the offload tier,
         # or None
         found: list[int | tuple[str, int] | None] = []
+        keys: list[tuple[int, ...]] = []  # the looked-up blocks' token ids (up to a miss)
         for i, h in enumerate(hashes):
             key = tuple(tokens[i * bs : (i + 1) * bs])
+            keys.append(key)
             hit: int | tuple[str, int] | None = self.pool.lookup(h, key)
             if hit is None and self.offload is not None:
                 cpu = self.offload.find(h, key)
@@ -236,8 +238,7 @@ class PagedKVCacheManager(KVCacheManager):
             self.offload.pin(offloaded)
         table = []
         for i, b in enumerate(hits, start=first):
-            key = (hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
-            table.append(b if isinstance(b, int) else self._load(b[1], *key))
+            table.append(b if isinstance(b, int) else self._load(b[1], hashes[i], keys[i]))
         if self.offload is not None:
             self.offload.unpin(offloaded)
         self._sharing = self._sharing or bool(on_device)
