@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from paged_llm.kv_transfer.config import as_kv_transfer_config
 from paged_llm.utils.checks import is_int
 
 # vLLM's older ``task=`` names -> the runner each means
@@ -155,7 +156,14 @@ class EngineConfig:
     # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k,
     # "model": draft checkpoint dir, "prompt_lookup_max": n, ...}; None disables speculation
     speculative_config: dict[str, Any] | None = None
+    # vLLM's kv_transfer_config: {"kv_connector": "SharedStorageConnector", "kv_role":
+    # "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config": {...}} or a
+    # KVTransferConfig; None: no KV moves between engines (docs/kv_transfer.md)
+    kv_transfer_config: Any = None
     log_stats: bool = False
+
+    def __post_init__(self) -> None:
+        self.kv_transfer_config = as_kv_transfer_config(self.kv_transfer_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -168,6 +176,8 @@ class EngineConfig:
         for key, value in kwargs.items():
             if key in ("attention_backend", "log_stats", "speculative_config"):
                 setattr(cfg, key, value)
+            elif key == "kv_transfer_config":
+                cfg.kv_transfer_config = as_kv_transfer_config(value)
             elif key in owner:
                 changes[owner[key]][key] = value
             else:
@@ -210,4 +220,5 @@ def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
         lora=LoRAConfig(**(cfg.get("lora") or {})),
         attention_backend=cfg.get("attention", "auto"),
         speculative_config=cfg.get("speculative") or None,
+        kv_transfer_config=cfg.get("kv_transfer") or None,
     )

@@ -38,16 +38,20 @@ def test_vllm_flags_map_to_engine_config():
 
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+TRANSFER = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": "/kv"}}  # fmt: skip
 
 
 def test_engine_features_pass_through():
     kw = kwargs_of(
         "--enable-prefix-caching", "--speculative-config", json.dumps(SPEC),
         "-q", "int8", "--kv-cache-dtype", "fp8_e4m3", "--kv-offloading-size", "2.5",
-        "--enable-sleep-mode",
+        "--enable-sleep-mode", "--kv-transfer-config", json.dumps(TRANSFER),
     )  # fmt: skip
     cfg = EngineConfig.from_kwargs(**kw)
     assert cfg.cache.enable_prefix_caching and cfg.speculative_config == SPEC
+    assert cfg.kv_transfer_config.kv_role == "kv_producer"
+    assert cfg.kv_transfer_config.kv_connector_extra_config == {"shared_storage_path": "/kv"}
     assert cfg.cache.kv_offloading_size == 2.5 and cfg.model.enable_sleep_mode
     assert cfg.model.quantization == "int8" and cfg.cache.kv_cache_dtype == "fp8_e4m3"
     cfg = EngineConfig.from_kwargs(**kwargs_of("-tp", "2", "--enforce-eager"))
@@ -76,6 +80,9 @@ def test_engine_features_pass_through():
         (["--max-waiting", "-1"], "--max-waiting"),
         (["--override-generation-config", "{not json"], "not valid JSON"),
         (["--override-generation-config", '{"top_p": 0}'], "top_p"),
+        (["--kv-transfer-config", '{"kv_connector": "Nccl"}'], "unknown KV connector 'Nccl'"),
+        (["--kv-transfer-config", '{"kv_connector": "SharedStorageConnector", "kv_role": "p"}'],
+         "unknown kv_role 'p'"),
     ],
 )  # fmt: skip
 def test_bad_or_unsupported_flags_fail_before_loading(argv, message, capsys):
@@ -89,7 +96,13 @@ def test_bad_or_unsupported_flags_fail_before_loading(argv, message, capsys):
 def test_defaults_are_accepted():
     kw = kwargs_of("--no-enable-prefix-caching", "--kv-cache-dtype", "auto")
     assert kw["model"] == "tiny"
-    for key in ("enable_prefix_caching", "speculative_config", "quantization", "kv_cache_dtype"):
+    for key in (
+        "enable_prefix_caching",
+        "speculative_config",
+        "quantization",
+        "kv_cache_dtype",
+        "kv_transfer_config",
+    ):
         assert key not in kw  # left to the engine's defaults
 
 

@@ -219,6 +219,29 @@ def test_llama_family_matches_single_process(tmp_path, kind):
     assert_stopped(processes)
 
 
+def _blocks_loaded(runner) -> int:
+    return runner.kv_connector.num_loaded
+
+
+def test_kv_transfer_saves_and_loads_every_ranks_heads(llama_dir, tmp_path):
+    """kv_both over 2 ranks: each rank writes the K/V heads it holds, and the second run loads
+    them back on both ranks instead of computing them (docs/kv_transfer.md)."""
+    store = tmp_path / "kv"
+    transfer = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": str(store)}}  # fmt: skip
+    expected = run(LLM(llama_dir, block_size=4, cpu_kv_cache_gib=0.01))
+    with LLM(llama_dir, block_size=4, cpu_kv_cache_gib=0.01, tensor_parallel_size=2,
+             kv_transfer_config=transfer) as llm:  # fmt: skip
+        assert run(llm) == expected
+        assert run(llm) == expected
+        loaded = llm.collective_rpc(_blocks_loaded)
+    full_blocks = sum((len(p) - 1) // 4 for p in PROMPTS)
+    assert loaded == [full_blocks, full_blocks]
+    (root,) = store.iterdir()
+    names = [f.name for f in root.iterdir()]
+    assert sum(n.endswith(".rank0.safetensors") for n in names) == len(names) // 2
+
+
 def test_opt_matches_single_process_with_beam_search(tmp_path):
     path = save_model("opt", tmp_path)
     single = LLM(path, block_size=4, cpu_kv_cache_gib=0.01)

@@ -242,6 +242,7 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget, now)
+        self.kv.plan_kv_saves(out.scheduled)  # a KV connector's producer saves this step's prompts
         out.block_ops = self.kv.take_block_ops()
         out.copy_blocks = [
             pair for kind, pairs in out.block_ops if kind == "copy" for pair in pairs

@@ -28,6 +28,7 @@ from paged_llm.engine.reasoning import reasoning_parser
 from paged_llm.engine.sleep_mode import SleepState, describe
 from paged_llm.engine.stop_strings import StopStringChecker
 from paged_llm.engine.structured_output import StructuredOutputCompiler
+from paged_llm.kv_transfer import build_kv_connector, checkpoint_identity
 from paged_llm.layers.attention import PagedAttention
 from paged_llm.lora.manager import LoRAManager
 from paged_llm.lora.request import LoRARequest
@@ -172,6 +173,9 @@ class LLMEngine:
         window = self._releasable_window()
         if window is not None:
             extra["sliding_window"] = window
+        self.kv_connector = self._build_kv_connector(kv_spec)
+        if self.kv_connector is not None:
+            extra["kv_connector"] = self.runner.kv_connector = self.kv_connector
         kv = build(
             "policy", sc.policy, POLICIES, num_blocks=num_blocks, block_size=cc.block_size,
             max_model_len=self.max_model_len, num_cpu_blocks=num_cpu_blocks, **extra,
@@ -268,6 +272,28 @@ class LLMEngine:
             raise ValueError("speculative decoding does not apply to a pooling model")
         config = resolve_pooler_config(self.config.model.pooler_config, model_dir)
         return Pooler(config, classifier_head(self.model, self.hf_config))
+
+    def _build_kv_connector(self, kv_spec: Any) -> Any:
+        """kv_transfer_config's connector for this rank, keyed by what makes KV reusable
+        between engines: the weights, their dtype and quantization, the cache layout."""
+        kt = self.config.kv_transfer_config
+        if kt is None:
+            return None
+        mc, cc = self.config.model, self.config.cache
+        policy = self.config.scheduler.policy
+        if isinstance(policy, str) and policy != "paged":  # reservations have no block keys
+            raise ValueError(f"kv_transfer_config needs the paged policy, not '{policy}'")
+        path = checkpoint_path(str(mc.model))
+        fingerprint = {
+            # a random-weight preset's weights come from the seed
+            "model": checkpoint_identity(path) if path.is_dir() else f"{mc.model}@seed{mc.seed}",
+            "quantization": repr(mc.quantization), "dtype": str(self.dtype),
+            "kv_cache_dtype": str(kv_spec.dtype), "block_size": cc.block_size,
+            "tensor_parallel_size": mc.tensor_parallel_size,
+        }  # fmt: skip
+        group = self.parallel.group if self.parallel is not None else None
+        rank, size = (group.rank, group.size) if group is not None else (0, 1)
+        return build_kv_connector(kt, fingerprint, rank=rank, world_size=size)
 
     def _releasable_window(self) -> int | None:
         """The sliding window W after which a sequence's blocks can be freed: set when every

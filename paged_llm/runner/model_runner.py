@@ -216,6 +216,8 @@ class ModelRunner:
         # the prefix cache's CPU tier (kv_offloading_size): its own pool beside the swap pool
         self.offload_caches: KVCaches = []
         self.offload_scales: KVCaches = []
+        # kv_transfer_config's connector (its worker side: load, save), set by the engine
+        self.kv_connector: Any = None
         # Scale pools share the caches' slots, so every block op moves them alongside.
         device = lambda: self.kv_caches + self.kv_scales
         cpu = lambda: self.cpu_caches + self.cpu_scales
@@ -302,7 +304,10 @@ class ModelRunner:
 
     def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list[str]:
         """Write HF-named tensors into this rank's model (its slices); the names written."""
-        return self.model.update_weights(weights)
+        written = self.model.update_weights(weights)
+        if self.kv_connector is not None:
+            self.kv_connector.new_weights()  # KV saved before came from the old weights
+        return written
 
     def apply_model(self, func: Any) -> Any:
         """``func(model)`` on this rank's model (vLLM's ``LLM.apply_model``)."""
@@ -326,9 +331,27 @@ class ModelRunner:
         then of its prompt-logprob rows (None without either), and the final hidden states of
         its pooling rows (None without any). Tensor-parallel ranks all call this with the same
         arguments; only rank 0's logits cover the whole vocabulary."""
+        saves = []
         for kind, pairs in block_ops:  # in decision order: a block may be reused in a step
-            src, dst = self._block_op_caches[kind]
-            move_blocks(src(), dst(), pairs)
+            if kind == "kv_save":  # logged last; the forward below writes these blocks
+                saves.extend(pairs)
+            elif kind == "kv_load":
+                self.kv_connector.load(self._transfer_pools(), pairs)
+            else:
+                src, dst = self._block_op_caches[kind]
+                move_blocks(src(), dst(), pairs)
+        outputs = self._run(batch)
+        if saves:
+            self.kv_connector.save(self._transfer_pools(), saves)
+        return outputs
+
+    def _transfer_pools(self) -> dict[str, KVCaches]:
+        """What a KV connector moves per block: the caches and, if quantized, their scales."""
+        return {"kv": self.kv_caches, "scales": self.kv_scales}
+
+    def _run(self, batch: HostBatch | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The forward pass of ``run_batch``: logits of sample and prompt-logprob rows, hidden
+        states of pooling rows."""
         if batch is None:
             return None, None
         if self.cuda_graphs is not None and self.cuda_graphs.can_replay(batch):

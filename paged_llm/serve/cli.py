@@ -124,6 +124,12 @@ def make_parser() -> argparse.ArgumentParser:
         help='JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 3}',
     )
     eng.add_argument(
+        "--kv-transfer-config",
+        type=_json_object,
+        help='JSON, as in vLLM: {"kv_connector": "SharedStorageConnector", "kv_role": '
+        '"kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/path"}}',
+    )
+    eng.add_argument(
         "--generation-config",
         default="auto",
         help="default sampling settings: auto (the model's generation_config.json), vllm "
@@ -237,6 +243,19 @@ def check_speculative_config(spec: dict[str, Any] | None) -> None:
         raise ValueError(f"--speculative-config: {err}") from None
 
 
+def check_kv_transfer_config(config: dict[str, Any] | None) -> None:
+    """Refuse a bad --kv-transfer-config (role, keys, connector name) before the model."""
+    from paged_llm.kv_transfer import KV_CONNECTORS, as_kv_transfer_config
+    from paged_llm.utils.registry import resolve
+
+    try:
+        parsed = as_kv_transfer_config(config)
+        if parsed is not None:
+            resolve("KV connector", parsed.kv_connector, KV_CONNECTORS)
+    except ValueError as err:
+        raise ValueError(f"--kv-transfer-config: {err}") from None
+
+
 def check_generation_overrides(overrides: dict[str, Any] | None) -> None:
     """Refuse an --override-generation-config that makes invalid SamplingParams."""
     from paged_llm.engine.generation_config import load_generation_defaults
@@ -294,6 +313,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     check_quantization(args.quantization)
     check_kv_cache_dtype(args.kv_cache_dtype)
     check_speculative_config(args.speculative_config)
+    check_kv_transfer_config(args.kv_transfer_config)
     check_generation_overrides(args.override_generation_config)
     lora_modules(args)
     kwargs: dict[str, Any] = {
@@ -319,6 +339,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": args.enable_prefix_caching or None,
         "kv_offloading_size": args.kv_offloading_size,
         "speculative_config": args.speculative_config or None,
+        "kv_transfer_config": args.kv_transfer_config or None,
         "quantization": args.quantization,
         "kv_cache_dtype": None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from paged_llm.core.request import Request
 
@@ -134,8 +135,10 @@ class KVCacheManager(ABC):
 
     def take_block_ops(self) -> list[tuple[str, list[tuple[int, int]]]]:
         """Block moves of this step, in the order they were decided: ("copy" | "swap_out" |
-        "swap_in", [(src, dst), ...]). Order matters: a block freed by a swap-out can be the
-        destination of a copy-on-write later in the same step, and vice versa."""
+        "swap_in" | "offload" | "onload", [(src, dst), ...]), and a KV connector's ("kv_load",
+        [(key, block), ...]) and ("kv_save", [(block, key), ...]), the saves last (they run after
+        the forward pass). Order matters: a block freed by a swap-out can be the destination of
+        a copy-on-write later in the same step, and vice versa."""
         return []
 
     def prepare_admission(self, request: Request) -> None:
@@ -143,6 +146,9 @@ class KVCacheManager(ABC):
 
     def cancel_admission(self, request: Request) -> None:
         """Undo ``prepare_admission`` for a request that was not admitted."""
+
+    def plan_kv_saves(self, scheduled: list[Any]) -> None:
+        """Hook once a step is chosen: log the KV connector's saves (paged policy only)."""
 
     def on_computed(self, request: Request) -> None:
         """Hook after the request's num_computed_tokens advanced (prefix cache registration)."""

@@ -3,6 +3,8 @@ block. Blocks can be shared (forked sequences, prefix caching) by reference coun
 block that must be written is copied first (copy-on-write). Preempted requests can be swapped
 to a CPU block pool, each shared block once. With ``offload_blocks``, cached blocks evicted from
 the device are kept in a CPU tier and copied back on a later hit (core/kv/offload.py). With a
+KV connector (kv_transfer/), prompt blocks are saved for other engines and blocks they saved are
+loaded instead of computed (disaggregated prefill). With a
 sliding window (a model whose every layer attends to its last W positions), blocks that fell
 wholly out of the window are freed as soon as they do, their table entries becoming NULL_BLOCK
 (no torch)."""
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 from paged_llm.core.block_pool import BlockPool
 from paged_llm.core.kv.base import KVCacheManager, MemoryBreakdown
@@ -46,6 +49,7 @@ class PagedKVCacheManager(KVCacheManager):
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,
         offload_blocks: int = 0,
+        kv_connector: Any = None,  # kv_transfer's scheduler side (block_keys, contains)
     ) -> None:
         super().__init__(num_blocks, block_size, max_model_len)
         check_window(sliding_window)
@@ -71,6 +75,9 @@ class PagedKVCacheManager(KVCacheManager):
         self.offload = PrefixOffloadTier(offload_blocks) if offload_blocks > 0 else None
         if self.offload is not None:
             self.pool.on_evict = self._offload_evicted
+        self.connector = kv_connector
+        self._loads_external = kv_connector is not None and kv_connector.can_load
+        self._ext_keys: dict[str, list[int]] = {}  # request -> connector keys of its blocks
 
     def num_free_blocks(self) -> int:
         """Free device blocks."""
@@ -158,6 +165,8 @@ class PagedKVCacheManager(KVCacheManager):
             self._num_released[child.request_id] = self._num_released[parent.request_id]
         if parent.request_id in self._hashes:
             self._hashes[child.request_id] = list(self._hashes[parent.request_id])
+        if parent.request_id in self._ext_keys:
+            self._ext_keys[child.request_id] = list(self._ext_keys[parent.request_id])
 
     def free(self, request: Request) -> None:
         """Release device and swapped blocks of the request."""
@@ -170,6 +179,7 @@ class PagedKVCacheManager(KVCacheManager):
         if cpu_table and self.cpu_pool is not None:
             self.cpu_pool.release(live_blocks(cpu_table))
         self._hashes.pop(request.request_id, None)
+        self._ext_keys.pop(request.request_id, None)
         self._num_released.pop(request.request_id, None)
 
     def truncate(self, request: Request, num_tokens: int) -> None:
@@ -197,9 +207,21 @@ class PagedKVCacheManager(KVCacheManager):
         # or a block half-computed by a chunk would be registered as full
         return hashes[: num_tokens // bs]
 
+    def _external_keys(self, request: Request, num_blocks: int) -> list[int]:
+        """The connector's content keys of the request's first ``num_blocks`` full blocks."""
+        assert self.connector is not None
+        known = self._ext_keys.setdefault(request.request_id, [])
+        salt = f"lora:{request.lora_int_id}" if request.lora_int_id else ""  # as _block_hashes
+        return self.connector.block_keys(
+            known, request.all_token_ids, self.block_size, num_blocks, salt
+        )[:num_blocks]
+
     def prepare_admission(self, request: Request) -> None:
-        """Share cached blocks of the longest cached prefix; one token at least is left to run."""
-        if not self.enable_prefix_caching or request.request_id in self.block_tables:
+        """Share cached blocks of the longest cached prefix (on the device, in the CPU tier or
+        in the KV connector's store); one token at least is left to run."""
+        if not (self.enable_prefix_caching or self._loads_external):
+            return
+        if request.request_id in self.block_tables:
             return
         if not request.may_use_cached_prefix:
             return
@@ -208,7 +230,7 @@ class PagedKVCacheManager(KVCacheManager):
         tokens = request.all_token_ids
         bs = self.block_size
         # per block of the prompt: its cached device block, ("cpu", block) in the offload tier,
-        # or None
+        # ("ext", key) in the connector's store, or None
         found: list[int | tuple[str, int] | None] = []
         keys: list[tuple[int, ...]] = []  # the looked-up blocks' token ids (up to a miss)
         for i, h in enumerate(hashes):
@@ -218,6 +240,9 @@ class PagedKVCacheManager(KVCacheManager):
             if hit is None and self.offload is not None:
                 cpu = self.offload.find(h, key)
                 hit = None if cpu is None else ("cpu", cpu)
+            if hit is None and self._loads_external:
+                ext = self._external_keys(request, i + 1)[i]
+                hit = ("ext", ext) if self.connector.contains(ext) else None
             found.append(hit)
             if hit is None and self.sliding_window is None:
                 break  # a full-attention prefix needs every block from the start
@@ -229,7 +254,7 @@ class PagedKVCacheManager(KVCacheManager):
         # W positions: blocks before them are neither needed nor taken (their entries stay NULL).
         hits = found[first:num_hit]
         on_device = [b for b in hits if isinstance(b, int)]
-        offloaded = [b[1] for b in hits if not isinstance(b, int)]
+        offloaded = [b[1] for b in hits if not isinstance(b, int) and b[0] == "cpu"]
         # both kinds of hit are held while fresh blocks are allocated for the offloaded ones:
         # an allocation evicts (and offloads) other cached blocks, never one of these
         for b in on_device:
@@ -238,7 +263,12 @@ class PagedKVCacheManager(KVCacheManager):
             self.offload.pin(offloaded)
         table = []
         for i, b in enumerate(hits, start=first):
-            table.append(b if isinstance(b, int) else self._load(b[1], hashes[i], keys[i]))
+            if isinstance(b, int):
+                table.append(b)
+            elif b[0] == "cpu":
+                table.append(self._load(b[1], hashes[i], keys[i]))
+            else:
+                table.append(self._load_external(b[1], hashes[i], keys[i]))
         if self.offload is not None:
             self.offload.unpin(offloaded)
         self._sharing = self._sharing or bool(on_device)
@@ -270,6 +300,43 @@ class PagedKVCacheManager(KVCacheManager):
         self.pool.register(block, block_hash, tokens)
         self.offload.num_loaded += 1
         return block
+
+    def _load_external(self, key: int, block_hash: int, tokens: tuple[int, ...]) -> int:
+        """A fresh device block that the step's connector load fills from the store's block
+        ``key``; it joins the device prefix cache (if on) at once, as a CPU-tier load does."""
+        (block,) = self.pool.allocate(1)
+        self._log("kv_load", [(key, block)])
+        if self.enable_prefix_caching:
+            self.pool.register(block, block_hash, tokens)
+        return block
+
+    def plan_kv_saves(self, scheduled: list[Any]) -> None:
+        """Producer: log a save of every full prompt block this step computes that the
+        connector's store lacks (the runner writes them after the forward pass)."""
+        if self.connector is None or not self.connector.can_save:
+            return
+        bs = self.block_size
+        pairs: list[tuple[int, int]] = []
+        logged: set[int] = set()
+        for s in scheduled:
+            req = s.request
+            start = req.num_computed_tokens // bs
+            end = min(req.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens) // bs
+            if end <= start:
+                continue
+            keys = self._external_keys(req, end)
+            table = self.block_tables[req.request_id]
+            for i in range(start, end):
+                key = keys[i]
+                if (
+                    table[i] != NULL_BLOCK
+                    and key not in logged
+                    and not self.connector.contains(key)
+                ):
+                    logged.add(key)
+                    pairs.append((table[i], key))
+        if pairs:
+            self._log("kv_save", pairs)
 
     def _offload_evicted(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
         """Copy a cached device block that is about to hold other tokens to the CPU tier."""
