@@ -209,11 +209,12 @@ def test_kv_both_reuses_its_own_saves_and_a_new_layout_misses(tiny_llama, want, 
     assert ids(outs) == want and all(o.num_cached_tokens == 0 for o in outs)
 
 
-def test_a_quantized_cache_moves_with_its_scales(tiny_llama, tmp_path):
-    """kv_cache_dtype='int8': the scales travel with the blocks, and the consumer's tokens
-    are those of an int8-cache engine that computed everything."""
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_cache_moves_with_its_scales(tiny_llama, tmp_path, kv_dtype):
+    """A 1-byte KV cache: the scales travel with the blocks, and the consumer's tokens are
+    those of an engine with the same cache that computed everything."""
     model = str(tiny_llama[0])
-    q = dict(kv_cache_dtype="int8", attention_backend="torch")
+    q = dict(kv_cache_dtype=kv_dtype, attention_backend="torch")
     want = ids(LLM(model, **COMMON, **q).generate(PROMPTS, GREEDY, use_tqdm=False))
     prefill(model, tmp_path, **q)
     consumer = LLM(model, kv_transfer_config=transfer(tmp_path, "kv_consumer"), **COMMON, **q)
