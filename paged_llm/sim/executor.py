@@ -130,7 +130,7 @@ class SimulatedExecutor:
         inside ``memory_window`` (all iterations by default; 0 = never); it walks every block,
         so long runs subsample it.
         """
-        with _quiet_preemption_warnings():
+        with quiet_preemption_warnings():
             return self._run(
                 workload, policy, settings, stop_time, progress, memory_window, memory_every
             )
@@ -288,7 +288,7 @@ class SimulatedExecutor:
 
 
 @contextlib.contextmanager
-def _quiet_preemption_warnings():
+def quiet_preemption_warnings():
     """A simulated overload preempts thousands of times; the run reports the count instead of
     logging the scheduler's per-preemption warning."""
     log = logging.getLogger("paged_llm.core.scheduler")

@@ -60,6 +60,7 @@ def build_scheduler(
     track_memory: bool = False,
     sliding_window: int | None = None,
     num_offload_blocks: int = 0,
+    kv_connector: Any = None,
 ) -> Scheduler:
     """The real Scheduler over the policy's KV manager (a name from POLICIES, a dotted path or a
     ``{_target_: ...}`` mapping); ``sliding_window``: the model's, if every layer has one."""
@@ -70,6 +71,8 @@ def build_scheduler(
         extra["sliding_window"] = sliding_window
     if num_offload_blocks:
         extra["offload_blocks"] = num_offload_blocks
+    if kv_connector is not None:  # a KV connector's scheduler side (sim/disagg.py)
+        extra["kv_connector"] = kv_connector
     try:
         kv = build(
             "policy", policy, POLICIES, num_blocks=num_blocks, block_size=settings.block_size,
