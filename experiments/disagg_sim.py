@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--model", default="opt-13b")
     p.add_argument("--hardware", default="a100-40gb")
     p.add_argument("--workload-path", default=None, help="a length trace; default synthetic")
+    p.add_argument("--min-input-len", type=int, default=1, help="keep longer prompts only")
     p.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
     p.add_argument("--rates", type=float, nargs="+", default=[4, 6, 7, 8, 9, 10, 11, 12])
     p.add_argument("--layouts", nargs="+",
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         best = 0.0
         for rate in args.rates:
             wl = build_workload({"path": args.workload_path, "request_rate": rate,
-                                 "duration_s": args.duration, "seed": args.seed})  # fmt: skip
+                                 "duration_s": args.duration, "seed": args.seed,
+                                 "min_input_len": args.min_input_len})  # fmt: skip
             run = simulate(wl, executor, colocated if layout == "colocated" else settings,
                            layout, num_p, num_d, link_gb_per_s=args.link_gb_per_s)  # fmt: skip
             met = run.slo_attainment(args.ttft_slo, args.tpot_slo)

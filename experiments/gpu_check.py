@@ -33,8 +33,9 @@ Sections, in order (later ones use the bandwidth measured first):
 6. ``quant_decode`` (--extras; experiments/gpu_sweeps.py): decode tokens/s of the same model
    shape in bf16, int8, int4 and fp8 at batch 1 and 32.
 7. ``sleep_offload`` (--extras; experiments/gpu_memory_features.py): sleep mode at levels 1 and 2
-   with CUDA graphs (memory freed, seconds, same outputs after waking) and the prefix cache's
-   CPU tier (an evicted prompt copied back from pinned memory, same output).
+   with CUDA graphs (memory freed, seconds, same outputs after waking), the prefix cache's
+   CPU tier (an evicted prompt copied back from pinned memory, same output) and KV transfer
+   between a producer and a consumer engine (blocks moved, ms per block, same tokens).
 
 Targets (docs/gpu.md) are evaluated into ``targets`` in the JSON; nothing here is estimated.
 """

@@ -8,6 +8,10 @@ features whose device paths no GPU has run yet, checked and measured on one engi
 * The prefix cache's CPU tier: a long prompt, others that evict its blocks from a small device
   pool, the long prompt again: its cached tokens (copied back from pinned CPU memory) and the
   same greedy output.
+* KV transfer (``kv_transfer_config``, docs/kv_transfer.md): a producer engine prefills the
+  prompts, a consumer engine loads their blocks from ``SharedStorageConnector`` files and
+  decodes: blocks moved, milliseconds per block each way, and the share of greedy tokens equal
+  to the first engine's (bf16 kernels may round a loaded prefix differently from a computed one).
 
 A transformers Llama with random weights is saved first, so the engine and the state dict
 that level 2 reloads hold the same tensors. On the CPU (--smoke) the same steps run with a tiny
@@ -145,4 +149,45 @@ def section_sleep_offload(
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    if deadline.left() > 20:
+        common = dict(device=str(device), dtype="float32" if smoke else "bfloat16",
+                      block_size=block, num_gpu_blocks_override=pool,
+                      max_model_len=pool * block, seed=0)  # fmt: skip
+        result["kv_transfer"] = _kv_transfer(path, workdir, common, prompts, greedy, want)
+        result["all_pass"] = result["all_pass"] and result["kv_transfer"]["pass"]
     return result
+
+
+def _kv_transfer(path: Path, workdir: Path, common: dict, prompts: list, greedy: Any,
+                 want: list[list[int]]) -> dict[str, Any]:  # fmt: skip
+    """A producer prefills ``prompts``, a consumer loads their KV and decodes; what moved,
+    how fast, and how many greedy tokens equal ``want``."""
+    from paged_llm import LLM, SamplingParams
+
+    store = {"shared_storage_path": str(workdir / "kv")}
+
+    def transfer(role: str) -> dict[str, Any]:
+        return {"kv_connector": "SharedStorageConnector", "kv_role": role,
+                "kv_connector_extra_config": store}  # fmt: skip
+
+    out: dict[str, Any] = {}
+    for role in ("kv_producer", "kv_consumer"):
+        llm = LLM(str(path), kv_transfer_config=transfer(role), **common)
+        if role == "kv_producer":
+            llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+        else:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        out[role] = llm.llm_engine.kv_connector.stats()
+        llm.shutdown()
+        del llm
+        gc.collect()
+    pairs = [(a, b) for g, w in zip(got, want) for a, b in zip(g, w)]
+    out["tokens_agree"] = sum(a == b for a, b in pairs) / max(1, len(pairs))
+    block = common["block_size"]
+    expected = sum((len(p["prompt_token_ids"]) - 1) // block for p in prompts)
+    for role, verb in (("kv_producer", "saving"), ("kv_consumer", "loading")):
+        n = out[role]["blocks_saved" if verb == "saving" else "blocks_loaded"]
+        out[f"ms_per_block_{verb}"] = 1000 * out[role][f"seconds_{verb}"] / max(1, n)
+    # (a small pool preempts, and a recomputed request loads its blocks again)
+    out["pass"] = out["kv_consumer"]["blocks_loaded"] >= expected and out["tokens_agree"] >= 0.95
+    return out

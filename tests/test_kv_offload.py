@@ -10,22 +10,11 @@ greedy outputs against an engine without any cache."""
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from shadow_pools import BS, run_with_shadow_pools
 
 from paged_llm import LLM, SamplingParams
-from paged_llm.core.kv.paged import NULL_BLOCK, PagedKVCacheManager
-from paged_llm.core.request import Request
-from paged_llm.core.scheduler import Scheduler, SchedulerLimits
-from paged_llm.sampling_params import SamplingParams as Params
-
-BS = 4
-# where each kind of block move reads and writes
-MOVES = {"copy": ("dev", "dev"), "swap_out": ("dev", "swap"), "swap_in": ("swap", "dev"),
-         "offload": ("dev", "off"), "onload": ("off", "dev")}  # fmt: skip
-
-
-def prompt_of(family: int, length: int) -> list[int]:
-    """Prompts of one family share their first tokens (a system prompt, a conversation)."""
-    return [100 * family + j for j in range(length)]
+from paged_llm.core.kv.paged import PagedKVCacheManager
+from paged_llm.core.scheduler import SchedulerLimits
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -52,36 +41,7 @@ def test_every_computed_block_holds_its_tokens(
         enable_chunked_prefill=chunk is not None,
         preemption_mode=mode,
     )
-    sched = Scheduler(kv, limits)
-    pools: dict[str, dict[int, tuple]] = {"dev": {}, "swap": {}, "off": {}}
-    pending = list(enumerate(requests))
-    for step in range(400):
-        for _ in range(arrivals):  # a few arrive every step
-            if pending:
-                i, (family, length, out) = pending.pop(0)
-                params = Params(max_tokens=out, ignore_eos=True)
-                sched.add_request(
-                    Request(f"r{i}", prompt_of(family, length), params, max_model_len=48)
-                )
-        if not sched.has_unfinished() and not pending:
-            break
-        out = sched.schedule(float(step))
-        for kind, pairs in out.block_ops:  # in the order the runner applies them
-            src, dst = MOVES[kind]
-            for a, b in pairs:
-                pools[dst][b] = pools[src].get(a)
-        for s in out.scheduled:
-            req, tokens = s.request, s.request.all_token_ids
-            for i in range(req.num_computed_tokens // BS):  # computed, cached or moved back
-                if s.block_table[i] != NULL_BLOCK:
-                    assert pools["dev"][s.block_table[i]] == tuple(tokens[i * BS : (i + 1) * BS])
-            end = req.num_computed_tokens + s.num_new_tokens
-            for i in range(req.num_computed_tokens // BS, -(-end // BS)):  # the forward pass
-                pools["dev"][s.block_table[i]] = tuple(tokens[i * BS : min((i + 1) * BS, end)])
-        sampled = {s.request.request_id: [7 + step % 5] for s in out.scheduled if s.samples}
-        sched.update_from_output(out, sampled, float(step))
-    assert not sched.has_unfinished() and not pending
-    assert kv.num_free_blocks() == num_blocks
+    sched = run_with_shadow_pools(kv, limits, requests, arrivals)
     event(f"blocks copied back from the tier: {'some' if kv.offload.num_loaded else 'none'}")
     event(f"preempted: {'yes' if sched.num_preemptions_total else 'no'}")
 

@@ -16,19 +16,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from shadow_pools import BS, run_with_shadow_pools
 
 from paged_llm import LLM, SamplingParams
-from paged_llm.core.kv.paged import NULL_BLOCK, PagedKVCacheManager
-from paged_llm.core.request import Request
-from paged_llm.core.scheduler import Scheduler, SchedulerLimits
+from paged_llm.core.kv.paged import PagedKVCacheManager
+from paged_llm.core.scheduler import SchedulerLimits
 from paged_llm.kv_transfer import KVTransferConfig, as_kv_transfer_config
 from paged_llm.kv_transfer.shared_storage import chain_keys
-from paged_llm.sampling_params import SamplingParams as Params
-
-BS = 4
-MOVES = {"copy": ("dev", "dev"), "swap_out": ("dev", "swap"), "swap_in": ("swap", "dev"),
-         "offload": ("dev", "off"), "onload": ("off", "dev"),
-         "kv_load": ("store", "dev")}  # fmt: skip
 
 
 class FakeStore:
@@ -42,53 +36,6 @@ class FakeStore:
 
     def contains(self, key: int) -> bool:
         return key in self.blocks
-
-
-def prompt_of(family: int, length: int) -> list[int]:
-    """Prompts of one family share their first tokens."""
-    return [100 * family + j for j in range(length)]
-
-
-def run_engine_core(kv, requests, limits, pools, store, arrivals):
-    """Schedule ``requests`` to the end, applying block moves to the shadow ``pools`` and
-    checking that every block a request counts as computed holds its tokens."""
-    sched = Scheduler(kv, limits)
-    pending = list(enumerate(requests))
-    for step in range(600):
-        for _ in range(arrivals):
-            if pending:
-                i, (family, length, out) = pending.pop(0)
-                params = Params(max_tokens=out, ignore_eos=True)
-                sched.add_request(
-                    Request(f"r{i}", prompt_of(family, length), params, max_model_len=48)
-                )
-        if not sched.has_unfinished() and not pending:
-            break
-        out = sched.schedule(float(step))
-        saves = []
-        for kind, pairs in out.block_ops:  # in the order the runner applies them
-            if kind == "kv_save":
-                saves.extend(pairs)
-                continue
-            src, dst = MOVES[kind]
-            for a, b in pairs:
-                pools[dst][b] = (store if src == "store" else pools[src]).get(a)
-        for s in out.scheduled:
-            req, tokens = s.request, s.request.all_token_ids
-            for i in range(req.num_computed_tokens // BS):  # computed, cached or loaded
-                if s.block_table[i] != NULL_BLOCK:
-                    assert pools["dev"][s.block_table[i]] == tuple(tokens[i * BS : (i + 1) * BS])
-            end = req.num_computed_tokens + s.num_new_tokens
-            for i in range(req.num_computed_tokens // BS, -(-end // BS)):  # the forward pass
-                pools["dev"][s.block_table[i]] = tuple(tokens[i * BS : min((i + 1) * BS, end)])
-        for block, key in saves:  # after the forward pass, as the runner does
-            assert key not in store and len(pools["dev"][block]) == BS  # full blocks, once
-            store[key] = pools["dev"][block]
-        sampled = {s.request.request_id: [7 + step % 5] for s in out.scheduled if s.samples}
-        sched.update_from_output(out, sampled, float(step))
-    assert not sched.has_unfinished() and not pending
-    assert kv.num_free_blocks() == kv.num_blocks
-    return sched
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
@@ -121,12 +68,10 @@ def test_loaded_blocks_hold_their_tokens_and_saved_blocks_their_keys(
             kv_connector=connector,
         )  # fmt: skip
 
-    pools: dict[str, dict[int, tuple]] = {"dev": {}, "swap": {}, "off": {}}
-    run_engine_core(manager(FakeStore(store, True, False)), produced, limits, pools, store, 2)
+    run_with_shadow_pools(manager(FakeStore(store, True, False)), limits, produced, 2, store)
     saved = len(store)
-    pools = {"dev": {}, "swap": {}, "off": {}}  # another engine: its own pools
-    consumer = manager(FakeStore(store, consumer_saves, True))
-    run_engine_core(consumer, consumed, limits, pools, store, arrivals)
+    consumer = manager(FakeStore(store, consumer_saves, True))  # another engine, its own pools
+    run_with_shadow_pools(consumer, limits, consumed, arrivals, store)
     assert consumer_saves or len(store) == saved  # a pure consumer never writes
     event(f"blocks loaded: {'some' if consumer.prefix_hits else 'none'}")
 

@@ -217,7 +217,8 @@ def test_measure_step_times_writes_a_loadable_calibration(tmp_path):
 
 def test_bookkeeping_and_the_simulator_run_without_torch():
     """Blocks, allocators, scheduler, requests and the simulated executor are plain Python:
-    a fresh interpreter runs a simulation (every policy, both preemptions, the metrics) without
+    a fresh interpreter runs a simulation (every policy, both preemptions, the metrics, the
+    disaggregated layout with its KV connector) without
     ever importing torch, so they can be read, tested and reused on their own."""
     import subprocess
     import sys
@@ -240,6 +241,9 @@ for policy, mode in runs:
     assert all(r.finished for r in trace.requests), policy
     if policy == "paged":
         assert serving_metrics(trace)["num_preemptions"] > 0, mode
+from paged_llm.sim.disagg import simulate  # prefill and decode instances, the KV connector
+one = build_workload(WorkloadSpec(request_rate=5.0, num_requests=10, duration_s=None, seed=0))
+assert simulate(one, SimulatedExecutor(), ServingSettings()).loaded_blocks > 0
 assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -51,7 +51,7 @@ class TransferredPrompts:
         self.keys.update(chain_keys([], tokens, block_size, len(tokens) // block_size))
 
 
-@dataclass
+@dataclass(eq=False)  # instances are compared by identity
 class _Instance:
     """One simulated GPU: a scheduler, its own clock, requests due to arrive."""
 
