@@ -2,12 +2,11 @@
 block. Blocks can be shared (forked sequences, prefix caching) by reference count; a shared
 block that must be written is copied first (copy-on-write). Preempted requests can be swapped
 to a CPU block pool, each shared block once. With ``offload_blocks``, cached blocks evicted from
-the device are kept in a CPU tier and copied back on a later hit (core/kv/offload.py). With a
-KV connector (kv_transfer/), prompt blocks are saved for other engines and blocks they saved are
-loaded instead of computed (disaggregated prefill). With a
-sliding window (a model whose every layer attends to its last W positions), blocks that fell
-wholly out of the window are freed as soon as they do, their table entries becoming NULL_BLOCK
-(no torch)."""
+the device are kept in a CPU tier and copied back on a later hit (core/kv/offload.py). With a KV
+connector (kv_transfer/), prompt blocks are saved for other engines, and blocks they saved are
+loaded instead of computed (disaggregated prefill). With a sliding window (a model whose every
+layer attends to its last W positions), blocks that fell wholly out of the window are freed as
+soon as they do, their table entries becoming NULL_BLOCK (no torch)."""
 
 from __future__ import annotations
 
