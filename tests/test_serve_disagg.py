@@ -57,8 +57,21 @@ def test_the_proxy_returns_the_tokens_of_an_ordinary_engine(servers):
                                        temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})  # fmt: skip
     assert "".join(c.choices[0].text for c in stream if c.choices) == want.outputs[0].text
+    assert (
+        metric(prefill, "paged_llm:kv_transfer_saved_blocks_total") == connector(prefill).num_saved
+    )
+    assert (
+        metric(decode, "paged_llm:kv_transfer_loaded_blocks_total") == connector(decode).num_loaded
+    )
+    assert metric(decode, "paged_llm:kv_transfer_loaded_bytes_total") > 0
     assert httpx.get(proxy.url + "/health").status_code == 200
     assert httpx.get(proxy.url + "/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def metric(srv: ServerThread, name: str) -> float:
+    """The value of an unlabelled-name metric line in ``/metrics`` (its first sample)."""
+    lines = httpx.get(srv.url + "/metrics").text.splitlines()
+    return float(next(line for line in lines if line.startswith(name)).split()[-1])
 
 
 def prompt_tokens_total(srv: ServerThread) -> str:

@@ -41,6 +41,8 @@ class EngineGauges:
     spec_decode: SpecDecodeCounts | None = None  # None: no speculative decoding
     lora: LoRAGauges | None = None  # None: LoRA is off
     sleep_level: int = 0  # sleep mode: 0 awake, else the level the engine sleeps at
+    # kv_transfer_config: rank 0's connector stats (blocks, bytes, seconds each way); None: off
+    kv_transfer: dict[str, float] | None = None
     time: float = 0.0  # when the snapshot was taken (time.time())
 
 
@@ -86,8 +88,15 @@ def engine_gauges(engine: Any) -> EngineGauges:
         spec_decode=_spec_decode_counts(engine),
         lora=_lora_gauges(engine),
         sleep_level=engine.sleep_state.level,
+        kv_transfer=_kv_transfer_stats(engine),
         time=time.time(),
     )
+
+
+def _kv_transfer_stats(engine: Any) -> dict[str, float] | None:
+    """The KV connector's counters, if the engine has one."""
+    connector = getattr(engine, "kv_connector", None)
+    return None if connector is None else connector.stats()
 
 
 def _lora_gauges(engine: Any) -> LoRAGauges | None:
@@ -307,6 +316,24 @@ def _engine_counters(g: EngineGauges) -> list[tuple[str, str, float]]:
              "before their device block was reused.", saved),
             ("paged_llm:kv_offload_loaded_blocks_total",
              "KV blocks found in the CPU tier and copied back to the device.", loaded),
+        ]  # fmt: skip
+    if g.kv_transfer is not None:
+        t = g.kv_transfer
+        out += [
+            ("paged_llm:kv_transfer_saved_blocks_total",
+             "KV blocks this engine saved through its KV connector (kv_producer, kv_both).",
+             t["blocks_saved"]),
+            ("paged_llm:kv_transfer_loaded_blocks_total",
+             "KV blocks this engine loaded through its KV connector instead of computing them.",
+             t["blocks_loaded"]),
+            ("paged_llm:kv_transfer_saved_bytes_total", "Bytes the KV connector wrote.",
+             t["bytes_saved"]),
+            ("paged_llm:kv_transfer_loaded_bytes_total", "Bytes the KV connector read.",
+             t["bytes_loaded"]),
+            ("paged_llm:kv_transfer_save_seconds_total",
+             "Seconds spent saving KV blocks (inside engine steps).", t["seconds_saving"]),
+            ("paged_llm:kv_transfer_load_seconds_total",
+             "Seconds spent loading KV blocks (inside engine steps).", t["seconds_loading"]),
         ]  # fmt: skip
     if g.spec_decode is not None:
         s = g.spec_decode
