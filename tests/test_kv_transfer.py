@@ -277,3 +277,14 @@ def test_copies_of_a_checkpoint_share_keys_and_other_weights_do_not(tiny_llama, 
     (weights,) = copy.glob("*.safetensors")
     weights.write_bytes(weights.read_bytes() + b" ")  # another size: other weights
     assert checkpoint_identity(copy) != checkpoint_identity(tiny_llama[0])
+
+
+def test_a_store_that_cannot_be_written_only_loses_the_saves(tiny_llama, want, tmp_path):
+    """A producer whose store path is a file (so no directory can be made there, as with a
+    full or read-only disk) still serves every request; the blocks are counted as failures."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    llm = LLM(str(tiny_llama[0]), kv_transfer_config=transfer(blocked, "kv_both"), **COMMON)
+    assert ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    stats = llm.llm_engine.kv_connector.stats()
+    assert stats["blocks_saved"] == 0 and stats["save_failures"] == 11

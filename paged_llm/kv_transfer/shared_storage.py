@@ -16,8 +16,10 @@ pass that reads them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from paged_llm.kv_transfer.config import KVTransferConfig
+
+logger = logging.getLogger(__name__)
 
 KEY_BITS = 128  # of SHA-256; keys >= 2**127, so they never equal a block id in a (key, block) op
 
@@ -71,6 +75,7 @@ class SharedStorageConnector:
         self.num_loaded = 0  # blocks this rank read instead of computing them
         self.bytes_saved = self.bytes_loaded = 0  # file bytes
         self.seconds_saving = self.seconds_loading = 0.0  # wall time inside save / load
+        self.save_failures = 0  # blocks that could not be written (skipped)
 
     @property
     def root(self) -> Path:
@@ -103,21 +108,35 @@ class SharedStorageConnector:
         """Write device block ``block`` of every pool to the file of ``key``, for each (block,
         key) of ``pairs``. ``pools`` names lists of per-layer (K, V) pools ("kv"; "scales" for a
         quantized cache); each list is stored as one [layers, 2, ...] tensor, so a file is one
-        contiguous write and one read."""
+        contiguous write and one read. A block that cannot be written (a full disk, a store
+        that went away) is skipped with a warning: the store lacks it, the step goes on."""
         from safetensors.torch import save_file
 
         start = time.perf_counter()
-        self.root.mkdir(parents=True, exist_ok=True)
         for block, key in pairs:
             path = self._path(key, self.rank)
             tensors = {name: _stack_block(layers, block).cpu()
                        for name, layers in pools.items() if layers}  # fmt: skip
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            save_file(tensors, str(tmp))
-            os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                save_file(tensors, str(tmp))
+                os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+                self.bytes_saved += path.stat().st_size
+            except OSError as err:
+                self._save_failed(tmp, err)
+                continue
             self.num_saved += 1
-            self.bytes_saved += path.stat().st_size
         self.seconds_saving += time.perf_counter() - start
+
+    def _save_failed(self, tmp: Path, err: OSError) -> None:
+        """Count a block that could not be saved, warn on the first, drop its partial file."""
+        self.save_failures += 1
+        if self.save_failures == 1:
+            logger.warning("KV connector: cannot save under %s (%s); blocks that cannot be "
+                           "saved are skipped", self.base, err)  # fmt: skip
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
     def load(self, pools: dict[str, list[tuple[Any, Any]]], pairs: list[tuple[int, int]]) -> None:
         """Fill device block ``block`` of every pool from the file of ``key``, for each (key,
@@ -155,6 +174,7 @@ class SharedStorageConnector:
             "blocks_saved": self.num_saved, "blocks_loaded": self.num_loaded,
             "bytes_saved": self.bytes_saved, "bytes_loaded": self.bytes_loaded,
             "seconds_saving": self.seconds_saving, "seconds_loading": self.seconds_loading,
+            "save_failures": self.save_failures,
         }  # fmt: skip
 
 

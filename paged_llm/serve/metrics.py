@@ -334,6 +334,9 @@ def _engine_counters(g: EngineGauges) -> list[tuple[str, str, float]]:
              "Seconds spent saving KV blocks (inside engine steps).", t["seconds_saving"]),
             ("paged_llm:kv_transfer_load_seconds_total",
              "Seconds spent loading KV blocks (inside engine steps).", t["seconds_loading"]),
+            ("paged_llm:kv_transfer_save_failures_total",
+             "KV blocks that could not be saved (skipped; the step went on).",
+             t["save_failures"]),
         ]  # fmt: skip
     if g.spec_decode is not None:
         s = g.spec_decode
