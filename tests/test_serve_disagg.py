@@ -4,6 +4,7 @@ and gets the tokens an ordinary engine generates, streamed or not, while the dec
 loads the prompts' KV instead of computing it."""
 
 import json
+import socket
 
 import httpx
 import openai
@@ -101,3 +102,15 @@ def test_the_prefill_request_computes_the_prompt_only():
                                   "temperature": 0.7}  # fmt: skip
     with pytest.raises(ValueError, match="at least one prefill"):
         build_app([], ["http://x"])
+
+
+def test_a_server_that_is_down_is_a_502_not_a_crash(servers):
+    prefill, _, _ = servers
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with ServerThread(build_app([prefill.url], [dead])) as proxy:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 502 and "cannot reach" in r.json()["error"]["message"]
+        assert httpx.get(proxy.url + "/health").status_code == 503

@@ -41,6 +41,11 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _error(message: str, kind: str, status: int) -> JSONResponse:
+    """An OpenAI-style error body."""
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+
+
 def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 600.0) -> FastAPI:
     """The proxy's FastAPI app over these servers' base URLs."""
     if not prefill_urls or not decode_urls:
@@ -64,8 +69,14 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 
         except ValueError:
             body = None
         if not isinstance(body, dict):
-            error = {"message": "the body must be a JSON object", "type": "BadRequestError"}
-            return JSONResponse({"error": error}, 400)
+            return _error("the body must be a JSON object", "BadRequestError", 400)
+        try:
+            return await relay(request, path, body)
+        except httpx.RequestError as err:  # a server is down or timed out: say which, a 502
+            return _error(f"cannot reach {err.request.url}: {err!r}", "BadGatewayError", 502)
+
+    async def relay(request: Request, path: str, body: dict[str, Any]) -> Response:
+        """Prefill, then decode; the decode server's answer, streamed if it was asked for."""
         first = await client.post(f"{next(prefill)}{path}", json=prefill_body(body),
                                   headers=headers(request))  # fmt: skip
         if first.status_code != 200:  # the prompt itself was refused: say so, do not decode
@@ -96,7 +107,10 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 
     @app.get("/health")
     async def health() -> Response:
         for url in [*prefill_urls, *decode_urls]:
-            if (await client.get(f"{url}/health")).status_code != 200:
+            try:
+                if (await client.get(f"{url}/health")).status_code != 200:
+                    return Response(status_code=503)
+            except httpx.HTTPError:
                 return Response(status_code=503)
         return Response(status_code=200)
 
