@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_llm.metrics.run_info import run_info, write_json
-from paged_llm.metrics.serving import summary_ms
+from paged_llm.metrics.serving import RequestRecord, latency_summary
 
 DONE = "done"  # the prefill engine's last handoff
 CTX = mp.get_context("spawn")  # fresh interpreters: each sets its own thread count
@@ -210,16 +210,14 @@ def run_processes(targets: list[tuple[Callable, tuple]]) -> tuple[list[dict[str,
 
 def latencies(trace: list[dict[str, Any]], times: dict[str, list[float]], t0: float) -> dict:
     """TTFT, TPOT, ITL and E2EL summaries (ms) from each request's token times."""
-    ttft, tpot, itl, e2el = [], [], [], []
+    records = []
     for r in trace:
-        ts, arrival = times[r["id"]], t0 + r["arrival"]
-        ttft.append(ts[0] - arrival)
-        e2el.append(ts[-1] - arrival)
-        if len(ts) > 1:
-            tpot.append((ts[-1] - ts[0]) / (len(ts) - 1))
-            itl.extend(b - a for a, b in zip(ts, ts[1:]))
-    return {**summary_ms(ttft, "ttft"), **summary_ms(tpot, "tpot"), **summary_ms(itl, "itl"),
-            **summary_ms(e2el, "e2el"), "max_itl_ms": 1000 * max(itl, default=0.0)}  # fmt: skip
+        ts = times[r["id"]]
+        rec = RequestRecord(r["id"], len(r["prompt"]), len(ts), t0 + r["arrival"])
+        rec.first_token_time, rec.finished_time, rec.token_times = ts[0], ts[-1], ts
+        records.append(rec)
+    itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
+    return {**latency_summary(records), "max_itl_ms": 1000 * max(itl, default=0.0)}
 
 
 def describe(m: dict[str, Any]) -> str:

@@ -102,14 +102,6 @@ def serving_metrics(trace: RunTrace) -> dict[str, Any]:
     """vLLM's benchmark_serving metrics plus the paper's normalized latency."""
     done = [r for r in trace.requests if r.finished]
     duration = max((r.finished_time for r in done), default=0.0) or trace.end_time
-    ttft = [r.first_token_time - r.arrival_time for r in done if r.first_token_time is not None]
-    tpot = [
-        (r.finished_time - r.first_token_time) / (r.output_len - 1)
-        for r in done
-        if r.output_len > 1 and r.first_token_time is not None
-    ]
-    itl = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]
-    e2el = [r.e2e_latency for r in done]
     out_tokens = sum(r.output_len for r in done)
     in_tokens = sum(r.input_len for r in done)
     return {
@@ -119,13 +111,25 @@ def serving_metrics(trace: RunTrace) -> dict[str, Any]:
         "request_throughput": len(done) / duration if duration else math.nan,
         "output_throughput": out_tokens / duration if duration else math.nan,
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration else math.nan,
-        **summary_ms(ttft, "ttft"),
-        **summary_ms(tpot, "tpot"),
-        **summary_ms(itl, "itl"),
-        **summary_ms(e2el, "e2el"),
+        **latency_summary(done),
         "normalized_latency": normalized_latency(done),
         "num_preemptions": sum(r.num_preemptions for r in trace.requests),
     }
+
+
+def latency_summary(done: Sequence[RequestRecord]) -> dict[str, float]:
+    """TTFT, TPOT, ITL and E2EL of finished requests (mean / median / p99, ms), as vLLM's
+    benchmark computes them from each request's token times."""
+    ttft = [r.first_token_time - r.arrival_time for r in done if r.first_token_time is not None]
+    tpot = [
+        (r.finished_time - r.first_token_time) / (r.output_len - 1)
+        for r in done
+        if r.output_len > 1 and r.first_token_time is not None
+    ]
+    itl = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]
+    e2el = [r.e2e_latency for r in done]
+    return {**summary_ms(ttft, "ttft"), **summary_ms(tpot, "tpot"), **summary_ms(itl, "itl"),
+            **summary_ms(e2el, "e2el")}  # fmt: skip
 
 
 def normalized_latency(requests: Iterable[RequestRecord]) -> float:

@@ -145,15 +145,17 @@ def simulate(
     order = itertools.count()
     arrival, prompts, handoff_at = {}, {}, {}
     deal = itertools.cycle(front)
+
+    def request(rid: str, out_len: int) -> Request:
+        """The request ``rid`` (its prompt, its arrival) asking for ``out_len`` tokens."""
+        params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+        return Request(rid, prompts[rid], params, max_model_len=settings.max_model_len,
+                       arrival_time=arrival[rid][0])  # fmt: skip
+
     for i, tr in enumerate(sorted(workload.requests, key=lambda r: r.arrival_time)):
         prompts[tr.request_id] = prompt_ids(tr, i, distinct=True)
         arrival[tr.request_id] = (tr.arrival_time, tr.output_len)
-        out_len = tr.output_len if layout == "colocated" else 1
-        params = SamplingParams(max_tokens=out_len, ignore_eos=True)
-        req = Request(
-            tr.request_id, prompts[tr.request_id], params,
-            max_model_len=settings.max_model_len, arrival_time=tr.arrival_time,
-        )  # fmt: skip
+        req = request(tr.request_id, tr.output_len if layout == "colocated" else 1)
         heapq.heappush(next(deal).inbox, (tr.arrival_time, next(order), req))
     decoders = itertools.cycle(back)
     kv_bytes = executor.model.kv_bytes_per_token
@@ -175,10 +177,7 @@ def simulate(
             handoff_at[rid] = (inst.clock, at)
             dec = next(decoders)
             dec.connector.arrive(tokens, bs)
-            t0, out_len = arrival[rid]
-            follow = Request(rid, tokens, SamplingParams(max_tokens=out_len, ignore_eos=True),
-                             max_model_len=settings.max_model_len, arrival_time=t0)  # fmt: skip
-            heapq.heappush(dec.inbox, (at, next(order), follow))
+            heapq.heappush(dec.inbox, (at, next(order), request(rid, arrival[rid][1])))
     ttft, tpot, e2el = [], [], []
     ids = sorted(done, key=lambda rid: arrival[rid][0])
     for rid in ids:

@@ -232,6 +232,7 @@ class PagedKVCacheManager(KVCacheManager):
         # ("ext", key) in the connector's store, or None
         found: list[int | tuple[str, int] | None] = []
         keys: list[tuple[int, ...]] = []  # the looked-up blocks' token ids (up to a miss)
+        ext_keys = self._external_keys(request, len(hashes)) if self._loads_external else []
         for i, h in enumerate(hashes):
             key = tuple(tokens[i * bs : (i + 1) * bs])
             keys.append(key)
@@ -240,8 +241,7 @@ class PagedKVCacheManager(KVCacheManager):
                 cpu = self.offload.find(h, key)
                 hit = None if cpu is None else ("cpu", cpu)
             if hit is None and self._loads_external:
-                ext = self._external_keys(request, i + 1)[i]
-                hit = ("ext", ext) if self.connector.contains(ext) else None
+                hit = ("ext", ext_keys[i]) if self.connector.contains(ext_keys[i]) else None
             found.append(hit)
             if hit is None and self.sliding_window is None:
                 break  # a full-attention prefix needs every block from the start
