@@ -153,8 +153,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     attention_backend: Any = "auto"  # auto | torch | cpu | triton | contiguous | {_target_: ...}
-    # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens": k,
-    # "model": draft checkpoint dir, "prompt_lookup_max": n, ...}; None disables speculation
+    # vLLM's speculative_config: {"method": "ngram" | "draft_model" | "eagle",
+    # "num_speculative_tokens": k, "model": draft or EAGLE head checkpoint dir,
+    # "prompt_lookup_max": n, ...}; None disables speculation
     speculative_config: dict[str, Any] | None = None
     # vLLM's kv_transfer_config: {"kv_connector": "SharedStorageConnector", "kv_role":
     # "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config": {...}} or a

@@ -12,14 +12,15 @@ def test_sweep_writes_speedups_and_formula_gaps(tmp_path):
     from experiments import spec_decode
 
     cfg = dict(
-        target="test-target", draft="test-draft", methods=["draft_model", "ngram"], ks=[1, 3],
+        target="test-target", draft="test-draft", eagle="test-eagle",
+        methods=["draft_model", "eagle", "ngram"], ks=[1, 3],
         batch_sizes=[1, 2], prompt_len=16, max_tokens=12, num_prompts=2, block_size=16, seed=0,
         repeats=1, num_threads=1,
     )  # fmt: skip
     results = spec_decode.run(cfg, tmp_path)
     assert (tmp_path / "spec_decode.json").is_file() and (tmp_path / "spec_decode.png").is_file()
     assert set(results["baseline"]) == {"1", "2"}
-    assert len(results["runs"]) == 2 * 2 * 2
+    assert len(results["runs"]) == 3 * 2 * 2
     for r in results["runs"]:
         assert r["speedup"] > 0 and r["output_tokens_per_s"] > 0
         # at most k + 1 tokens per target step (k accepted drafts + the target's own token)
@@ -27,7 +28,7 @@ def test_sweep_writes_speedups_and_formula_gaps(tmp_path):
         assert 1.0 <= r["predicted_tokens_per_step"] <= r["k"] + 1
     summary = results["summary"]
     assert set(summary["best_speedup"]) == {
-        f"{m}/batch_{b}" for m in ("draft_model", "ngram") for b in (1, 2)
+        f"{m}/batch_{b}" for m in ("draft_model", "eagle", "ngram") for b in (1, 2)
     }
     assert summary["max_formula_gap"] >= 0.0
     assert results["mode"] == "real"

@@ -159,6 +159,27 @@ def test_muon_covers_every_parameter_once_and_trains():
     assert log["loss_curve"][-1] < log["loss_curve"][0] - 1.0
 
 
+@pytest.mark.parametrize("shape", [(48, 24), (24, 48)])
+def test_float32_muon_is_torchs_muon_without_bfloat16(shape):
+    """The same updates as torch.optim.Muon, up to its bfloat16 rounding (tall and wide)."""
+    from paged_llm.recipes.training import Float32Muon
+
+    torch.manual_seed(0)
+    ours = torch.nn.Parameter(torch.randn(shape))
+    theirs = torch.nn.Parameter(ours.detach().clone())
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    opts = [Float32Muon([ours], **kw), torch.optim.Muon([theirs], **kw)]
+    start = ours.detach().clone()
+    for _ in range(3):
+        grad = torch.randn(shape)
+        for p, opt in zip((ours, theirs), opts):
+            p.grad = grad.clone()
+            opt.step()
+    moved = (theirs.detach() - start).abs().max()
+    assert moved > 0.02
+    torch.testing.assert_close(ours.detach(), theirs.detach(), atol=0.02 * float(moved), rtol=0)
+
+
 def test_distill_loss_is_the_kl_from_teacher_to_student():
     from paged_llm.recipes.training import distill_loss
 

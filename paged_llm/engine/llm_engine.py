@@ -156,6 +156,7 @@ class LLMEngine:
         self.reasoning = reasoning_parser(mc.reasoning_parser) if mc.reasoning_parser else None
         self.reasoning_tags = self.reasoning.tag_ids(self.tokenizer) if self.reasoning else None
         if self.drafter is not None:
+            self._check_drafter_fits()
             self.drafter.load(self)
             block_bytes += self.drafter.bytes_per_block(cc.block_size)  # both pools share blocks
         self.spec_stats = SpecDecodeStats()
@@ -198,9 +199,12 @@ class LLMEngine:
         self.scheduler = Scheduler(kv, limits)
         self.runner.initialize_cache(num_blocks, num_cpu_blocks, num_offload_blocks)
         if self.drafter is not None:
-            self.drafter.allocate(num_blocks, cc.block_size)
+            self.drafter.allocate(num_blocks, cc.block_size, num_cpu_blocks=num_cpu_blocks)
             if hasattr(self.drafter, "device_memory"):  # a draft model's weights and KV
                 self.runner.memory_owners.append(self.drafter)
+            if hasattr(self.drafter, "block_pools"):  # pools that move with the target's blocks
+                self.runner.block_companions.append(self.drafter)
+            self.runner.keep_hidden = getattr(self.drafter, "reads_hidden_states", False)
         self.sleep_state = SleepState(enabled=mc.enable_sleep_mode)
         graph_sizes = cuda_graph_sizes(
             self.device, mc.enforce_eager, self.backend, mc.tensor_parallel_size, sc.max_num_seqs,
@@ -272,6 +276,22 @@ class LLMEngine:
             raise ValueError("speculative decoding does not apply to a pooling model")
         config = resolve_pooler_config(self.config.model.pooler_config, model_dir)
         return Pooler(config, classifier_head(self.model, self.hf_config))
+
+    def _check_drafter_fits(self) -> None:
+        """Refuse what a drafter with block-shared pools (an EAGLE head) cannot follow: the
+        CPU tier and KV connectors move the target's pools only, and under tensor parallelism
+        the target's embeddings and LM head, which the head reads, are split across ranks."""
+        if not hasattr(self.drafter, "block_pools"):
+            return
+        name = self.config.speculative_config.get("method", "this")
+        if self.config.model.tensor_parallel_size > 1:
+            raise ValueError(f"speculative method '{name}' needs tensor_parallel_size=1")
+        if self.config.cache.kv_offloading_size:
+            raise ValueError(f"speculative method '{name}' cannot be combined with "
+                             "kv_offloading_size")  # fmt: skip
+        if self.config.kv_transfer_config is not None:
+            raise ValueError(f"speculative method '{name}' cannot be combined with "
+                             "kv_transfer_config")  # fmt: skip
 
     def _build_kv_connector(self, kv_spec: Any) -> Any:
         """kv_transfer_config's connector for this rank, keyed by what makes KV reusable
@@ -609,7 +629,11 @@ class LLMEngine:
         """Schedule, run the model, sample, and return outputs of requests that progressed."""
         out = self.scheduler.schedule(self.clock())
         self._fork_samples(out)
+        if self.runner.block_companions:  # the drafter reads the blocks this step copies or swaps
+            self.runner.apply_block_ops(out.block_ops)
+            out.block_ops = []
         draft_probs = self._propose_drafts(out)
+        starts = {s.request.request_id: s.request.num_computed_tokens for s in out.scheduled}
         results, prompt_lps, pooled = self.runner.execute(out, draft_probs)
         for rid, (first, entries) in prompt_lps.items():
             group = self._seqs[rid][0]  # recomputed after preemption: the same values again
@@ -621,6 +645,8 @@ class LLMEngine:
         for r in results.values():
             self.spec_stats.record(r.num_drafts, r.num_accepted)
         self.scheduler.update_from_output(out, sampled, now)
+        if self.runner.last_hidden is not None:  # an EAGLE head follows the target's features
+            self.drafter.observe(out.scheduled, starts, self.runner.last_hidden)
         if out.stats is not None:
             if len(self.iteration_stats) >= MAX_ITERATION_STATS:
                 del self.iteration_stats[: MAX_ITERATION_STATS // 2]

@@ -3,6 +3,7 @@ Python standard library's own source with one shared BPE tokenizer (nothing is d
 
     python -m paged_llm.models.trained              # target + draft: ~15 minutes on 2 cores
     python -m paged_llm.models.trained test-target  # the fast variants the tests use
+    python -m paged_llm.models.trained eagle        # the target's EAGLE head (models/eagle.py)
 
 :func:`trained_model_dir` returns an ordinary Hugging Face checkpoint directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json, plus training.json with the recipe,
@@ -105,13 +106,58 @@ RECIPES: dict[str, Recipe] = {
 DRAFT_FOR = {"target": "draft", "test-target": "test-draft"}
 
 
-def recipe(name: str) -> Recipe:
+@dataclass(frozen=True)
+class EagleRecipe:
+    """An EAGLE head (paged_llm/recipes/eagle.py) trained on a built-in target's features."""
+
+    teacher: str
+    train: TrainSpec
+    noise: float = 0.1  # uniform noise on the input features, as EAGLE
+    threads: int = 2
+
+    @property
+    def corpus(self) -> CorpusSpec:
+        """The teacher's corpus (and tokenizer)."""
+        return recipe(self.teacher).corpus
+
+    def key(self) -> str:
+        """Hash of the recipe, the code version and the teacher's key."""
+        fields = {k: v for k, v in asdict(self).items() if k != "threads"}
+        blob = json.dumps([RECIPE_VERSION, "eagle", fields, recipe(self.teacher).key()],
+                          sort_keys=True)  # fmt: skip
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# EAGLE heads of the targets: one decoder layer of the target's shape (distilled, KL weight 1).
+EAGLE_RECIPES: dict[str, EagleRecipe] = {
+    "eagle": EagleRecipe(
+        "target",
+        TrainSpec(
+            steps=400,
+            batch_size=4,
+            seq_len=256,
+            lr=3e-3,
+            warmup_steps=30,
+            optimizer="muon",
+            distill=1.0,
+        ),
+    ),  # fmt: skip
+    "test-eagle": EagleRecipe(
+        "test-target",
+        TrainSpec(steps=200, batch_size=8, seq_len=64, lr=3e-3, eval_windows=32, distill=1.0),
+        threads=1,
+    ),
+}
+EAGLE_FOR = {"target": "eagle", "test-target": "test-eagle"}
+
+
+def recipe(name: str) -> Recipe | EagleRecipe:
     """The recipe of built-in model ``name``."""
     try:
-        return RECIPES[name]
+        return RECIPES[name] if name in RECIPES else EAGLE_RECIPES[name]
     except KeyError:
         raise ValueError(
-            f"unknown built-in model '{name}'; choose one of {list(RECIPES)}"
+            f"unknown built-in model '{name}'; choose one of {[*RECIPES, *EAGLE_RECIPES]}"
         ) from None
 
 
@@ -149,12 +195,35 @@ def _build_model(name: str, r: Recipe, out_dir: Path) -> None:
     (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
+def _build_eagle(name: str, r: EagleRecipe, out_dir: Path) -> None:
+    """Train EAGLE head ``name`` on its target's features; save it with the tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    from paged_llm.models.eagle import head_config, save_eagle_head
+    from paged_llm.recipes.eagle import train_eagle_head
+
+    data = corpus_dir(r.corpus)
+    train, heldout = np.load(data / "train.npy"), np.load(data / "heldout.npy")
+    target = LlamaForCausalLM.from_pretrained(str(trained_model_dir(r.teacher)))
+    config = head_config(target.config)
+    head, log = train_eagle_head(
+        config, target, train, heldout, r.train, r.noise, f"training {name}", r.threads
+    )
+    save_eagle_head(dict(head.named_parameters()), config, out_dir)
+    for f in TOKENIZER_FILES:
+        if (data / f).is_file():
+            shutil.copy(data / f, out_dir / f)
+    info = {"name": name, "recipe_key": r.key(), "recipe": asdict(r), **log}
+    (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
 def trained_model_dir(name: str = "target") -> Path:
-    """Checkpoint directory of built-in model ``name`` ("target", "draft", "test-target",
-    "test-draft"), trained on first use and cached."""
+    """Checkpoint directory of built-in model ``name`` ("target", "draft", "eagle" and their
+    "test-" variants), trained on first use and cached."""
     r = recipe(name)
     final = cache_root() / "trained" / f"{name}-{r.key()}"
-    return cached_dir(final, lambda tmp: _build_model(name, r, tmp))
+    build = _build_eagle if isinstance(r, EagleRecipe) else _build_model
+    return cached_dir(final, lambda tmp: build(name, r, tmp))
 
 
 def training_info(name: str) -> dict:
@@ -167,11 +236,12 @@ def cli_names(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # Names are checked here, not with `choices`: argparse (3.11) checks an empty or default
     # list against `choices` as one value and rejects running with no names.
-    parser.add_argument("names", nargs="*", help=f"any of {', '.join(RECIPES)}")
+    known = [*RECIPES, *EAGLE_RECIPES]
+    parser.add_argument("names", nargs="*", help=f"any of {', '.join(known)}")
     names = parser.parse_args(argv).names or ["target", "draft"]
-    unknown = [n for n in names if n not in RECIPES]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        parser.error(f"unknown built-in model(s) {unknown}; choose from {list(RECIPES)}")
+        parser.error(f"unknown built-in model(s) {unknown}; choose from {known}")
     return names
 
 
@@ -180,9 +250,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in cli_names(argv):
         path = trained_model_dir(name)
         info = training_info(name)
+        if "heldout_perplexity" in info:
+            quality = f"held-out perplexity {info['heldout_perplexity']:.2f}"
+        else:  # an EAGLE head
+            agree = info["heldout_teacher_top1_agreement"]
+            quality = f"agrees with the target's next token at {agree:.1%}"
         print(
-            f"{name}: {path}\n  {info['parameters'] / 1e6:.2f}M parameters, "
-            f"held-out perplexity {info['heldout_perplexity']:.2f}, "
+            f"{name}: {path}\n  {info['parameters'] / 1e6:.2f}M parameters, {quality}, "
             f"trained in {info['train_seconds']:.0f} s on {info['tokens_seen']} tokens"
         )
 

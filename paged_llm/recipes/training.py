@@ -150,6 +150,61 @@ def param_groups(params: Iterable[torch.Tensor], weight_decay: float) -> list[di
     ]
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 / AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def orthogonalize(
+    update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:  # [A, B] -> [A, B]
+    """Muon's quintic Newton-Schulz iteration towards U V^T of ``update`` = U S V^T, in float32."""
+    a, b, c = coefficients
+    x = update.float()
+    tall = x.shape[0] > x.shape[1]
+    if tall:  # iterate on the smaller Gram matrix
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.T if tall else x).to(update.dtype)
+
+
+class Float32Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` with its Newton-Schulz iterations in float32 instead of bfloat16.
+
+    A CPU without native bfloat16 emulates bf16 matmuls about 60x slower than float32 ones
+    (0.8 against 49 GFLOP/s on a 2-core AMD EPYC without AVX512-BF16): torch's Muon made a step
+    of the built-in target take 75 s instead of about 2 s there. Same algorithm and settings.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One Muon update of every parameter with a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"],
+                                       group["eps"])  # fmt: skip
+                a, b = p.shape[:2]
+                ratio = {"match_rms_adamw": 0.2 * math.sqrt(max(a, b)),
+                         None: math.sqrt(max(1, a / b)), "original": math.sqrt(max(1, a / b))
+                         }.get(group["adjust_lr_fn"], 1.0)  # fmt: skip
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * ratio)
+        return loss
+
+
 def make_optimizers(model: torch.nn.Module, spec: TrainSpec) -> list[torch.optim.Optimizer]:
     """The optimizers of ``spec.optimizer`` over the model's parameters (each parameter once)."""
     adamw = dict(lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -165,7 +220,8 @@ def make_optimizers(model: torch.nn.Module, spec: TrainSpec) -> list[torch.optim
         is_matrix = p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name
         (hidden if is_matrix else other).append(p)
     # match_rms_adamw scales Muon's update to AdamW's RMS, so one lr (and schedule) serves both.
-    muon = torch.optim.Muon(
+    muon_cls = torch.optim.Muon if native_bf16() else Float32Muon
+    muon = muon_cls(
         hidden, lr=spec.lr, weight_decay=spec.weight_decay, adjust_lr_fn="match_rms_adamw"
     )
     return [muon, torch.optim.AdamW(param_groups(other, spec.weight_decay), **adamw)]

@@ -59,15 +59,19 @@ def allocate_kv_scales(
     return [(k[..., 0], v[..., 0]) for k, v in pools]
 
 
-def move_blocks(src: KVCaches, dst: KVCaches, mapping: list[tuple[int, int]]) -> None:
-    """Copy block src_id of every layer's pools in ``src`` to block dst_id in ``dst``."""
+def move_blocks(
+    src: list[tuple[torch.Tensor, ...]], dst: list[tuple[torch.Tensor, ...]],
+    mapping: list[tuple[int, int]],
+) -> None:  # fmt: skip
+    """Copy block src_id of every pool in ``src`` (per layer (k, v), or any tuple of tensors
+    indexed by block first) to block dst_id of the matching pool in ``dst``."""
     if not mapping:
         return
     src_ids = torch.tensor([s for s, _ in mapping], dtype=torch.long)
     dst_ids = torch.tensor([d for _, d in mapping], dtype=torch.long)
-    for (src_k, src_v), (dst_k, dst_v) in zip(src, dst):
-        s_idx = src_ids.to(src_k.device)
-        d_idx = dst_ids.to(dst_k.device)
-        # Indexed assignment rather than index_copy_, which has no float8 (fp8 cache) kernel.
-        dst_k[d_idx] = src_k.index_select(0, s_idx).to(dst_k.device)
-        dst_v[d_idx] = src_v.index_select(0, s_idx).to(dst_v.device)
+    # (an offload tier's list is shorter: it carries no companions' pools)
+    for src_group, dst_group in zip(src, dst):
+        for src_t, dst_t in zip(src_group, dst_group, strict=True):
+            rows = src_t.index_select(0, src_ids.to(src_t.device)).to(dst_t.device)
+            # Indexed assignment rather than index_copy_, which has no float8 (fp8 cache) kernel.
+            dst_t[dst_ids.to(dst_t.device)] = rows

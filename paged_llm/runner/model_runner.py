@@ -218,13 +218,23 @@ class ModelRunner:
         self.offload_scales: KVCaches = []
         # kv_transfer_config's connector (its worker side: load, save), set by the engine
         self.kv_connector: Any = None
-        # Scale pools share the caches' slots, so every block op moves them alongside.
-        device = lambda: self.kv_caches + self.kv_scales
-        cpu = lambda: self.cpu_caches + self.cpu_scales
+        # Pools of other owners that share the block ids (an EAGLE head's): ``block_pools(where)``
+        self.block_companions: list[Any] = []
+        # Whether _run keeps each forward's final hidden states [T, H] in ``last_hidden`` (an
+        # EAGLE drafter reads the target's features from them).
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
+        # Scale pools and companions' pools share the caches' slots, so every block op moves
+        # them alongside (the offload tier and KV connectors carry the caches and scales only).
+        device = lambda: self.kv_caches + self.kv_scales + self._companion_pools("device")
+        cpu = lambda: self.cpu_caches + self.cpu_scales + self._companion_pools("cpu")
         offload = lambda: self.offload_caches + self.offload_scales
         self._block_op_caches = {"copy": (device, device), "swap_out": (device, cpu),
                                  "swap_in": (cpu, device), "offload": (device, offload),
                                  "onload": (offload, device)}  # fmt: skip
+
+    def _companion_pools(self, where: str) -> list[tuple[torch.Tensor, ...]]:
+        return [pool for c in self.block_companions for pool in c.block_pools(where)]
 
     def block_bytes(self) -> int:
         """Bytes of one block of this rank's KV pools (all layers, K and V, scales)."""
@@ -331,19 +341,27 @@ class ModelRunner:
         then of its prompt-logprob rows (None without either), and the final hidden states of
         its pooling rows (None without any). Tensor-parallel ranks all call this with the same
         arguments; only rank 0's logits cover the whole vocabulary."""
+        saves = self.apply_block_ops(block_ops)
+        outputs = self._run(batch)
+        if saves:
+            self.kv_connector.save(self._transfer_pools(), saves)
+        return outputs
+
+    def apply_block_ops(
+        self, block_ops: list[tuple[str, list[tuple[int, int]]]]
+    ) -> list[tuple[int, int]]:
+        """Copy, swap, offload and load blocks in decision order (a block may be reused within
+        a step); return the KV connector's saves, which wait until the forward has run."""
         saves = []
-        for kind, pairs in block_ops:  # in decision order: a block may be reused in a step
-            if kind == "kv_save":  # logged last; the forward below writes these blocks
+        for kind, pairs in block_ops:
+            if kind == "kv_save":  # logged last; the forward writes these blocks
                 saves.extend(pairs)
             elif kind == "kv_load":
                 self.kv_connector.load(self._transfer_pools(), pairs)
             else:
                 src, dst = self._block_op_caches[kind]
                 move_blocks(src(), dst(), pairs)
-        outputs = self._run(batch)
-        if saves:
-            self.kv_connector.save(self._transfer_pools(), saves)
-        return outputs
+        return saves
 
     def _transfer_pools(self) -> dict[str, KVCaches]:
         """What a KV connector moves per block: the caches and, if quantized, their scales."""
@@ -352,6 +370,7 @@ class ModelRunner:
     def _run(self, batch: HostBatch | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The forward pass of ``run_batch``: logits of sample and prompt-logprob rows, hidden
         states of pooling rows."""
+        self.last_hidden = None
         if batch is None:
             return None, None
         if self.cuda_graphs is not None and self.cuda_graphs.can_replay(batch):
@@ -370,6 +389,8 @@ class ModelRunner:
             finally:
                 if self.lora is not None:
                     self.lora.deactivate()
+        if self.keep_hidden:
+            self.last_hidden = hidden
         pooled = None
         if batch.pool_spans:
             pool_rows = [

@@ -50,8 +50,9 @@ class DraftModelDrafter:
         """Draft KV bytes that each block of the shared pool costs."""
         return kv_bytes_per_block(*self.shape, block_size, self.dtype)
 
-    def allocate(self, num_blocks: int, block_size: int) -> None:
-        """The draft's KV pool, block for block beside the target's."""
+    def allocate(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+        """The draft's KV pool, block for block beside the target's (no swap space: after a
+        preemption the draft recomputes its KV from the tokens)."""
         self.block_size = block_size
         layers, heads, dim = self.shape
         self.kv_caches = allocate_kv_caches(
@@ -90,7 +91,7 @@ class DraftModelDrafter:
             logits = self._forward([feeds[i] for i in live], [starts[i] for i in live],
                                    [entries[i].block_table for i in live])  # fmt: skip
             for row, i in enumerate(live):
-                tok, q = self._choose(logits[row], reqs[i], drafts[i], sampler)
+                tok, q = choose_draft_token(logits[row], reqs[i], drafts[i], sampler)
                 drafts[i].append(tok)
                 probs[i].append(q)
                 starts[i] += len(feeds[i])
@@ -123,22 +124,22 @@ class DraftModelDrafter:
             back[i] = pos_in_batch
         return logits[back]
 
-    @staticmethod
-    def _choose(
-        logits: torch.Tensor,  # [V]
-        request: Any,
-        drafted: list[int],  # this step's drafts so far
-        sampler: Any,
-    ) -> tuple[int, torch.Tensor | None]:
-        """Greedy target: the draft's argmax. Sampling: a draw from the draft's q, kept for the
-        acceptance test min(1, p/q). The request's penalties and bias shape the draft's logits
-        as they will the target's, so drafts follow what the target is asked to produce."""
-        params = request.sampling_params
-        logits = process_request_rows(
-            logits[None].float(), request, [request.output_token_ids + drafted]
-        )[0]
-        if params.greedy:
-            return int(logits.argmax()), None
-        q = sampler.probs(logits[None], params)[0]
-        gen = sampler._generator(request.request_id, params)
-        return int(torch.multinomial(q, 1, generator=gen)), q
+
+def choose_draft_token(
+    logits: torch.Tensor,  # [V]
+    request: Any,
+    drafted: list[int],  # this step's drafts so far
+    sampler: Any,
+) -> tuple[int, torch.Tensor | None]:
+    """Greedy target: the draft's argmax. Sampling: a draw from the draft's q, kept for the
+    acceptance test min(1, p/q). The request's penalties and bias shape the draft's logits
+    as they will the target's, so drafts follow what the target is asked to produce."""
+    params = request.sampling_params
+    logits = process_request_rows(
+        logits[None].float(), request, [request.output_token_ids + drafted]
+    )[0]
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = sampler.probs(logits[None], params)[0]
+    gen = sampler._generator(request.request_id, params)
+    return int(torch.multinomial(q, 1, generator=gen)), q

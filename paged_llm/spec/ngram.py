@@ -41,7 +41,7 @@ class NgramDrafter:
         """No KV of its own."""
         return 0
 
-    def allocate(self, num_blocks: int, block_size: int) -> None:
+    def allocate(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         """No KV of its own."""
 
     def forget(self, request_id: str) -> None:

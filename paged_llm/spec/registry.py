@@ -9,6 +9,7 @@ from paged_llm.utils.registry import build
 SPEC_METHODS = {
     "ngram": "paged_llm.spec.ngram.NgramDrafter",
     "draft_model": "paged_llm.spec.draft_model.DraftModelDrafter",
+    "eagle": "paged_llm.spec.eagle.EagleDrafter",
 }
 
 

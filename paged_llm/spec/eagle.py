@@ -1,0 +1,203 @@
+"""Drafting with an EAGLE head (``models/eagle.py``): one decoder layer over the target's features.
+
+The head's KV (one layer) and the target's feature at every position live in pools with the
+target's block ids and move with its blocks (copy-on-write, swap), so the target's KV manager
+allocates, shares and frees them at once. Invariant: at every position the target has computed,
+the pools hold the target's feature and the head's KV of the true pair. Both depend on x_0..x_j
+only, so blocks found by prefix caching or shared by a fork hold valid values too, and the
+drafter keeps no per-request state at all.
+
+Each step has two parts:
+
+- ``observe`` (after the target's forward and the scheduler's update): the target computed
+  positions [a, b) of each request; its features f_a..f_{b-1} come back from the runner. The
+  drafter stores them and writes the head's KV for positions [a, b) from the pairs
+  (x_j, f_{j-1}), f_{a-1} read from the pool, so the invariant holds after every step whether
+  or not the request drafts next.
+- ``propose`` (before the next forward): from (x_b, f_{b-1}), b the request's computed tokens,
+  the head predicts f_b, the target's
+  LM head turns it into draft d_1, and (d_1, predicted f_b) gives d_2, and so on, k times. The
+  KV written for drafts is overwritten by the next ``observe``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from paged_llm.attention.metadata import build_attention_metadata
+from paged_llm.layers.attention import ForwardContext
+from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
+from paged_llm.runner.model_runner import order_for_backend
+from paged_llm.runner.sleep import RankMemory
+from paged_llm.spec.draft_model import choose_draft_token
+
+
+class EagleDrafter:
+    """Proposes k tokens per sequence with an EAGLE head on the target's features."""
+
+    uses_probs = True
+    reads_hidden_states = True  # the runner keeps each forward's final hidden states for it
+
+    def __init__(self, num_speculative_tokens: int, model: str, **_: Any) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        self.k = num_speculative_tokens
+        self.model_path = model
+
+    def load(self, engine: Any) -> None:
+        """Load the head on the target's device; it reads the target's embeddings and LM head."""
+        from paged_llm.engine.loading import checkpoint_path
+        from paged_llm.models.eagle import load_eagle_head
+        from paged_llm.models.loader import kv_cache_shape_info
+
+        self.head, cfg = load_eagle_head(checkpoint_path(self.model_path), engine.dtype,
+                                         engine.device)  # fmt: skip
+        target = engine.hf_config
+        if cfg.hidden_size != target.hidden_size or cfg.vocab_size != engine.vocab_size:
+            raise ValueError(
+                f"EAGLE head (hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) does not "
+                f"fit the target (hidden {target.hidden_size}, vocabulary {engine.vocab_size})"
+            )
+        self.target = engine.model
+        self.embed = engine.model.get_input_embeddings()
+        _, self.num_kv_heads, self.head_dim = kv_cache_shape_info(cfg)
+        self.hidden = cfg.hidden_size
+        self.device, self.dtype, self.backend = engine.device, engine.dtype, engine.backend
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Head KV plus the target's feature per slot, for each block of the shared pool."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        kv = kv_bytes_per_block(1, self.num_kv_heads, self.head_dim, block_size, self.dtype)
+        return kv + block_size * self.hidden * elem
+
+    def allocate(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+        """The head's pools, block for block beside the target's (and its swap space)."""
+        self.block_size = block_size
+        self.kv_caches, self.features = self._pools(num_blocks, self.device)
+        self.cpu_caches, self.cpu_features = self._pools(num_cpu_blocks, "cpu")
+
+    def _pools(self, num_blocks: int, device: Any) -> tuple[KVCaches, torch.Tensor]:
+        pin = str(device) == "cpu" and self.device.type == "cuda"
+        kv = allocate_kv_caches(1, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                                self.dtype, device, pin)  # fmt: skip
+        shape = (num_blocks, self.block_size, self.hidden)  # the target's feature per slot
+        feats = torch.zeros(shape, dtype=self.dtype, device=device)
+        return kv, feats.pin_memory() if pin else feats
+
+    def block_pools(self, where: str) -> list[tuple[torch.Tensor, ...]]:
+        """What the runner's block moves carry along: "device" or "cpu" (swap) pools."""
+        if where == "device":
+            return [*self.kv_caches, (self.features,)]
+        return [*self.cpu_caches, (self.cpu_features,)]
+
+    def device_memory(self) -> RankMemory:
+        """For sleep mode: the head's weights (load_weights never writes them) and its pools."""
+        weights = [*self.head.parameters(), *self.head.buffers()]
+        pools = [t for group in self.block_pools("device") for t in group]
+        return RankMemory([], weights, pools)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing to drop: all the head needs lives in the request's blocks."""
+
+    # ---- after the target's forward -----------------------------------------------------------
+    @torch.inference_mode()
+    def observe(
+        self,
+        scheduled: list[Any],
+        starts: dict[str, int],  # request -> its first position in this step
+        hidden: torch.Tensor,  # [T, H] the target's final hidden states, in the runner's order
+    ) -> None:
+        """Store the target's new features and write the head's KV at the same positions."""
+        spans = []  # (entry, a, b, rows [b - a, H]) per request with newly computed positions
+        row = 0
+        for s in order_for_backend(scheduled):  # the row order of the runner's flat batch
+            req, n = s.request, s.num_new_tokens
+            a = starts[req.request_id]
+            b = min(a + n, req.num_computed_tokens)  # drafts past the rollback point are gone
+            if b > a and not req.is_pooling:
+                spans.append((s, a, b, hidden[row : row + b - a]))
+            row += n
+        for s, a, _, rows in spans:
+            self._store_features(s.block_table, a, rows)
+        ids, feats, positions, q_lens, seq_lens, tables = [], [], [], [], [], []
+        for s, a, b, rows in spans:
+            prev = self.feature_at(s.block_table, a - 1) if a else rows.new_zeros(self.hidden)
+            feats.append(torch.cat([prev[None].to(rows.dtype), rows[:-1]]))
+            ids.extend(s.request.all_token_ids[a:b])
+            positions.extend(range(a, b))
+            q_lens.append(b - a)
+            seq_lens.append(b)
+            tables.append(s.block_table)
+        if q_lens:
+            self._run(ids, torch.cat(feats), positions, q_lens, seq_lens, tables)
+
+    def feature_at(self, table: list[int], position: int) -> torch.Tensor:  # [H]
+        """The target's stored feature at ``position`` of a sequence with this block table."""
+        bs = self.block_size
+        return self.features[table[position // bs], position % bs]
+
+    def _store_features(self, table: list[int], start: int, rows: torch.Tensor) -> None:
+        """Write features of positions start.. into the slots of ``table``."""
+        bs = self.block_size
+        pos = torch.arange(start, start + rows.shape[0])
+        blocks = torch.tensor(table, dtype=torch.long)[pos // bs].to(self.features.device)
+        self.features[blocks, (pos % bs).to(self.features.device)] = rows.to(self.dtype)
+
+    def _run(
+        self,
+        ids: list[int],
+        features: torch.Tensor,  # [T, H]
+        positions: list[int],
+        q_lens: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+    ) -> torch.Tensor:  # [T, H]
+        """One head forward over the flat batch (decodes first, as the metadata requires)."""
+        order = sorted(range(len(q_lens)), key=lambda i: q_lens[i] != 1)
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        rows = [r for i in order for r in range(starts[i], starts[i + 1])]
+        meta = build_attention_metadata([q_lens[i] for i in order], [seq_lens[i] for i in order],
+                                        [tables[i] for i in order], self.block_size,
+                                        self.device)  # fmt: skip
+        rows_t = torch.tensor(rows, device=self.device)
+        ids_t = torch.tensor(ids, device=self.device)[rows_t]
+        pos_t = torch.tensor(positions, device=self.device)[rows_t]
+        out = self.head(self.embed(ids_t), features[rows_t], pos_t,
+                        ForwardContext(meta, self.backend, self.kv_caches))  # fmt: skip
+        back = torch.empty_like(rows_t)
+        back[rows_t] = torch.arange(len(rows), device=self.device)
+        return out[back]
+
+    # ---- before the next forward --------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(
+        self, entries: list[Any], sampler: Any
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Draft up to each entry's lookahead tokens; return drafts and their distributions."""
+        # a request's head cache is always up to its computed tokens (see observe)
+        live = [s for s in entries if s.request.num_computed_tokens > 0]
+        drafts: dict[str, list[int]] = {s.request.request_id: [] for s in entries}
+        probs: dict[str, list[torch.Tensor]] = {}
+        starts = [s.request.num_computed_tokens for s in live]
+        tokens = [s.request.all_token_ids[b] for s, b in zip(live, starts)]
+        feats = [self.feature_at(s.block_table, b - 1) for s, b in zip(live, starts)]
+        for step in range(max((s.num_lookahead for s in live), default=0)):
+            idx = [i for i, s in enumerate(live) if step < s.num_lookahead]
+            pos = [starts[i] + step for i in idx]
+            out = self._run([tokens[i] for i in idx], torch.stack([feats[i] for i in idx]), pos,
+                            [1] * len(idx), [p + 1 for p in pos],
+                            [live[i].block_table for i in idx])  # fmt: skip
+            logits = self.target.compute_logits(out)
+            for row, i in enumerate(idx):
+                s = live[i]
+                rid = s.request.request_id
+                tok, q = choose_draft_token(logits[row], s.request, drafts[rid], sampler)
+                drafts[rid].append(tok)
+                if q is not None:
+                    probs.setdefault(rid, []).append(q)
+                tokens[i], feats[i] = tok, out[row]
+        return drafts, {rid: torch.stack(p) for rid, p in probs.items()}
