@@ -180,6 +180,17 @@ def test_float32_muon_is_torchs_muon_without_bfloat16(shape):
     torch.testing.assert_close(ours.detach(), theirs.detach(), atol=0.02 * float(moved), rtol=0)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_muon_is_torchs_where_bfloat16_is_native(monkeypatch, native):
+    from paged_llm.recipes import training
+
+    monkeypatch.setattr(training, "native_bf16", lambda: native)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    spec = training.TrainSpec(steps=1, batch_size=1, seq_len=8, optimizer="muon")
+    muon, _ = training.make_optimizers(model, spec)
+    assert type(muon) is (torch.optim.Muon if native else training.Float32Muon)
+
+
 def test_distill_loss_is_the_kl_from_teacher_to_student():
     from paged_llm.recipes.training import distill_loss
 

@@ -1,7 +1,7 @@
 """Built-in trained models: a small Llama target and a much smaller draft, trained on the
 Python standard library's own source with one shared BPE tokenizer (nothing is downloaded).
 
-    python -m paged_llm.models.trained              # target + draft: ~15 minutes on 2 cores
+    python -m paged_llm.models.trained              # target + draft: 15-45 minutes on 2 cores
     python -m paged_llm.models.trained test-target  # the fast variants the tests use
     python -m paged_llm.models.trained eagle        # the target's EAGLE head (models/eagle.py)
 
@@ -188,6 +188,13 @@ def _build_model(name: str, r: Recipe, out_dir: Path) -> None:
         config, train, heldout, r.train, f"training {name}", r.threads, teacher
     )
     model.save_pretrained(str(out_dir))
+    _add_tokenizer_and_log(out_dir, data, name, r, log)
+
+
+def _add_tokenizer_and_log(
+    out_dir: Path, data: Path, name: str, r: Recipe | EagleRecipe, log: dict
+) -> None:
+    """Copy the corpus's tokenizer files next to a saved model and write its training.json."""
     for f in TOKENIZER_FILES:
         if (data / f).is_file():
             shutil.copy(data / f, out_dir / f)
@@ -210,11 +217,7 @@ def _build_eagle(name: str, r: EagleRecipe, out_dir: Path) -> None:
         config, target, train, heldout, r.train, r.noise, f"training {name}", r.threads
     )
     save_eagle_head(dict(head.named_parameters()), config, out_dir)
-    for f in TOKENIZER_FILES:
-        if (data / f).is_file():
-            shutil.copy(data / f, out_dir / f)
-    info = {"name": name, "recipe_key": r.key(), "recipe": asdict(r), **log}
-    (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    _add_tokenizer_and_log(out_dir, data, name, r, log)
 
 
 def trained_model_dir(name: str = "target") -> Path:

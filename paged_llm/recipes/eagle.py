@@ -11,7 +11,6 @@ predictions when it drafts several tokens from them.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -21,9 +20,7 @@ from torch import nn
 from paged_llm.recipes.training import (
     TrainSpec,
     eval_windows,
-    lr_at,
-    make_optimizers,
-    random_windows,
+    optimise,
     torch_threads,
     train_threads,
 )
@@ -106,34 +103,14 @@ def train_eagle_head(
     threads: int = 2,
 ) -> tuple[EagleHeadReference, dict[str, Any]]:
     """Train a head on frozen ``target``'s features; return (head, training log)."""
-    from tqdm.auto import tqdm
-
     threads = train_threads(threads)
     target.eval().requires_grad_(False)
     with torch_threads(threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         head = EagleHeadReference(config).train()
         gen = torch.Generator().manual_seed(spec.seed + 1)
-        optimizers = make_optimizers(head, spec)
-        losses: list[float] = []
-        start = time.perf_counter()
-        bar = tqdm(range(spec.steps), desc=desc, mininterval=2.0)
-        for step in bar:
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(step, spec)
-            batch = random_windows(train_tokens, spec.batch_size, spec.seq_len, gen)
-            loss, _ = head_loss(head, target, batch, spec.distill, noise, gen)
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), spec.grad_clip)
-            for opt in optimizers:
-                opt.step()
-            losses.append(loss.item())
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-        bar.close()
-        train_s = time.perf_counter() - start
+        loss_of = lambda batch: head_loss(head, target, batch, spec.distill, noise, gen)[0]
+        losses, train_s = optimise(head, spec, train_tokens, gen, loss_of, desc)
         head.eval()
         heldout = eval_windows(heldout_tokens, spec.seq_len, spec.eval_windows)
         with torch.no_grad():

@@ -260,6 +260,39 @@ def top1_agreement(model: Any, teacher: Any, windows: torch.Tensor, batch_size: 
     return same / count
 
 
+def optimise(
+    model: torch.nn.Module,
+    spec: TrainSpec,
+    tokens: np.ndarray,
+    gen: torch.Generator,
+    loss_of: Any,  # [batch, seq_len] windows -> scalar loss
+    desc: str,
+) -> tuple[list[float], float]:
+    """``spec.steps`` optimizer steps on random windows of ``tokens`` (learning-rate schedule,
+    gradient clipping, a progress bar); return the losses and the seconds it took."""
+    from tqdm.auto import tqdm
+
+    optimizers = make_optimizers(model, spec)
+    losses: list[float] = []
+    start = time.perf_counter()
+    bar = tqdm(range(spec.steps), desc=desc, mininterval=2.0)
+    for step in bar:
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, spec)
+        loss = loss_of(random_windows(tokens, spec.batch_size, spec.seq_len, gen))
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+        for opt in optimizers:
+            opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    bar.close()
+    return losses, time.perf_counter() - start
+
+
 def train_llama(
     config: Any,
     train_tokens: np.ndarray,
@@ -271,7 +304,6 @@ def train_llama(
 ) -> tuple[Any, dict[str, Any]]:
     """Train a transformers LlamaForCausalLM from scratch (imitating ``teacher``, a causal LM
     on the same tokenizer, with weight ``spec.distill``); return (model, training log)."""
-    from tqdm.auto import tqdm
     from transformers import LlamaForCausalLM
 
     threads = train_threads(threads)
@@ -280,15 +312,8 @@ def train_llama(
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config).train()
         gen = torch.Generator().manual_seed(spec.seed + 1)
-        optimizers = make_optimizers(model, spec)
-        losses: list[float] = []
-        start = time.perf_counter()
-        bar = tqdm(range(spec.steps), desc=desc, mininterval=2.0)
-        for step in bar:
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(step, spec)
-            batch = random_windows(train_tokens, spec.batch_size, spec.seq_len, gen)
+
+        def loss_of(batch: torch.Tensor) -> torch.Tensor:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 out = model(input_ids=batch, labels=batch)  # HF shifts the labels itself
                 loss = out.loss
@@ -297,16 +322,9 @@ def train_llama(
                         target_logits = teacher(input_ids=batch).logits
                     kl = distill_loss(out.logits, target_logits)
                     loss = (1 - spec.distill) * loss + spec.distill * kl
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-            for opt in optimizers:
-                opt.step()
-            losses.append(loss.item())
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-        bar.close()
-        train_s = time.perf_counter() - start
+            return loss
+
+        losses, train_s = optimise(model, spec, train_tokens, gen, loss_of, desc)
         heldout = eval_windows(heldout_tokens, spec.seq_len, spec.eval_windows)
         ppl = hf_perplexity(model, heldout)
         agreement = None if teacher is None else top1_agreement(model, teacher, heldout)

@@ -15,9 +15,9 @@ Each step has two parts:
   (x_j, f_{j-1}), f_{a-1} read from the pool, so the invariant holds after every step whether
   or not the request drafts next.
 - ``propose`` (before the next forward): from (x_b, f_{b-1}), b the request's computed tokens,
-  the head predicts f_b, the target's
-  LM head turns it into draft d_1, and (d_1, predicted f_b) gives d_2, and so on, k times. The
-  KV written for drafts is overwritten by the next ``observe``.
+  the head predicts f_b, the target's LM head turns it into draft d_1, and (d_1, predicted f_b)
+  gives d_2, and so on, k times. The KV written for drafts is overwritten by the next
+  ``observe``.
 """
 
 from __future__ import annotations
