@@ -37,7 +37,12 @@ class OneDnnLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # oneDNN CPU kernels (fp16 lacks them on most)
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes oneDNN's linear runs on this CPU: float32, and bfloat16 only where the CPU
+    has it natively (elsewhere oneDNN has no bf16 primitive and the op raises). fp16 lacks
+    kernels on most CPUs."""
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (torch.float32, torch.bfloat16) if native_bf16 else (torch.float32,)
 
 
 def use_onednn_linears(model: nn.Module, min_rows: int | None) -> int:
@@ -45,11 +50,11 @@ def use_onednn_linears(model: nn.Module, min_rows: int | None) -> int:
     parameters; ``min_rows`` None leaves the model alone); return how many were switched."""
     if min_rows is None or not onednn_available():
         return 0
-    switched = 0
+    switched, dtypes = 0, onednn_dtypes()
     for module in model.modules():
         if type(module) is not nn.Linear:  # subclasses (tensor parallel, quantized) keep theirs
             continue
-        if module.weight.device.type == "cpu" and module.weight.dtype in ONEDNN_DTYPES:
+        if module.weight.device.type == "cpu" and module.weight.dtype in dtypes:
             # Changing the class in place keeps parameters, tied weights and names intact.
             module.__class__ = OneDnnLinear
             module.min_rows = min_rows
