@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_llm.utils.cpu import native_bf16
+
 
 def onednn_available() -> bool:
     """Whether this PyTorch build has oneDNN's fused linear op."""
@@ -41,8 +43,7 @@ def onednn_dtypes() -> tuple[torch.dtype, ...]:
     """Weight dtypes oneDNN's linear runs on this CPU: float32, and bfloat16 only where the CPU
     has it natively (elsewhere oneDNN has no bf16 primitive and the op raises). fp16 lacks
     kernels on most CPUs."""
-    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return (torch.float32, torch.bfloat16) if native_bf16 else (torch.float32,)
+    return (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,)
 
 
 def use_onednn_linears(model: nn.Module, min_rows: int | None) -> int:

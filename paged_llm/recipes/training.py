@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from paged_llm.models.tokenizer_builder import MODEL_MAX_LENGTH
+from paged_llm.utils.cpu import native_bf16
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class TrainSpec:
 def resolve_precision(precision: str) -> str:
     """ "fp32" or "bf16" for a TrainSpec.precision ("auto" asks oneDNN about this CPU)."""
     if precision == "auto":
-        return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+        return "bf16" if native_bf16() else "fp32"
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be auto, fp32 or bf16, got '{precision}'")
     return precision
@@ -148,11 +149,6 @@ def param_groups(params: Iterable[torch.Tensor], weight_decay: float) -> list[di
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-
-
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 / AMX)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def orthogonalize(
