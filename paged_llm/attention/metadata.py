@@ -96,6 +96,35 @@ def build_attention_metadata(
     )
 
 
+def build_metadata_any_order(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """Metadata for sequences in any order, batched decodes first; (meta, rows, back).
+
+    The caller's flat rows (sequence after sequence, in its order) run in the batch as
+    ``x[rows]``, and a batch-ordered output goes back to the caller's order as ``out[back]``
+    (both [T] int64 on ``device``). Drafters use this; the runner orders its own batch.
+    """
+    order = sorted(range(len(query_lens)), key=lambda i: query_lens[i] != 1)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    rows = torch.tensor(
+        [r for i in order for r in range(starts[i], starts[i + 1])], dtype=torch.int64
+    )
+    back = torch.empty_like(rows)
+    back[rows] = torch.arange(len(rows))
+    meta = build_attention_metadata(
+        [query_lens[i] for i in order], [seq_lens[i] for i in order],
+        [block_tables[i] for i in order], block_size, device,
+    )  # fmt: skip
+    return meta, rows.to(device), back.to(device)
+
+
 def context_blocks(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, list[int]]:
     """(concatenated context block ids [N] int64, per-sequence starts [B + 1]) of a step,
     computed from the block tables on the first call (a device-to-host copy on GPUs) and kept

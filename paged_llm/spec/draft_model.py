@@ -7,11 +7,12 @@ KV manager) manages both, and a rollback of the target rolls back the draft too.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 import torch
 
-from paged_llm.attention.metadata import build_attention_metadata
+from paged_llm.attention.metadata import build_metadata_any_order
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from paged_llm.runner.sampler import process_request_rows
@@ -107,22 +108,16 @@ class DraftModelDrafter:
         """Run the draft over each sequence's new tokens; logits at each last token [B, V]."""
         q_lens = [len(f) for f in feeds]
         seq_lens = [st + n for st, n in zip(starts, q_lens)]
-        order = sorted(range(len(feeds)), key=lambda i: q_lens[i] != 1)  # decodes first
-        meta = build_attention_metadata(
-            [q_lens[i] for i in order], [seq_lens[i] for i in order],
-            [tables[i] for i in order], self.block_size, self.device,
-        )  # fmt: skip
-        ids = torch.tensor([t for i in order for t in feeds[i]], device=self.device)
-        pos = torch.tensor(
-            [p for i in order for p in range(starts[i], seq_lens[i])], device=self.device
+        meta, rows, back = build_metadata_any_order(
+            q_lens, seq_lens, tables, self.block_size, self.device
         )
-        hidden = self.model(ids, pos, ForwardContext(meta, self.backend, self.kv_caches))
-        last = torch.tensor(meta.query_start_loc[1:].tolist(), device=self.device) - 1
-        logits = self.model.compute_logits(hidden[last])
-        back = [0] * len(order)
-        for pos_in_batch, i in enumerate(order):
-            back[i] = pos_in_batch
-        return logits[back]
+        ids = torch.tensor([t for f in feeds for t in f], device=self.device)[rows]
+        pos = torch.tensor(
+            [p for st, end in zip(starts, seq_lens) for p in range(st, end)], device=self.device
+        )[rows]
+        hidden = self.model(ids, pos, ForwardContext(meta, self.backend, self.kv_caches))[back]
+        last = torch.tensor(list(accumulate(q_lens)), device=self.device) - 1  # caller's order
+        return self.model.compute_logits(hidden[last])
 
 
 def choose_draft_token(

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from paged_llm.attention.metadata import build_attention_metadata
+from paged_llm.attention.metadata import build_metadata_any_order
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from paged_llm.runner.model_runner import order_for_backend
@@ -154,22 +154,14 @@ class EagleDrafter:
         seq_lens: list[int],
         tables: list[list[int]],
     ) -> torch.Tensor:  # [T, H]
-        """One head forward over the flat batch (decodes first, as the metadata requires)."""
-        order = sorted(range(len(q_lens)), key=lambda i: q_lens[i] != 1)
-        starts = [0]
-        for n in q_lens:
-            starts.append(starts[-1] + n)
-        rows = [r for i in order for r in range(starts[i], starts[i + 1])]
-        meta = build_attention_metadata([q_lens[i] for i in order], [seq_lens[i] for i in order],
-                                        [tables[i] for i in order], self.block_size,
-                                        self.device)  # fmt: skip
-        rows_t = torch.tensor(rows, device=self.device)
-        ids_t = torch.tensor(ids, device=self.device)[rows_t]
-        pos_t = torch.tensor(positions, device=self.device)[rows_t]
-        out = self.head(self.embed(ids_t), features[rows_t], pos_t,
+        """One head forward over the flat batch [T] given in the caller's order."""
+        meta, rows, back = build_metadata_any_order(
+            q_lens, seq_lens, tables, self.block_size, self.device
+        )
+        ids_t = torch.tensor(ids, device=self.device)[rows]
+        pos_t = torch.tensor(positions, device=self.device)[rows]
+        out = self.head(self.embed(ids_t), features[rows], pos_t,
                         ForwardContext(meta, self.backend, self.kv_caches))  # fmt: skip
-        back = torch.empty_like(rows_t)
-        back[rows_t] = torch.arange(len(rows), device=self.device)
         return out[back]
 
     # ---- before the next forward --------------------------------------------------------------
