@@ -36,6 +36,10 @@ Sections, in order (later ones use the bandwidth measured first):
    with CUDA graphs (memory freed, seconds, same outputs after waking), the prefix cache's
    CPU tier (an evicted prompt copied back from pinned memory, same output) and KV transfer
    between a producer and a consumer engine (blocks moved, ms per block, same tokens).
+8. ``spec_decode`` (--extras; experiments/gpu_spec_decode.py): the built-in trained target with
+   its draft model, EAGLE head and n-grams: greedy outputs against the target alone (float32)
+   and tokens/s at k = 2 and 4, batch 1 and 16. Its models are exported before the loan:
+   ``python -m experiments.gpu_spec_decode --export .gpu_inputs/spec_models``.
 
 Targets (docs/gpu.md) are evaluated into ``targets`` in the JSON; nothing here is estimated.
 """
@@ -67,10 +71,10 @@ import torch  # noqa: E402
 
 SCHEMA = "paged_llm.gpu_check/1"
 # with --extras: experiments/gpu_sweeps.py and experiments/gpu_memory_features.py
-EXTRA_SECTIONS = ("kernel_sweep", "quant_decode", "sleep_offload")
+EXTRA_SECTIONS = ("kernel_sweep", "quant_decode", "sleep_offload", "spec_decode")
 SECTIONS = (
     "kernels", "parity", "kernel_sweep", "decode_bandwidth", "fig18a", "end_to_end",
-    "quant_decode", "sleep_offload",
+    "quant_decode", "sleep_offload", "spec_decode",
 )  # fmt: skip
 
 
@@ -139,6 +143,7 @@ FULL = Plan(
         end_to_end=220,
         quant_decode=90,
         sleep_offload=90,
+        spec_decode=90,
     ),
     copy_mib=2048,
     matmul_n=8192,
@@ -176,6 +181,7 @@ PLANS = {
             end_to_end=100,
             quant_decode=60,
             sleep_offload=75,
+            spec_decode=60,
         ),
         copy_mib=1024,
         kernel_seq_lens=[1, 17, 300],
@@ -200,6 +206,7 @@ PLANS = {
             end_to_end=20,
             quant_decode=15,
             sleep_offload=20,
+            spec_decode=30,
         ),
         copy_mib=8,
         matmul_n=128,
@@ -1371,6 +1378,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=os.environ.get("PAGED_LLM_SHAREGPT_TRACE"),
         help="CSV of input_len,output_len (default: synthetic ShareGPT lengths)",
     )
+    parser.add_argument(
+        "--spec-models",
+        help="spec_decode's models, from `python -m experiments.gpu_spec_decode --export DIR` "
+        "(default .gpu_inputs/spec_models)",
+    )
     parser.add_argument("--budget", type=float, help="override the plan's budget in seconds")
     parser.add_argument(
         "--extras",
@@ -1432,6 +1444,7 @@ def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dic
     )
     from experiments.gpu_memory_features import section_sleep_offload
     from experiments.gpu_parity import section_parity
+    from experiments.gpu_spec_decode import section_spec_decode
     from experiments.gpu_sweeps import section_kernel_sweep, section_quant_decode
 
     chosen = selected_sections(args)
@@ -1462,6 +1475,8 @@ def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dic
          lambda d: section_quant_decode(plan, device, d, copy_bw)),
         ("sleep_offload", min(20, cap["sleep_offload"]),
          lambda d: section_sleep_offload(plan, device, d, Path(workdir.name))),
+        ("spec_decode", min(20, cap["spec_decode"]),
+         lambda d: section_spec_decode(plan, device, d, args.spec_models)),
     ]  # fmt: skip
     with workdir:
         for name, min_s, fn in sections:

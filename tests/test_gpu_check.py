@@ -23,7 +23,7 @@ from paged_llm.runner.cuda_graphs import (
 )
 
 SECTIONS = ["bandwidth", "kernels", "parity", "kernel_sweep", "decode_bandwidth", "fig18a",
-            "end_to_end", "quant_decode", "sleep_offload"]  # fmt: skip
+            "end_to_end", "quant_decode", "sleep_offload", "spec_decode"]  # fmt: skip
 
 
 def test_smoke_run_writes_well_formed_json(tmp_path):
@@ -94,6 +94,39 @@ def test_smoke_run_writes_well_formed_json(tmp_path):
         assert memory["offload"]["blocks_copied_back"] > 0
         if "kv_transfer" in memory:  # run when the smoke budget left room for it
             assert memory["kv_transfer"]["kv_consumer"]["blocks_loaded"] > 0
+    spec = doc["sections"]["spec_decode"]
+    if spec["status"] == "ok":  # the CPU smoke run does every part, whatever the budget
+        exact = spec["exactness_float32"]
+        assert set(exact) == {"draft_model", "eagle", "ngram"}
+        # the same CPU kernels verify and decode: greedy outputs are identical
+        assert all(row["identical_outputs"] == 1.0 for row in exact.values()), exact
+        rows = spec["speed"]["rows"]
+        assert {r["method"] for r in rows} == {"none", "draft_model", "eagle", "ngram"}
+        assert all(r["output_tokens_per_s"] > 0 and r["speedup"] > 0 for r in rows)
+        assert all(r["tokens_per_target_step"] >= 1 for r in rows if r["method"] != "none")
+
+
+def test_spec_models_export_round_trip(tmp_path):
+    """The export the device run reads: bfloat16 checkpoints of target, draft and EAGLE head
+    plus prompts, which the section finds and an engine on them runs with its drafter."""
+    from experiments import gpu_spec_decode as gsd
+    from experiments.gpu_check import PLANS
+
+    gsd.export(tmp_path, gsd.SMOKE, num_prompts=3, prompt_len=8)
+    dirs, prompts = gsd._models(PLANS["quick"], str(tmp_path))
+    assert set(dirs) == {"target", "draft", "eagle"} and len(prompts) == 3
+    assert all(len(p) == 8 for p in prompts)
+    for role in dirs:
+        config = json.loads((tmp_path / role / "config.json").read_text())
+        assert config["torch_dtype"] == "bfloat16"
+        assert (tmp_path / role / "tokenizer.json").is_file()
+    spec = {"method": "eagle", "model": dirs["eagle"], "num_speculative_tokens": 2}
+    llm = LLM(dirs["target"], dtype="float32", speculative_config=spec, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+    with pytest.raises(FileNotFoundError, match="--export"):
+        gsd._models(PLANS["quick"], str(tmp_path / "missing"))
 
 
 # ---- CUDA graphs: the logic that does not need a GPU ---------------------------------------------
