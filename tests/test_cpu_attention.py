@@ -168,6 +168,47 @@ def test_cpu_backend_equals_torch_backend(dtype):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # same stores
 
 
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "window", "kv_cache_dtype"),
+    [
+        ([1, 5, 3, 16, 40], [17, 40, 9, 60, 40], None, None),  # verify-sized, then a prompt
+        ([5, 5, 2], [5, 70, 33], None, None),  # no decodes: a verification-only step
+        ([1, 4, 17, 6], [30, 50, 41, 20], 12, None),  # a sliding window; 17 tokens: SDPA
+        ([1, 5, 3], [17, 40, 9], None, "int8"),  # a quantized cache
+    ],
+)
+def test_short_queries_run_as_kernel_rows(query_lens, seq_lens, window, kv_cache_dtype):
+    """Speculative verifications (a few query tokens) run in the decode kernel, one row per
+    token; they equal the torch backend's SDPA path, causal mask and window included."""
+    from paged_llm.attention import cpu_backend
+
+    torch.manual_seed(0)
+    hq, hkv, d, bs = 8, 2, 64, 8
+    k_cache, v_cache, _, tables = paged_setup(seq_lens, bs, hkv, d, torch.float32, poison=False)
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    scales: tuple = (None, None)
+    if kv_cache_dtype is not None:
+        spec, shape = kv_cache_spec(kv_cache_dtype, torch.float32), k_cache.shape
+        (k_cache, k_s), (v_cache, v_s) = (
+            spec.quantize(c.flatten(0, 1)) for c in (k_cache, v_cache)
+        )
+        k_cache, v_cache = k_cache.view(shape), v_cache.view(shape)
+        scales = (k_s.view(shape[:3]), v_s.view(shape[:3]))
+    meta = build_attention_metadata(query_lens, seq_lens, tables, bs)
+    t = sum(query_lens)
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    s_ref = tuple(x.clone() if x is not None else None for x in scales)
+    backend = CpuAttentionBackend()
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, *scales, sliding_window=window)
+    short = [n <= cpu_backend.MAX_ROWS_QUERY_LEN for n in query_lens]
+    assert backend._kernel_rows(meta)[0] == (short.index(False) if False in short else len(short))
+    expected = TorchAttentionBackend().forward(
+        q, k, v, k_ref, v_ref, meta, 0.125, *s_ref, sliding_window=window
+    )
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_cpu_backend_is_the_cpu_default():
     assert auto_backend_name("cpu") == "cpu"  # this machine has a compiler
     assert auto_backend_name("cuda:0") == "triton"

@@ -41,7 +41,8 @@ class TorchAttentionBackend(AttentionBackend):
         scales = (k_scale, v_scale)  # both None unless the cache is quantized
         store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping, *scales)
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        # Decodes are the first sequences, one token each; a subclass may take them all at once.
+        # Decodes are the first sequences, one token each; a subclass may take them all at once
+        # (and short multi-token queries after them).
         first = self._decodes(query, k_cache, v_cache, meta, scale, out, *scales, sliding_window)
         if first == meta.num_seqs:
             return out
@@ -50,7 +51,7 @@ class TorchAttentionBackend(AttentionBackend):
         # Gathering all sequences at once was measured slower on a CPU: the gathered context
         # falls out of cache before SDPA reads it (docs/benchmarks.md).
         ids, block_starts = context_blocks(meta, k_cache.shape[1])
-        start = first
+        start = sum(meta.query_lens_cpu[:first])
         for b in range(first, meta.num_seqs):
             q_len, s_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
             seq_ids = ids[block_starts[b] : block_starts[b + 1]]
