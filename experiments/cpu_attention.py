@@ -8,8 +8,13 @@ run interleaved in the same process, check that they agree, and the fastest of `
 passes counts. This is the measurement behind the ``cpu`` attention backend
 (``paged_llm/ops/paged_attention/cpu_decode.cpp``).
 
+With ``--query-len``, each sequence instead has that many query tokens (a speculative
+verification's k + 1, a short chunk), and the ``cpu`` backend's forward, here made to run them
+all as kernel rows (one per token), is timed against the torch backend's gather + SDPA
+forward: the data behind the backend's choice between the two (``as_rows``).
+
     python -m experiments.cpu_attention [--shape throughput|target] [--batch 1 8 64]
-        [--context 64 256 1024] [--threads 1 2] [--out DIR]
+        [--context 64 256 1024] [--threads 1 2] [--query-len 2 5 16 32] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import torch
 
+from paged_llm.attention.cpu_backend import CpuAttentionBackend
 from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.attention.torch_backend import TorchAttentionBackend
 from paged_llm.metrics.run_info import run_info, write_json
@@ -31,10 +37,12 @@ SHAPES = {"throughput": (6, 8, 8, 64), "target": (10, 6, 2, 64)}
 
 
 def make_layers(
-    shape: tuple[int, ...], batch: int, context: int, block_size: int, seed: int = 0
-) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
-    """Per layer: (K pool, V pool, decode metadata) for ``batch`` sequences of ``context``
-    tokens, their blocks shuffled through a pool with a few spare blocks."""
+    shape: tuple[int, ...], batch: int, context: int, block_size: int, seed: int = 0,
+    query_len: int = 1,
+) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:  # fmt: skip
+    """Per layer: (K pool, V pool, metadata) for ``batch`` sequences of ``context`` tokens,
+    the last ``query_len`` of them queries, their blocks shuffled through a pool with a few
+    spare blocks."""
     layers, _, hkv, d = shape
     gen = torch.Generator().manual_seed(seed)
     per_seq = -(-context // block_size)
@@ -45,7 +53,7 @@ def make_layers(
         v = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
         perm = torch.randperm(num_blocks, generator=gen).tolist()
         tables = [perm[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
-        meta = build_attention_metadata([1] * batch, [context] * batch, tables, block_size)
+        meta = build_attention_metadata([query_len] * batch, [context] * batch, tables, block_size)
         out.append((k, v, meta))
     return out
 
@@ -102,11 +110,43 @@ def run_config(
     }  # fmt: skip
 
 
+def run_query_len_config(
+    shape: tuple[int, ...], batch: int, context: int, query_len: int, block_size: int,
+    repeats: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Time the cpu backend's kernel rows against the torch backend's SDPA for ``batch``
+    sequences of ``query_len`` new tokens each (K/V stores included in both)."""
+    _, hq, hkv, d = shape
+    layers = make_layers(shape, batch, context, block_size, query_len=query_len)
+    gen = torch.Generator().manual_seed(1)
+    t = batch * query_len
+    q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
+    rows_backend, sdpa_backend = CpuAttentionBackend(), TorchAttentionBackend()
+    rows_backend.rows_always_query_len = query_len  # rows at every length timed
+    outs: dict[str, torch.Tensor] = {}
+
+    def path(name: str, backend: Any) -> Any:
+        def fn() -> None:
+            for k_pool, v_pool, meta in layers:
+                outs[name] = backend.forward(q, k, v, k_pool, v_pool, meta, d**-0.5)
+
+        return fn
+
+    times = {"rows": time_pass(path("rows", rows_backend), repeats),
+             "sdpa": time_pass(path("sdpa", sdpa_backend), repeats)}  # fmt: skip
+    return {
+        "batch": batch, "context": context, "query_len": query_len,
+        **{f"{name}_ms": 1e3 * sec for name, sec in times.items()},
+        "rows_speedup": times["sdpa"] / times["rows"],
+        "max_abs_diff": float((outs["rows"] - outs["sdpa"]).abs().max()),
+    }  # fmt: skip
+
+
 def run(
     shape_name: str, batches: list[int], contexts: list[int], threads: list[int],
-    block_size: int, repeats: int,
+    block_size: int, repeats: int, query_lens: list[int] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Every (threads, batch, context); return the result table."""
+    """Every (threads, batch, context[, query length]); return the result table."""
     cpu_native.load()
     shape = SHAPES[shape_name]
     results = []
@@ -114,6 +154,15 @@ def run(
         torch.set_num_threads(n)
         for batch in batches:
             for context in contexts:
+                for q_len in query_lens or []:
+                    row = {"threads": n, **run_query_len_config(
+                        shape, batch, context, q_len, block_size, repeats)}  # fmt: skip
+                    results.append(row)
+                    print(f"threads {n} batch {batch:3d} context {context:5d} query "
+                          f"{q_len:3d}: rows {row['rows_ms']:8.3f} ms  sdpa "
+                          f"{row['sdpa_ms']:8.3f} ms  x{row['rows_speedup']:.2f}")  # fmt: skip
+                if query_lens:
+                    continue
                 row = {"threads": n, **run_config(shape, batch, context, block_size, repeats)}
                 results.append(row)
                 print(f"threads {n} batch {batch:3d} context {context:5d}: native "
@@ -135,10 +184,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--query-len", type=int, nargs="+", help="query tokens per sequence (> 1)")
     ap.add_argument("--out", default="outputs/cpu_attention")
     args = ap.parse_args(argv)
     result = run(args.shape, args.batch, args.context, args.threads, args.block_size,
-                 args.repeats)  # fmt: skip
+                 args.repeats, args.query_len)  # fmt: skip
     print(f"wrote {write_json(args.out, 'cpu_attention.json', result)}")
     return result
 

@@ -169,19 +169,17 @@ def test_cpu_backend_equals_torch_backend(dtype):
 
 
 @pytest.mark.parametrize(
-    ("query_lens", "seq_lens", "window", "kv_cache_dtype"),
+    ("query_lens", "seq_lens", "window", "kv_cache_dtype", "as_rows"),
     [
-        ([1, 5, 3, 16, 40], [17, 40, 9, 60, 40], None, None),  # verify-sized, then a prompt
-        ([5, 5, 2], [5, 70, 33], None, None),  # no decodes: a verification-only step
-        ([1, 4, 17, 6], [30, 50, 41, 20], 12, None),  # a sliding window; 17 tokens: SDPA
-        ([1, 5, 3], [17, 40, 9], None, "int8"),  # a quantized cache
+        ([1, 5, 3, 16, 40], [17, 40, 9, 60, 100], None, None, 4),  # verify-sized, then a prompt
+        ([5, 5, 2], [5, 70, 33], None, None, 3),  # no decodes: a verification-only step
+        ([1, 4, 30, 6], [30, 50, 100, 20], 12, None, 2),  # a window; from 30 x 100 on: SDPA
+        ([1, 5, 3], [17, 40, 9], None, "int8", 3),  # a quantized cache
     ],
 )
-def test_short_queries_run_as_kernel_rows(query_lens, seq_lens, window, kv_cache_dtype):
+def test_short_queries_run_as_kernel_rows(query_lens, seq_lens, window, kv_cache_dtype, as_rows):
     """Speculative verifications (a few query tokens) run in the decode kernel, one row per
     token; they equal the torch backend's SDPA path, causal mask and window included."""
-    from paged_llm.attention import cpu_backend
-
     torch.manual_seed(0)
     hq, hkv, d, bs = 8, 2, 64, 8
     k_cache, v_cache, _, tables = paged_setup(seq_lens, bs, hkv, d, torch.float32, poison=False)
@@ -201,8 +199,7 @@ def test_short_queries_run_as_kernel_rows(query_lens, seq_lens, window, kv_cache
     s_ref = tuple(x.clone() if x is not None else None for x in scales)
     backend = CpuAttentionBackend()
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, *scales, sliding_window=window)
-    short = [n <= cpu_backend.MAX_ROWS_QUERY_LEN for n in query_lens]
-    assert backend._kernel_rows(meta)[0] == (short.index(False) if False in short else len(short))
+    assert backend._kernel_rows(meta)[0] == as_rows  # the leading short queries
     expected = TorchAttentionBackend().forward(
         q, k, v, k_ref, v_ref, meta, 0.125, *s_ref, sliding_window=window
     )
@@ -232,3 +229,17 @@ def test_cpu_attention_benchmark_writes_json(tmp_path):
     assert row["native_ms"] > 0 and row["torch_ms"] > 0 and row["read_ms"] > 0
     assert row["max_abs_diff"] < 1e-5  # the two paths agree
     assert result["mode"] == "real" and (tmp_path / "cpu_attention.json").exists()
+
+
+def test_cpu_attention_benchmark_query_lengths(tmp_path):
+    """--query-len times kernel rows against SDPA for multi-token queries; the paths agree."""
+    from experiments import cpu_attention
+
+    result = cpu_attention.main(
+        ["--batch", "2", "--context", "40", "--threads", "1", "--repeats", "1",
+         "--query-len", "3", "20", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert [r["query_len"] for r in result["results"]] == [3, 20]
+    for row in result["results"]:
+        assert row["rows_ms"] > 0 and row["sdpa_ms"] > 0
+        assert row["max_abs_diff"] < 1e-4

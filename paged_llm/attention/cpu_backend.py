@@ -15,10 +15,6 @@ from paged_llm.attention.metadata import AttentionMetadata
 from paged_llm.attention.torch_backend import TorchAttentionBackend
 from paged_llm.ops.paged_attention import cpu_native
 
-# Longest query run as kernel rows. Longer ones (prompts, prefill chunks) take gather + SDPA,
-# whose one matmul reads each gathered K/V once for all queries.
-MAX_ROWS_QUERY_LEN = 16
-
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """Decodes (one query token per sequence, the bulk of a serving step) and short multi-token
@@ -27,6 +23,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     the torch backend's gather + SDPA path."""
 
     name = "cpu"
+    # Kernel rows each read their whole context; gather + SDPA reads it once for all of a
+    # sequence's queries in one matmul, after a fixed cost per sequence. Timed by `python -m
+    # experiments.cpu_attention --query-len ...` (docs/benchmarks.md): rows were faster for up
+    # to 4 query tokens at every context (64-1024) and while query tokens x context <= 2048.
+    rows_always_query_len = 4
+    rows_max_query_context = 2048
 
     def __init__(self) -> None:
         super().__init__()
@@ -52,8 +54,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_scale: torch.Tensor | None,
         sliding_window: int | None = None,
     ) -> int:
-        """The leading sequences with at most MAX_ROWS_QUERY_LEN query tokens (decodes first)
-        in one kernel call, one row per token; returns how many sequences it did."""
+        """The leading decodes and short queries (``as_rows``) in one kernel call, one row per
+        token; returns how many sequences it did."""
         num, tables, lens, rows = self._kernel_rows(meta)
         if num == 0:
             return 0
@@ -63,6 +65,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         )  # fmt: skip
         return num
 
+    def as_rows(self, query_len: int, seq_len: int) -> bool:
+        """Whether a sequence's queries run as kernel rows (else gather + SDPA)."""
+        return (
+            query_len <= self.rows_always_query_len
+            or query_len * seq_len <= self.rows_max_query_context
+        )
+
     def _kernel_rows(self, meta: AttentionMetadata) -> tuple[int, torch.Tensor, torch.Tensor, int]:
         """(sequences, block tables [R, max_blocks], context lengths [R], rows R) of the
         leading short queries, built once per step."""
@@ -70,7 +79,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return self._rows[1:]
         q_lens = meta.query_lens_cpu
         num = meta.num_decodes
-        while num < meta.num_seqs and q_lens[num] <= MAX_ROWS_QUERY_LEN:
+        while num < meta.num_seqs and self.as_rows(q_lens[num], meta.seq_lens_cpu[num]):
             num += 1
         if num == meta.num_decodes:  # decodes only: one row per sequence as it is
             tables, lens, rows = meta.block_tables, meta.seq_lens, num
