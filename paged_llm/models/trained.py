@@ -133,11 +133,13 @@ EAGLE_RECIPES: dict[str, EagleRecipe] = {
     "eagle": EagleRecipe(
         "target",
         TrainSpec(
-            steps=400,
+            # 400 steps agreed with the target's next token at 65.8% of held-out positions,
+            # 1200 at 77.5% (EAGLE's acceptance at k = 5: 0.75 -> 0.87); 2026-12-04
+            steps=1200,
             batch_size=4,
             seq_len=256,
             lr=3e-3,
-            warmup_steps=30,
+            warmup_steps=90,
             optimizer="muon",
             distill=1.0,
         ),
