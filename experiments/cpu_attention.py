@@ -154,14 +154,14 @@ def run(
         torch.set_num_threads(n)
         for batch in batches:
             for context in contexts:
-                for q_len in query_lens or []:
-                    row = {"threads": n, **run_query_len_config(
-                        shape, batch, context, q_len, block_size, repeats)}  # fmt: skip
-                    results.append(row)
-                    print(f"threads {n} batch {batch:3d} context {context:5d} query "
-                          f"{q_len:3d}: rows {row['rows_ms']:8.3f} ms  sdpa "
-                          f"{row['sdpa_ms']:8.3f} ms  x{row['rows_speedup']:.2f}")  # fmt: skip
                 if query_lens:
+                    for q_len in query_lens:
+                        row = {"threads": n, **run_query_len_config(
+                            shape, batch, context, q_len, block_size, repeats)}  # fmt: skip
+                        results.append(row)
+                        print(f"threads {n} batch {batch:3d} context {context:5d} query "
+                              f"{q_len:3d}: rows {row['rows_ms']:8.3f} ms  sdpa "
+                              f"{row['sdpa_ms']:8.3f} ms  x{row['rows_speedup']:.2f}")  # fmt: skip
                     continue
                 row = {"threads": n, **run_config(shape, batch, context, block_size, repeats)}
                 results.append(row)

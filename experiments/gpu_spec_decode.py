@@ -31,8 +31,8 @@ import torch
 
 from experiments.gpu_check import Deadline, Plan
 
-ROLES = ("target", "draft", "eagle")
-BUILT_IN = {"target": "target", "draft": "draft", "eagle": "eagle"}
+BUILT_IN = {"target": "target", "draft": "draft", "eagle": "eagle"}  # role -> built-in model
+ROLES = tuple(BUILT_IN)
 SMOKE = {"target": "test-target", "draft": "test-draft", "eagle": "test-eagle"}
 DEFAULT_EXPORT = Path(".gpu_inputs/spec_models")
 METHODS = ("draft_model", "eagle", "ngram")

@@ -134,7 +134,7 @@ EAGLE_RECIPES: dict[str, EagleRecipe] = {
         "target",
         TrainSpec(
             # 400 steps agreed with the target's next token at 65.8% of held-out positions,
-            # 1200 at 77.5% (EAGLE's acceptance at k = 5: 0.75 -> 0.87); 2026-12-04
+            # 1200 at 77.0% (EAGLE's acceptance at k = 5: 0.75 -> 0.86); 2026-12-04
             steps=1200,
             batch_size=4,
             seq_len=256,

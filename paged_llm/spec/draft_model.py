@@ -115,9 +115,9 @@ class DraftModelDrafter:
         pos = torch.tensor(
             [p for st, end in zip(starts, seq_lens) for p in range(st, end)], device=self.device
         )[rows]
-        hidden = self.model(ids, pos, ForwardContext(meta, self.backend, self.kv_caches))[back]
+        hidden = self.model(ids, pos, ForwardContext(meta, self.backend, self.kv_caches))
         last = torch.tensor(list(accumulate(q_lens)), device=self.device) - 1  # caller's order
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden[back[last]])
 
 
 def choose_draft_token(
