@@ -95,7 +95,7 @@ def request_lengths(num: int, fixed: tuple[int, int] | None, seed: int = 0) -> l
 
 def run(model: str, num_prompts: int, fixed: tuple[int, int] | None, out: Path) -> dict:
     """Every setting on one engine; write and return beam_sharing.json."""
-    from experiments.spec_decode import code_prompts, model_dir
+    from experiments.spec_workload import code_prompts, model_dir
     from paged_llm import LLM
     from paged_llm.metrics.run_info import run_info
 

@@ -46,7 +46,7 @@ def export(
     ``out`` in bfloat16 (half the bytes the device tool carries), with held-out code prompts."""
     from safetensors.torch import load_file, save_file
 
-    from experiments.spec_decode import code_prompts, model_dir
+    from experiments.spec_workload import code_prompts, model_dir
 
     for role, name in names.items():
         src, dst = Path(model_dir(name)), out / role
@@ -65,7 +65,7 @@ def export(
 
 def _models(plan: Plan, models_dir: str | None) -> tuple[dict[str, str], list[list[int]]]:
     """Checkpoint directory per role and the code prompts."""
-    from experiments.spec_decode import code_prompts, model_dir
+    from experiments.spec_workload import code_prompts, model_dir
 
     if plan.mode == "smoke":
         dirs = {role: model_dir(name) for role, name in SMOKE.items()}
@@ -139,7 +139,7 @@ def _exactness(dirs, prompts, max_tokens, device, deadline: Deadline) -> dict[st
 
 def _speed(dirs, prompts, max_tokens, dtype, device, deadline: Deadline) -> dict[str, Any]:
     """Output tokens/s of the target alone and each method at k = 2 and 4, batch 1 and 16."""
-    from experiments.spec_decode import prompt_batches, timed_run
+    from experiments.spec_workload import prompt_batches, timed_run
 
     batch_sizes = (1, 16) if device.type == "cuda" else (1, 2)
     runs: list[tuple[str | None, int]] = [(None, 0)] + [(m, k) for m in METHODS for k in (2, 4)]

@@ -35,7 +35,7 @@ def test_sweep_writes_speedups_and_formula_gaps(tmp_path):
 
 
 def test_every_batch_size_generates_from_the_same_prompts():
-    from experiments.spec_decode import prompt_batches
+    from experiments.spec_workload import prompt_batches
 
     pool = [[i] for i in range(4)]
     assert prompt_batches(pool, 1) == [[[0]], [[1]], [[2]], [[3]]]
