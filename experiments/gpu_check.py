@@ -143,7 +143,7 @@ FULL = Plan(
         end_to_end=220,
         quant_decode=90,
         sleep_offload=90,
-        spec_decode=90,
+        spec_decode=150,
     ),
     copy_mib=2048,
     matmul_n=8192,
