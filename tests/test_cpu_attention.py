@@ -3,6 +3,8 @@ against the torch reference. The kernel is built on first use (about 15 s, then 
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from paged_cache_helpers import paged_setup
 
 from paged_llm.attention.cpu_backend import CpuAttentionBackend
@@ -243,3 +245,24 @@ def test_cpu_attention_benchmark_query_lengths(tmp_path):
     for row in result["results"]:
         assert row["rows_ms"] > 0 and row["sdpa_ms"] > 0
         assert row["max_abs_diff"] < 1e-4
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 300), max_size=12))
+def test_runner_order_puts_short_queries_right_after_decodes(query_lens):
+    """The runner's row order is a stable sort by query length, so a verification scheduled
+    behind a long prompt chunk still lands in the leading run the kernel rows take."""
+    from types import SimpleNamespace
+
+    from paged_llm.runner.model_runner import order_for_backend
+
+    scheduled = [SimpleNamespace(num_new_tokens=q, index=i) for i, q in enumerate(query_lens)]
+    ordered = order_for_backend(scheduled)
+    assert sorted(s.index for s in ordered) == list(range(len(scheduled)))
+    keys = [(s.num_new_tokens, s.index) for s in ordered]
+    assert keys == sorted(keys)  # shortest first, the scheduler's order among equals
+    backend = CpuAttentionBackend()
+    lens = [s.num_new_tokens for s in ordered]
+    meta = build_attention_metadata(lens, [q + 7 for q in lens], [[0] * 40] * len(lens), 8)
+    short = sum(backend.as_rows(q, q + 7) for q in lens if q <= backend.rows_always_query_len)
+    assert backend._kernel_rows(meta)[0] >= short

@@ -573,7 +573,7 @@ def test_torch_backend_equals_reference(gqa, dtype):
 
 
 def test_metadata_any_order_matches_each_sequence_alone():
-    """Prefills and decodes given interleaved run decodes first; ``out[back]`` returns each
+    """Prefills and decodes given interleaved run shortest first; ``out[back]`` returns each
     sequence's rows in the caller's order, equal to attention over that sequence alone."""
     from paged_llm.attention.metadata import build_attention_metadata, build_metadata_any_order
     from paged_llm.attention.torch_backend import TorchAttentionBackend
@@ -586,7 +586,7 @@ def test_metadata_any_order_matches_each_sequence_alone():
     q_lens, s_lens = [5, 1, 9, 1, 3], [5, 13, 20, 7, 11]
     tables = [perm[0:2], perm[2:6], perm[6:11], perm[11:13], perm[13:16]]
     meta, rows, back = build_metadata_any_order(q_lens, s_lens, tables, bs)
-    assert meta.num_decodes == 2 and meta.query_lens_cpu == [1, 1, 5, 9, 3]
+    assert meta.num_decodes == 2 and meta.query_lens_cpu == [1, 1, 3, 5, 9]
     t = sum(q_lens)
     q, k, v = torch.randn(t, hkv * 2, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     out = TorchAttentionBackend().forward(q[rows], k[rows], v[rows], k_cache, v_cache, meta, 0.25)

@@ -13,8 +13,9 @@ from paged_llm.core.kv.paged import NULL_BLOCK
 class AttentionMetadata:
     """Describes one engine step's flattened batch of T tokens from B sequences.
 
-    Sequences are ordered decodes first (query length 1), then prefills/chunks, so backends
-    can send the first ``num_decodes`` sequences to a decode kernel.
+    Sequences are ordered decodes first (query length 1), then prefills/chunks (the runner
+    sorts them shortest first), so backends can send the first ``num_decodes`` sequences to a
+    decode kernel.
     Query token j of sequence b sits at position ``seq_lens[b] - query_len[b] + j`` and attends
     causally to every context position <= its own (the prefix is already in the paged cache).
     """
@@ -103,13 +104,14 @@ def build_metadata_any_order(
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-    """Metadata for sequences in any order, batched decodes first; (meta, rows, back).
+    """Metadata for sequences in any order, batched shortest query first (as the runner orders
+    its batch: decodes lead); (meta, rows, back).
 
     The caller's flat rows (sequence after sequence, in its order) run in the batch as
     ``x[rows]``, and a batch-ordered output goes back to the caller's order as ``out[back]``
     (both [T] int64 on ``device``). Drafters use this; the runner orders its own batch.
     """
-    order = sorted(range(len(query_lens)), key=lambda i: query_lens[i] != 1)
+    order = sorted(range(len(query_lens)), key=lambda i: query_lens[i])
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)

@@ -66,10 +66,10 @@ class StepInputs:
 
 
 def order_for_backend(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """Put single-token queries (decodes) first, as AttentionMetadata requires."""
-    return [s for s in scheduled if s.num_new_tokens == 1] + [
-        s for s in scheduled if s.num_new_tokens != 1
-    ]
+    """Shortest queries first (stable): decodes lead, as AttentionMetadata requires, and short
+    multi-token queries (speculative verifications) follow them, where the CPU backend's kernel
+    rows take the leading run, instead of behind a long prompt chunk."""
+    return sorted(scheduled, key=lambda s: s.num_new_tokens)
 
 
 def flatten_batch(
