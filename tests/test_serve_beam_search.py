@@ -1,6 +1,7 @@
 """vLLM's ``use_beam_search`` through the server: the beams equal the offline
 ``LLM.beam_search``'s (completions with several prompts, chat, with and without the prefix
-cache, whose hits show the beams sharing blocks), the ranking rule alone, and the refusals."""
+cache, whose hits show the beams sharing blocks; streamed too), the ranking rule alone, and the
+refusals."""
 
 import httpx
 import openai
@@ -77,6 +78,34 @@ def test_beams_through_the_server_equal_the_offline_search(servers, offline):
     assert metrics[f'vllm:prefix_cache_hits_total{{model_name="{MODEL}"}}'] > 0
 
 
+def test_streamed_beams_are_the_whole_beams_then_usage(servers, offline):
+    """A streaming client gets each beam's text in full once the search ends, its finish
+    reason, the usage chunk when asked, and the same beams as unstreamed."""
+    client = client_of(servers[0])
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS, n=WIDTH, max_tokens=LENGTH, stream=True,
+        stream_options={"include_usage": True}, extra_body={"use_beam_search": True},
+    )  # fmt: skip
+    texts, reasons, usage = [""] * (2 * WIDTH), [None] * (2 * WIDTH), None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == offline[0] + offline[1] and reasons == ["length"] * (2 * WIDTH)
+    assert usage is not None and usage.completion_tokens == 2 * WIDTH * LENGTH
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], n=WIDTH,
+        max_tokens=LENGTH, stream=True, extra_body={"use_beam_search": True},
+    )  # fmt: skip
+    contents = [""] * WIDTH
+    for chunk in chat:
+        for c in chunk.choices:
+            contents[c.index] += c.delta.content or ""
+    assert contents == offline[2]
+
+
 def test_ranking_keeps_the_best_extensions_and_ends_beams_at_eos():
     eos = 0
     tops = [[(-0.1, eos), (-1.0, 5)], [(-0.2, 7), (-0.3, 8)]]  # per beam: (logprob, token)
@@ -93,7 +122,7 @@ def test_ranking_keeps_the_best_extensions_and_ends_beams_at_eos():
 @pytest.mark.parametrize(
     "extra, words",
     [
-        ({"stream": True}, "'stream' is not supported with use_beam_search"),
+        ({"stream": True, "max_tokens": 300}, "maximum context length"),  # before streaming
         ({"logprobs": 2}, "'logprobs' is not supported"),
         ({"stop": ["x"]}, "'stop' is not supported"),
         ({"temperature": 0.7}, "temperature must be 0"),

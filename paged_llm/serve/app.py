@@ -444,9 +444,23 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
             return Response(status_code=499)  # nobody is listening any more
         choices = Choices([SamplingParams(n=params.beam_width) for _ in outputs],
                           return_token_ids=req.return_token_ids)  # fmt: skip
-        for i, out in enumerate(outputs):
-            choices.apply(Update(i, output=out))
-        return JSONResponse(whole_response(rid, int(time.time()), model, choices, chat))
+        updates = [Update(i, output=out) for i, out in enumerate(outputs)]
+        created = int(time.time())
+        if req.stream:
+            # beams are only final when the search ends: the stream carries every beam's
+            # whole text in one chunk each, then usage (when asked) and [DONE], so streaming
+            # clients work unchanged (vLLM's completions endpoint answers it unstreamed)
+            opts = req.stream_options
+            usage = bool(opts and opts.include_usage)
+            continuous = usage and bool(opts and opts.continuous_usage_stats)
+            events = _sse_of(_replay(updates), rid, choices, model, created, chat, usage,
+                             continuous)  # fmt: skip
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        for update in updates:
+            choices.apply(update)
+        return JSONResponse(whole_response(rid, created, model, choices, chat))
 
     async def _generate(
         request: Request,
@@ -505,7 +519,7 @@ def _event(obj: Any) -> str:
     return f"data: {_json(obj)}\n\n"
 
 
-async def _sse(
+def _sse(
     group: RequestGroup,
     choices: Choices,
     model: str,
@@ -516,8 +530,28 @@ async def _sse(
 ) -> AsyncIterator[str]:
     """The SSE events of a stream: chunks, the usage chunk when asked, ``[DONE]``;
     ``continuous_usage`` (vLLM's) puts the usage so far into every chunk too."""
-    rid = group.request_id
-    async for update in group.updates():
+    return _sse_of(group.updates(), group.request_id, choices, model, created, chat, usage,
+                   continuous_usage)  # fmt: skip
+
+
+async def _replay(updates: list[Update]) -> AsyncIterator[Update]:
+    """Updates already at hand, as the async stream ``_sse_of`` reads."""
+    for update in updates:
+        yield update
+
+
+async def _sse_of(
+    updates: AsyncIterator[Update],
+    rid: str,
+    choices: Choices,
+    model: str,
+    created: int,
+    chat: bool,
+    usage: bool,
+    continuous_usage: bool,
+) -> AsyncIterator[str]:
+    """SSE events of a stream of updates to ``choices`` (see ``_sse``)."""
+    async for update in updates:
         if update.error is not None:
             yield _event(update.error.body())
             break

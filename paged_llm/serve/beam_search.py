@@ -28,7 +28,7 @@ from paged_llm.serve.protocol import MAX_N
 
 # request fields beam search does not honour: refused rather than ignored
 _NOT_WITH_BEAMS = (
-    "stream", "logprobs", "top_logprobs", "echo", "best_of", "stop", "stop_token_ids",
+    "logprobs", "top_logprobs", "echo", "best_of", "stop", "stop_token_ids",
     "min_tokens", "tools", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "prompt_logprobs",
 )  # fmt: skip
