@@ -1,6 +1,7 @@
 """Speculative decoding: exactness (greedy and sampled), rollback, metrics."""
 
 import logging
+import random
 from collections import Counter
 
 import pytest
@@ -47,6 +48,31 @@ def test_ngram_proposes_most_recent_continuation():
     d = NgramDrafter(num_speculative_tokens=3, prompt_lookup_max=2)
     assert d.propose_one([1, 2, 3, 9, 1, 2, 4, 5, 1, 2]) == [4, 5, 1]
     assert d.propose_one([7, 8, 9]) == []
+
+
+def ngram_reference(tokens, k, max_n, min_n):
+    """The n-gram rule spelled out: longest suffix first, most recent earlier match."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]]
+        if starts:
+            return tokens[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 6),  # vocabulary: small ones match often
+    st.integers(0, 700),  # crosses VECTORISE_FROM, where the scan switches to numpy
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.integers(0, 2**16),
+)
+def test_ngram_scan_equals_the_rule_at_every_length(vocab, length, k, max_n, seed):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(vocab * 3) for _ in range(length)]
+    min_n = rng.randint(1, max_n)
+    d = NgramDrafter(num_speculative_tokens=k, prompt_lookup_max=max_n, prompt_lookup_min=min_n)
+    assert d.propose_one(tokens) == ngram_reference(tokens, k, max_n, min_n)
 
 
 def test_verify_greedy():
@@ -414,3 +440,15 @@ def test_an_aborted_request_leaves_no_draft_state_behind(tiny_llama):
         engine.step()
     engine.abort_request("x")
     assert fresh > 0 and accepted_running(PROMPTS[4]) == fresh
+
+
+def test_ngram_scan_benchmark_writes_json(tmp_path):
+    from experiments import ngram_scan
+
+    doc = ngram_scan.main(["--lengths", "8", "400", "--calls", "2", "--repeats", "1",
+                           "--out", str(tmp_path)])  # fmt: skip
+    assert (tmp_path / "ngram_scan.json").is_file() and doc["run_info"]["mode"] == "real"
+    assert {(r["tokens"], r["context"]) for r in doc["rows"]} == {
+        (t, n) for t in ("no_match", "vocab_16") for n in (8, 400)
+    }
+    assert all(r["python_us"] > 0 and r["numpy_us"] > 0 for r in doc["rows"])

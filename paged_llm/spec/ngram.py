@@ -3,6 +3,37 @@ last n tokens (vLLM's ``ngram`` method). Deterministic, so its draft distributio
 
 from __future__ import annotations
 
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+# From this many tokens on, the scan is vectorised: below a few hundred tokens, converting the
+# list to an array costs more than the Python scan (`python -m experiments.ngram_scan`,
+# docs/speculative.md).
+VECTORISE_FROM = 384
+
+
+def scan_python(tokens: list[int], n: int) -> int | None:
+    """``most_recent_match`` as a Python loop from the right (fast on short contexts)."""
+    suffix = tokens[len(tokens) - n :]
+    for start in range(len(tokens) - n - 1, -1, -1):
+        if tokens[start : start + n] == suffix:
+            return start
+    return None
+
+
+def scan_numpy(tokens: list[int], n: int) -> int | None:
+    """``most_recent_match`` vectorised over every window (fast on long contexts)."""
+    arr = np.asarray(tokens)
+    # windows start at 0 .. len - n - 1: every earlier position, never the suffix itself
+    hits = np.flatnonzero((sliding_window_view(arr[:-1], n) == arr[len(arr) - n :]).all(axis=1))
+    return int(hits[-1]) if hits.size else None
+
+
+def most_recent_match(tokens: list[int], n: int) -> int | None:
+    """Start of the most recent earlier occurrence of the last ``n`` tokens, or None."""
+    scan = scan_numpy if len(tokens) >= VECTORISE_FROM else scan_python
+    return scan(tokens, n)
+
 
 class NgramDrafter:
     """Proposes up to k tokens by matching the longest suffix n-gram (max_n down to min_n)."""
@@ -22,15 +53,10 @@ class NgramDrafter:
     def propose_one(self, tokens: list[int], k: int | None = None) -> list[int]:
         """Drafts for one sequence (possibly fewer than k, or none)."""
         k = self.k if k is None else k
-        n_tok = len(tokens)
-        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
-            suffix = tokens[n_tok - n :]
-            # most recent earlier match: scan starts from the right, excluding the suffix itself
-            for start in range(n_tok - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
-                    cont = tokens[start + n : start + n + k]
-                    if cont:
-                        return cont
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            start = most_recent_match(tokens, n)
+            if start is not None:  # start + n < len(tokens): the continuation is never empty
+                return tokens[start + n : start + n + k]
         return []
 
     # ---- the drafter interface the engine uses (a deterministic drafter needs no KV) --------

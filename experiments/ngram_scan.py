@@ -1,0 +1,74 @@
+"""The n-gram drafter's match scan (``paged_llm/spec/ngram.py``): the Python loop against the
+numpy scan, per context length, on random token ids where nothing matches (the whole context is
+scanned, as for a sequence the drafter has nothing to offer) and on a small vocabulary where
+matches are near. Both run interleaved in one process; the fastest of ``--repeats`` counts.
+The crossover sets ``VECTORISE_FROM``.
+
+    python -m experiments.ngram_scan [--lengths 64 256 384 1024 2048 4096] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+from paged_llm.metrics.run_info import run_info, write_json
+from paged_llm.spec.ngram import VECTORISE_FROM, scan_numpy, scan_python
+
+VOCABULARIES = {"no_match": 1 << 20, "vocab_16": 16}
+
+
+def time_scan(scan: Any, tokens: list[int], max_n: int, calls: int) -> float:
+    """Seconds per proposal: the scans of n = max_n .. 1 until one matches, as the drafter does."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        for n in range(max_n, 0, -1):
+            if scan(tokens, n) is not None:
+                break
+    return (time.perf_counter() - start) / calls
+
+
+def run(lengths: list[int], max_n: int, calls: int, repeats: int, seed: int) -> dict[str, Any]:
+    """Time both scans at every length and vocabulary; check they agree."""
+    rng = random.Random(seed)
+    rows = []
+    for name, vocab in VOCABULARIES.items():
+        for length in lengths:
+            tokens = [rng.randrange(vocab) for _ in range(length)]
+            for n in range(1, max_n + 1):
+                assert scan_python(tokens, n) == scan_numpy(tokens, n), (name, length, n)
+            best = {"python": float("inf"), "numpy": float("inf")}
+            for _ in range(repeats):
+                for path, scan in (("python", scan_python), ("numpy", scan_numpy)):
+                    best[path] = min(best[path], time_scan(scan, tokens, max_n, calls))
+            rows.append({
+                "tokens": name, "context": length,
+                "python_us": best["python"] * 1e6, "numpy_us": best["numpy"] * 1e6,
+                "python_over_numpy": best["python"] / best["numpy"],
+            })  # fmt: skip
+            print(f"{name:9s} {length:5d}  python {best['python'] * 1e6:8.1f} us  "
+                  f"numpy {best['numpy'] * 1e6:8.1f} us", flush=True)  # fmt: skip
+    return {"run_info": run_info("real"), "max_n": max_n, "vectorise_from": VECTORISE_FROM,
+            "rows": rows}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """CLI: time the scans and write ``ngram_scan.json``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 384, 1024, 2048, 4096])
+    parser.add_argument("--max-n", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="outputs/ngram_scan")
+    args = parser.parse_args(argv)
+    doc = run(args.lengths, args.max_n, args.calls, args.repeats, args.seed)
+    path = write_json(args.out, "ngram_scan.json", doc)
+    print(f"wrote {path}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
