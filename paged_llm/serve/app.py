@@ -450,11 +450,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
             # beams are only final when the search ends: the stream carries every beam's
             # whole text in one chunk each, then usage (when asked) and [DONE], so streaming
             # clients work unchanged (vLLM's completions endpoint answers it unstreamed)
-            opts = req.stream_options
-            usage = bool(opts and opts.include_usage)
-            continuous = usage and bool(opts and opts.continuous_usage_stats)
-            events = _sse_of(_replay(updates), rid, choices, model, created, chat, usage,
-                             continuous)  # fmt: skip
+            events = _sse(_replay(updates), rid, choices, model, created, chat, req)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
@@ -478,10 +474,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
             )
         created = int(time.time())
         if req.stream:
-            opts = req.stream_options
-            include_usage = bool(opts and opts.include_usage)
-            continuous = include_usage and bool(opts and opts.continuous_usage_stats)
-            events = _sse(group, choices, model, created, chat, include_usage, continuous)
+            events = _sse(group.updates(), group.request_id, choices, model, created, chat, req)
             return _GroupStream(group, events)
         try:
             done = await unless_disconnected(request, _collect(group, choices))
@@ -519,38 +512,27 @@ def _event(obj: Any) -> str:
     return f"data: {_json(obj)}\n\n"
 
 
-def _sse(
-    group: RequestGroup,
-    choices: Choices,
-    model: str,
-    created: int,
-    chat: bool,
-    usage: bool,
-    continuous_usage: bool = False,
-) -> AsyncIterator[str]:
-    """The SSE events of a stream: chunks, the usage chunk when asked, ``[DONE]``;
-    ``continuous_usage`` (vLLM's) puts the usage so far into every chunk too."""
-    return _sse_of(group.updates(), group.request_id, choices, model, created, chat, usage,
-                   continuous_usage)  # fmt: skip
-
-
 async def _replay(updates: list[Update]) -> AsyncIterator[Update]:
-    """Updates already at hand, as the async stream ``_sse_of`` reads."""
+    """Updates already at hand, as the async stream ``_sse`` reads."""
     for update in updates:
         yield update
 
 
-async def _sse_of(
+async def _sse(
     updates: AsyncIterator[Update],
     rid: str,
     choices: Choices,
     model: str,
     created: int,
     chat: bool,
-    usage: bool,
-    continuous_usage: bool,
+    req: Any,  # its stream_options
 ) -> AsyncIterator[str]:
-    """SSE events of a stream of updates to ``choices`` (see ``_sse``)."""
+    """The SSE events of a stream of updates to ``choices``: chunks, the usage chunk when
+    ``stream_options`` asks, ``[DONE]``; ``continuous_usage_stats`` (vLLM's) puts the usage so
+    far into every chunk too."""
+    opts = req.stream_options
+    usage = bool(opts and opts.include_usage)
+    continuous_usage = usage and bool(opts and opts.continuous_usage_stats)
     async for update in updates:
         if update.error is not None:
             yield _event(update.error.body())
