@@ -3,6 +3,9 @@ last n tokens (vLLM's ``ngram`` method). Deterministic, so its draft distributio
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -13,7 +16,8 @@ VECTORISE_FROM = 384
 
 
 def scan_python(tokens: list[int], n: int) -> int | None:
-    """``most_recent_match`` as a Python loop from the right (fast on short contexts)."""
+    """Start of the most recent earlier occurrence of the last ``n`` tokens, or None, by a
+    Python loop from the right (fast on short contexts)."""
     suffix = tokens[len(tokens) - n :]
     for start in range(len(tokens) - n - 1, -1, -1):
         if tokens[start : start + n] == suffix:
@@ -21,18 +25,20 @@ def scan_python(tokens: list[int], n: int) -> int | None:
     return None
 
 
-def scan_numpy(tokens: list[int], n: int) -> int | None:
-    """``most_recent_match`` vectorised over every window (fast on long contexts)."""
-    arr = np.asarray(tokens)
-    # windows start at 0 .. len - n - 1: every earlier position, never the suffix itself
-    hits = np.flatnonzero((sliding_window_view(arr[:-1], n) == arr[len(arr) - n :]).all(axis=1))
+def scan_numpy(tokens: np.ndarray, n: int) -> int | None:
+    """``scan_python`` vectorised over every window of ``tokens`` [L] (fast on long contexts)."""
+    # windows start at 0 .. L - n - 1: every earlier position, never the suffix itself
+    windows = sliding_window_view(tokens[:-1], n)
+    hits = np.flatnonzero((windows == tokens[len(tokens) - n :]).all(axis=1))
     return int(hits[-1]) if hits.size else None
 
 
-def most_recent_match(tokens: list[int], n: int) -> int | None:
-    """Start of the most recent earlier occurrence of the last ``n`` tokens, or None."""
-    scan = scan_numpy if len(tokens) >= VECTORISE_FROM else scan_python
-    return scan(tokens, n)
+def match_finder(tokens: list[int]) -> Callable[[int], int | None]:
+    """For one proposal: n -> start of the most recent earlier occurrence of the last n tokens
+    (None if there is none); a long context is converted to an array once for every n."""
+    if len(tokens) >= VECTORISE_FROM:
+        return partial(scan_numpy, np.asarray(tokens))
+    return partial(scan_python, tokens)
 
 
 class NgramDrafter:
@@ -53,8 +59,9 @@ class NgramDrafter:
     def propose_one(self, tokens: list[int], k: int | None = None) -> list[int]:
         """Drafts for one sequence (possibly fewer than k, or none)."""
         k = self.k if k is None else k
+        find = match_finder(tokens)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            start = most_recent_match(tokens, n)
+            start = find(n)
             if start is not None:  # start + n < len(tokens): the continuation is never empty
                 return tokens[start + n : start + n + k]
         return []
