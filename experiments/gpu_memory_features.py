@@ -105,8 +105,12 @@ def section_sleep_offload(
             result["stopped"] = f"deadline before level {level}"
             break
         row: dict[str, Any] = {"level": level, "used_GiB_awake": _used_gib(device)}
+        awake_allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         row["sleep_s"] = _timed(lambda lv=level: llm.sleep(lv), device)
         row["used_GiB_asleep"] = _used_gib(device)
+        if device.type == "cuda":  # this process's live tensors: unfreed vs merely cached
+            row["allocated_GiB_awake"] = awake_allocated / 2**30
+            row["allocated_GiB_asleep"] = torch.cuda.memory_allocated(device) / 2**30
         row["wake_weights_s"] = _timed(lambda: llm.wake_up(tags=["weights"]), device)
         if level == 2:
             row["load_weights_s"] = _timed(lambda: llm.load_weights(state.items()), device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -338,6 +339,10 @@ class LLMEngine:
         """Blocks that fit in gpu_memory_utilization after weights and a peak forward pass."""
         from paged_llm.runner.profiling import peak_forward_bytes
 
+        # Memory of engines dropped earlier in this process (reference cycles wait for the
+        # collector) and the allocator's free cache is this engine's to use, not "in use".
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = peak_forward_bytes(self.runner, self.config.scheduler, self.max_model_len)
         budget = total * self.config.cache.gpu_memory_utilization - (total - free) - peak
