@@ -52,8 +52,11 @@ TUNED: dict[str, dict[str, KernelConfig]] = {
     # had block_n 16, split-K auto: 0.89x / 0.65x / 0.61x. sm80 rows copy sm90's switch points
     # (no A100 run); the default row (other GPUs, the CPU interpreter) switches at 4 rows so
     # the interpreter tests run both paths. Both int4 kernels were rewritten after run 3
-    # (about 40% fewer instructions per weight by the compile report); their rows are still
-    # run 3's.
+    # (about 40% fewer instructions per weight by the compile report); run 5
+    # (paper_repro/gpu_results/2026-12-04-h200-run5.json) swept them again and kept these rows
+    # (int4 GEMV at 1 row: 9.8 us against bf16's 9.9 us at 4096^2), and batch-1 decode ran at
+    # 1.13x (int8), 1.16x (int4) and 0.99x (fp8) of bf16. Its int8 GEMV best was block_n 128
+    # (unused on sm90, where gemv_rows is 0 for int8).
     "int8_matmul": {
         "default": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2, gemv_rows=4),
         "sm80": KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=3),  # untuned
@@ -68,7 +71,7 @@ TUNED: dict[str, dict[str, KernelConfig]] = {
     "int8_gemv": {
         "default": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=2),
         "sm80": KernelConfig(block_n=16, block_k=256, num_warps=4, num_stages=3),  # untuned
-        "sm90": KernelConfig(block_n=16, block_k=256, num_warps=4, num_stages=3),
+        "sm90": KernelConfig(block_n=128, block_k=128, num_warps=4, num_stages=3),
     },
     "int4_gemv": {
         "default": KernelConfig(block_n=32, block_k=128, num_warps=4, num_stages=2),
