@@ -1390,6 +1390,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help=f"also run {', '.join(EXTRA_SECTIONS)} (their caps are added to the budget)",
     )
     parser.add_argument(
+        "--cap",
+        action="append",
+        default=[],
+        metavar="SECTION=SECONDS",
+        help="override one section's time cap (repeatable), e.g. --cap parity=120",
+    )
+    parser.add_argument(
         "--only",
         help=f"comma-separated sections to run (bandwidth always runs): {', '.join(SECTIONS)}",
     )
@@ -1398,6 +1405,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
     if args.budget:
         plan = replace(plan, budget_s=args.budget)
+    if args.cap:
+        plan = replace(plan, section_s={**plan.section_s, **parse_caps(args.cap)})
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--smoke runs Triton's CPU interpreter: set TRITON_INTERPRET=1")
@@ -1413,6 +1422,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --smoke for the CPU check")
     return run_check(args, plan, torch.device("cuda"))
+
+
+def parse_caps(items: list[str]) -> dict[str, float]:
+    """``["parity=120", ...]`` -> {"parity": 120.0}; a clear error for anything else."""
+    caps = {}
+    for item in items:
+        name, sep, seconds = item.partition("=")
+        if not sep or name not in SECTIONS:
+            raise SystemExit(f"--cap wants SECTION=SECONDS with a section of {SECTIONS}: {item!r}")
+        try:
+            caps[name] = float(seconds)
+        except ValueError:
+            raise SystemExit(f"--cap {item!r}: {seconds!r} is not a number of seconds") from None
+    return caps
 
 
 def run_check(args: argparse.Namespace, plan: Plan, device: torch.device) -> dict[str, Any]:

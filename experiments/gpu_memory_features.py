@@ -2,7 +2,11 @@
 features whose device paths no GPU has run yet, checked and measured on one engine.
 
 * Sleep mode at levels 1 and 2 with CUDA graphs on: the device memory in use awake, asleep and
-  woken (``torch.cuda.mem_get_info``), the seconds of each call, greedy outputs after waking
+  woken (``torch.cuda.mem_get_info``), this process's allocated and reserved bytes, the
+  allocator settings in force (earlier sections' cuBLAS workspace pins cached segments the
+  engine then reuses, so run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` to see
+  what a sleep can return; ``experiments/gpu_sleep_probe.py`` has the breakdown), the seconds
+  of each call, greedy outputs after waking
   equal to those before (level 2 after ``load_weights`` from a transformers state dict), and
   the decode graphs captured again and replayed after waking.
 * The prefix cache's CPU tier: a long prompt, others that evict its blocks from a small device
@@ -59,6 +63,16 @@ def _used_gib(device: torch.device) -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
+def _allocator_gib(device: torch.device) -> dict[str, float]:
+    """This process's live tensors and the caching allocator's reservation (CUDA only)."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "allocated": torch.cuda.memory_allocated(device) / 2**30,
+        "reserved": torch.cuda.memory_reserved(device) / 2**30,
+    }
+
+
 def _timed(fn: Any, device: torch.device) -> float:
     start = time.perf_counter()
     fn()
@@ -98,19 +112,24 @@ def section_sleep_offload(
         return llm.generate(batch, greedy, use_tqdm=False)
 
     want = [o.outputs[0].token_ids for o in outputs()]
-    result: dict[str, Any] = {"model": str(path.name), "graph_sizes": engine.runner._graph_sizes}
+    result: dict[str, Any] = {
+        "model": str(path.name), "graph_sizes": engine.runner._graph_sizes,
+        "alloc_conf_env": {
+            v: os.environ[v] for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+            if v in os.environ
+        },
+    }  # fmt: skip
     levels = []
     for level in (1, 2):
         if deadline.left() < 5:
             result["stopped"] = f"deadline before level {level}"
             break
         row: dict[str, Any] = {"level": level, "used_GiB_awake": _used_gib(device)}
-        awake_allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        awake = _allocator_gib(device)
         row["sleep_s"] = _timed(lambda lv=level: llm.sleep(lv), device)
         row["used_GiB_asleep"] = _used_gib(device)
-        if device.type == "cuda":  # this process's live tensors: unfreed vs merely cached
-            row["allocated_GiB_awake"] = awake_allocated / 2**30
-            row["allocated_GiB_asleep"] = torch.cuda.memory_allocated(device) / 2**30
+        for key, value in awake.items():  # live tensors vs reserved: unfreed, cached or returned
+            row[f"{key}_GiB_awake"], row[f"{key}_GiB_asleep"] = value, _allocator_gib(device)[key]
         row["wake_weights_s"] = _timed(lambda: llm.wake_up(tags=["weights"]), device)
         if level == 2:
             row["load_weights_s"] = _timed(lambda: llm.load_weights(state.items()), device)

@@ -274,3 +274,32 @@ def test_static_generate_smoke_writes_json_and_profile(tmp_path):
         json.dumps(run, default=str)
     )
     assert "aten::" in (tmp_path / "generate_profile.txt").read_text()
+
+
+def test_section_caps_parse_or_fail_clearly():
+    from experiments.gpu_check import parse_caps
+
+    assert parse_caps(["parity=110", "end_to_end=30.5"]) == {"parity": 110.0, "end_to_end": 30.5}
+    for bad in ("bandwidth=3", "parity", "parity=soon"):
+        with pytest.raises(SystemExit, match="--cap"):
+            parse_caps([bad])
+
+
+def test_the_sleep_probe_summarises_segments_biggest_first_with_live_sites():
+    from experiments.gpu_sleep_probe import segments
+
+    mib = 2**20
+    frame = {"filename": "/x/paged_llm/models/llama.py", "line": 67, "name": "forward"}
+    torch_frame = {"filename": "/usr/torch/nn/functional.py", "line": 1, "name": "linear"}
+    snapshot = {"segments": [
+        {"total_size": 40 * mib, "allocated_size": 32 * mib, "is_expandable": True,
+         "segment_pool_id": (0, 0), "blocks": [
+             {"size": 32 * mib, "state": "active_allocated", "frames": [torch_frame, frame]},
+             {"size": 8 * mib, "state": "inactive", "frames": []}]},
+        {"total_size": 1024 * mib, "allocated_size": 0, "is_expandable": False,
+         "segment_pool_id": (0, 0), "blocks": [{"size": 1024 * mib, "state": "inactive"}]},
+    ]}  # fmt: skip
+    rows = segments(snapshot)
+    assert [r["total_MiB"] for r in rows] == [1024.0, 40.0]
+    assert rows[0]["live_blocks"] == []
+    assert rows[1]["live_blocks"] == [{"MiB": 32.0, "site": "llama.py:67 forward"}]

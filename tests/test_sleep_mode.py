@@ -14,9 +14,10 @@ from test_load_weights import trained_step
 from test_models import _hf_model, _save
 
 from paged_llm import LLM, SamplingParams
+from paged_llm.engine import llm_engine
 from paged_llm.engine.loading import checkpoint_path
-from paged_llm.engine.sleep_mode import EngineAsleepError
-from paged_llm.runner.sleep import SleepingMemory
+from paged_llm.engine.sleep_mode import EngineAsleepError, describe
+from paged_llm.runner.sleep import SleepingMemory, SleepReport, pinned_cache_bytes
 
 PROMPTS = [[5, 9, 13, 2, 7, 11, 3, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 
@@ -220,6 +221,26 @@ def test_storages_are_freed_once_and_restored_by_rule(case):
     for i, view in views:  # a view still aliases its base after the storage was re-created
         tensors[i].fill_(7.0)
         assert bool((view == 7.0).all())
+
+
+@pytest.mark.parametrize(("pinned_mib", "warns"), [(0, False), (63, False), (512, True)])
+def test_a_sleep_mode_engine_warns_when_cached_cuda_memory_is_pinned(
+    monkeypatch, caplog, pinned_mib, warns
+):
+    # cached space inside segments live tensors use cannot go back to the driver (run 8 probe)
+    monkeypatch.setattr(llm_engine, "pinned_cache_bytes", lambda device: pinned_mib * 2**20)
+    with caplog.at_level("WARNING", logger=llm_engine.logger.name):
+        llm_engine._warn_if_sleep_cannot_free(torch.device("cuda"))
+    assert ("expandable_segments:True" in caplog.text) is warns
+    assert pinned_cache_bytes(torch.device("cpu")) == 0
+
+
+def test_the_sleep_log_says_what_the_driver_got_back_where_it_knows():
+    cpu = describe([SleepReport(freed=2**30, offloaded=2**29)], "cpu")
+    assert "1.000 GiB" in cpu and "driver" not in cpu
+    cuda = describe([SleepReport(2**30, 0, returned=2**29), SleepReport(2**30, 0, returned=0)],
+                    "cuda")  # fmt: skip
+    assert "2 rank(s)" in cuda and "the driver got 0.500 GiB back" in cuda
 
 
 def test_the_experiment_measures_both_levels(tmp_path):

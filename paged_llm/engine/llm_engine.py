@@ -52,6 +52,7 @@ from paged_llm.quant.layers import QuantLinear
 from paged_llm.runner.cuda_graphs import cuda_graph_sizes
 from paged_llm.runner.logits_processors import bad_words_token_ids
 from paged_llm.runner.model_runner import ModelRunner
+from paged_llm.runner.sleep import pinned_cache_bytes
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 from paged_llm.spec.metrics import SpecDecodeStats
 from paged_llm.spec.registry import build_drafter
@@ -60,6 +61,7 @@ from paged_llm.utils.registry import build
 
 logger = logging.getLogger(__name__)
 MAX_ITERATION_STATS = 100_000  # ~a few hours of steps; experiments read far fewer
+PINNED_CACHE_WARN_BYTES = 64 * 2**20  # below this, a sleep losing it does not matter
 
 
 @dataclass
@@ -92,6 +94,20 @@ class _Group:
     pooled: Any = None  # a pooling request's output tensor, once its prompt has run
 
 
+def _warn_if_sleep_cannot_free(device: torch.device) -> None:
+    """Before a sleep-mode engine allocates: warn when cached CUDA memory sits in segments that
+    live tensors pin, since the engine may take it and no sleep can then return it."""
+    pinned = pinned_cache_bytes(device)
+    if pinned >= PINNED_CACHE_WARN_BYTES:
+        logger.warning(
+            "sleep mode: %.2f GiB of cached CUDA memory sits in segments that live tensors also "
+            "use; what the engine takes from it a sleep cannot hand back to the driver. Set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process first uses "
+            "CUDA, or build the engine first",
+            pinned / 2**30,
+        )
+
+
 class LLMEngine:
     """Owns the scheduler and the model runner; each ``step()`` runs one iteration."""
 
@@ -104,6 +120,8 @@ class LLMEngine:
         self.parallel = start_tensor_parallel(config)
         self.device = self.parallel.device if self.parallel else resolve_device(mc.device)
         torch.manual_seed(mc.seed)
+        if mc.enable_sleep_mode:
+            _warn_if_sleep_cannot_free(self.device)
         with building_for(self.parallel.group if self.parallel else None):
             self.model, self.hf_config, self.tokenizer = load_model_and_tokenizer(mc, self.device)
         if mc.skip_tokenizer_init:

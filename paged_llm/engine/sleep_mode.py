@@ -90,7 +90,11 @@ def describe(reports: list[SleepReport], device: str) -> str:
     gib = 2**30
     freed = sum(r.freed for r in reports) / gib
     offloaded = sum(r.offloaded for r in reports) / gib
-    return (
+    line = (
         f"sleep freed {freed:.3f} GiB of {device} memory on {len(reports)} rank(s); "
         f"{offloaded:.3f} GiB of it is kept in CPU memory to be restored"
     )
+    returned = [r.returned for r in reports if r.returned is not None]
+    if returned:  # CUDA: what other processes can now use (see runner/sleep.py)
+        line += f"; the driver got {sum(returned) / gib:.3f} GiB back"
+    return line

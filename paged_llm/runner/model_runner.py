@@ -25,7 +25,13 @@ from paged_llm.runner.kv_cache import (
     move_blocks,
 )
 from paged_llm.runner.sampler import Sampler, SampleResult, logprob_entries
-from paged_llm.runner.sleep import RankMemory, Sleeper, SleepReport, trim_host_heap
+from paged_llm.runner.sleep import (
+    RankMemory,
+    Sleeper,
+    SleepReport,
+    device_free_bytes,
+    trim_host_heap,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -297,11 +303,13 @@ class ModelRunner:
     def sleep(self, level: int) -> SleepReport:
         """Free this rank's weights and KV cache (level 1 offloads the weights, level 2
         discards the parameters); CUDA graphs, which bake in their addresses, go too."""
+        free_before = device_free_bytes(self.device)
         self.cuda_graphs = None  # their memory pool is freed with them
         self.backend.release_buffers()
         report = self.sleeper.sleep(level, self.device_memory())
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the freed blocks back to the driver
+            torch.cuda.empty_cache()  # hand the freed segments back to the driver
+            report.returned = device_free_bytes(self.device) - free_before
         else:
             trim_host_heap()
         return report
