@@ -1,5 +1,5 @@
 """GPU check section ``sleep_offload`` (--extras; see experiments/gpu_check.py): the two memory
-features whose device paths no GPU has run yet, checked and measured on one engine.
+features whose device paths only a GPU runs, checked and measured on one engine (H200 runs 5-11).
 
 * Sleep mode at levels 1 and 2 with CUDA graphs on: the device memory in use awake, asleep and
   woken (``torch.cuda.mem_get_info``), this process's allocated and reserved bytes, the

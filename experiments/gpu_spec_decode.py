@@ -1,7 +1,8 @@
 """GPU check section ``spec_decode`` (--extras; see experiments/gpu_check.py): speculative
 decoding on the device with the built-in trained target, its draft model, its EAGLE head and
 n-grams, whose device paths (the EAGLE head's block-indexed pools, the runner's kept hidden
-states, verification batches next to CUDA-graph decodes) no GPU has run yet.
+states, verification batches next to CUDA-graph decodes) ran first on an H200 in run 5
+(paper_repro/gpu_results.md).
 
 * ``exactness``: greedy outputs of each method (k = 4) against the target alone on the same
   device, in float32 with TF32 off: the share of identical outputs and of equal tokens. A

@@ -21,7 +21,8 @@ Graphs are used only on CUDA, without ``enforce_eager``, at tensor_parallel_size
 NCCL collectives is not verified here) and with the triton backend, whose decode path reads
 only device tensors and host values fixed at capture. Everything else runs exactly as before.
 
-UNMEASURED: no GPU has run this code yet; docs/gpu.md has the command that checks it.
+Measured on an H200 (paper_repro/gpu_results.md): parity with transformers through replayed
+graphs, and 1,457 of 1,465 end-to-end steps replayed (run 11).
 """
 
 from __future__ import annotations
