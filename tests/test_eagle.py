@@ -114,6 +114,39 @@ def test_greedy_outputs_equal_the_target_alone(pair, k):
     assert llm.llm_engine.kv_usage() == 0
 
 
+def test_observe_runs_the_first_draft_step_where_the_block_allows(pair):
+    """A proposal at position b runs k - 1 head forwards when b shares b-1's block (observe ran
+    the first with the target's new feature) and k at a block boundary; drafts stay those of
+    the whole-sequence reference."""
+    llm = eagle_llm(pair, k=3)
+    drafter = llm.llm_engine.drafter
+    run, propose, calls = drafter._run, drafter.propose, []
+
+    def counting_run(*args):
+        if calls and calls[-1]["open"]:
+            calls[-1]["forwards"] += 1
+        return run(*args)
+
+    def counting_propose(entries, sampler):
+        (s,) = entries
+        calls.append({"b": s.request.num_computed_tokens, "lookahead": s.num_lookahead,
+                      "forwards": 0, "open": True})  # fmt: skip
+        try:
+            return propose(entries, sampler)
+        finally:
+            calls[-1]["open"] = False
+
+    drafter._run, drafter.propose = counting_run, counting_propose
+    seen = recorded_proposals(llm)
+    llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(20))
+    for c in calls:
+        assert c["forwards"] == c["lookahead"] - (1 if c["b"] % 4 else 0), c
+    assert {c["b"] % 4 == 0 for c in calls} == {True, False}  # both kinds of position ran
+    _, _, hf, ref = pair
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(hf, ref, tokens, len(drafts)), tokens
+
+
 def test_parallel_samples_draft_from_shared_blocks(pair):
     """n > 1: samples 2..n fork the first one's prompt blocks (the head's pools with them) and
     recompute its last token; each drafts what the reference drafts from its own context."""
@@ -237,3 +270,22 @@ def test_a_heads_key_follows_its_targets_recipe(monkeypatch):
     monkeypatch.setitem(trained.RECIPES, "target", changed)
     assert trained.recipe("eagle").key() != key
     assert trained.recipe("eagle").corpus == trained.recipe("target").corpus
+
+
+def test_the_first_step_experiment_pairs_both_variants(trained_pair, tmp_path):
+    # trained_pair: the built-in test models, which the experiment takes by name
+    from experiments import eagle_first_step
+
+    out = tmp_path / "first_step.json"
+    doc = eagle_first_step.main([
+        "--out", str(out), "--target", "test-target", "--eagle", "test-eagle",
+        "--ks", "2", "--batch-sizes", "1", "--rounds", "2", "--num-prompts", "2",
+        "--max-tokens", "8",
+    ])  # fmt: skip
+    (cell,) = doc["cells"]
+    assert cell["k"] == 2 and len(cell["rounds"]) == 2
+    for times in cell["rounds"]:
+        assert set(times) == {"fused", "unfused"}
+        assert all(0 < t["drafter_s"] < t["wall_s"] for t in times.values())
+    assert doc["mode"] == "real" and "cpu" in doc["hardware"]
+    assert out.exists()

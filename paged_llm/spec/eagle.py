@@ -18,10 +18,20 @@ Each step has two parts:
   the head predicts f_b, the target's LM head turns it into draft d_1, and (d_1, predicted f_b)
   gives d_2, and so on, k times. The KV written for drafts is overwritten by the next
   ``observe``.
+
+The first of those k head forwards rides along with ``observe`` where it can (as vLLM's EAGLE
+does): once the target has sampled x_b, the pair (x_b, f_{b-1}) is known, so ``observe`` adds
+position b to its forward and keeps the predicted f_b and its logits for ``propose``, which
+then runs k - 1 forwards. Position b's slot must already be the request's: b's block is b-1's
+(b not a multiple of the block size), which the request just wrote and so holds privately (a
+fork's copy-on-write happened before that write, and a block that is not full is in no prefix
+cache). Elsewhere, and whenever the block moved since (swap, recomputation), ``propose`` runs
+the step itself. The head's KV at b is then the true pair's, as the invariant asks anyway.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +42,16 @@ from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per
 from paged_llm.runner.model_runner import order_for_backend
 from paged_llm.runner.sleep import RankMemory
 from paged_llm.spec.draft_model import choose_draft_token
+
+
+@dataclass
+class _FirstStep:
+    """A request's first draft step, run by ``observe`` for the next ``propose``."""
+
+    position: int  # b: the request's computed tokens when observe ran
+    block: int  # the block holding position b (the step wrote the head's KV there)
+    feature: torch.Tensor  # [H] the head's predicted f_b
+    logits: torch.Tensor  # [V] the target's LM head on it
 
 
 class EagleDrafter:
@@ -45,6 +65,7 @@ class EagleDrafter:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.k = num_speculative_tokens
         self.model_path = model
+        self._first: dict[str, _FirstStep] = {}  # request -> draft step 1, run by observe
 
     def load(self, engine: Any) -> None:
         """Load the head on the target's device; it reads the target's embeddings and LM head."""
@@ -99,7 +120,9 @@ class EagleDrafter:
         return RankMemory([], weights, pools)
 
     def forget(self, request_id: str) -> None:
-        """Nothing to drop: all the head needs lives in the request's blocks."""
+        """Drop the request's first draft step, if ``observe`` ran it; the rest lives in its
+        blocks."""
+        self._first.pop(request_id, None)
 
     # ---- after the target's forward -----------------------------------------------------------
     @torch.inference_mode()
@@ -121,17 +144,41 @@ class EagleDrafter:
             row += n
         for s, a, _, rows in spans:
             self._store_features(s.block_table, a, rows)
+        self._first = {}
         ids, feats, positions, q_lens, seq_lens, tables = [], [], [], [], [], []
+        firsts = []  # (request id, row of position b, its block) where observe drafts step 1
         for s, a, b, rows in spans:
             prev = self.feature_at(s.block_table, a - 1) if a else rows.new_zeros(self.hidden)
             feats.append(torch.cat([prev[None].to(rows.dtype), rows[:-1]]))
             ids.extend(s.request.all_token_ids[a:b])
             positions.extend(range(a, b))
+            if self._drafts_next(s.request, b):  # + position b: (x_b, f_{b-1})
+                feats.append(rows[-1:])
+                ids.append(s.request.all_token_ids[b])
+                positions.append(b)
+                block = s.block_table[b // self.block_size]
+                firsts.append((s.request.request_id, len(ids) - 1, block))
+                b += 1
             q_lens.append(b - a)
             seq_lens.append(b)
             tables.append(s.block_table)
         if q_lens:
-            self._run(ids, torch.cat(feats), positions, q_lens, seq_lens, tables)
+            out = self._run(ids, torch.cat(feats), positions, q_lens, seq_lens, tables)
+            if firsts:
+                rows_t = torch.tensor([r for _, r, _ in firsts], device=out.device)
+                logits = self.target.compute_logits(out[rows_t])
+                for i, (rid, row, block) in enumerate(firsts):
+                    self._first[rid] = _FirstStep(positions[row], block, out[row], logits[i])
+
+    def _drafts_next(self, request: Any, b: int) -> bool:
+        """Whether observe should run the request's first draft step: it has sampled x_b (its
+        only uncomputed token) and may draft, and position b shares b-1's block."""
+        return (
+            b % self.block_size != 0
+            and request.num_tokens == b + 1
+            and not request.is_finished
+            and not request.sampling_params.tracks_logprobs
+        )
 
     def feature_at(self, table: list[int], position: int) -> torch.Tensor:  # [H]
         """The target's stored feature at ``position`` of a sequence with this block table."""
@@ -177,19 +224,38 @@ class EagleDrafter:
         starts = [s.request.num_computed_tokens for s in live]
         tokens = [s.request.all_token_ids[b] for s, b in zip(live, starts)]
         feats = [self.feature_at(s.block_table, b - 1) for s, b in zip(live, starts)]
+        first, self._first = self._first, {}
+        done = {i for i, s in enumerate(live) if self._first_is_valid(first, s, starts[i])}
         for step in range(max((s.num_lookahead for s in live), default=0)):
             idx = [i for i, s in enumerate(live) if step < s.num_lookahead]
-            pos = [starts[i] + step for i in idx]
-            out = self._run([tokens[i] for i in idx], torch.stack([feats[i] for i in idx]), pos,
-                            [1] * len(idx), [p + 1 for p in pos],
-                            [live[i].block_table for i in idx])  # fmt: skip
-            logits = self.target.compute_logits(out)
-            for row, i in enumerate(idx):
+            run = [i for i in idx if step > 0 or i not in done]
+            pos = [starts[i] + step for i in run]
+            out, logits = {}, {}
+            if run:
+                h = self._run([tokens[i] for i in run], torch.stack([feats[i] for i in run]),
+                              pos, [1] * len(run), [p + 1 for p in pos],
+                              [live[i].block_table for i in run])  # fmt: skip
+                lg = self.target.compute_logits(h)
+                for row, i in enumerate(run):
+                    out[i], logits[i] = h[row], lg[row]
+            for i in idx:  # in entry order, so sampled drafts draw as before
                 s = live[i]
                 rid = s.request.request_id
-                tok, q = choose_draft_token(logits[row], s.request, drafts[rid], sampler)
+                if i not in out:  # observe ran this step
+                    out[i], logits[i] = first[rid].feature, first[rid].logits
+                tok, q = choose_draft_token(logits[i], s.request, drafts[rid], sampler)
                 drafts[rid].append(tok)
                 if q is not None:
                     probs.setdefault(rid, []).append(q)
-                tokens[i], feats[i] = tok, out[row]
+                tokens[i], feats[i] = tok, out[i]
         return drafts, {rid: torch.stack(p) for rid, p in probs.items()}
+
+    def _first_is_valid(self, first: dict[str, _FirstStep], entry: Any, start: int) -> bool:
+        """True when observe ran this entry's first draft step at its position and block."""
+        step = first.get(entry.request.request_id)
+        return (
+            step is not None
+            and entry.num_lookahead > 0
+            and step.position == start
+            and entry.block_table[start // self.block_size] == step.block
+        )
