@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from experiments.gpu_check import Deadline, Plan, save_tiny_llama
+from paged_llm.runner.sleep import pinned_cache_bytes
 
 
 def _checkpoint(plan: Plan, workdir: Path) -> Path:
@@ -96,6 +97,9 @@ def section_sleep_offload(
         state.update(load_file(str(f)))
     # a small pool, so the tier has work to do (the tiny model has 128 positions)
     block, pool = (4, 24) if smoke else (16, 512)
+    # free space earlier sections left in segments live tensors pin: the engine may take it,
+    # and a sleep cannot hand that back (paged_llm/runner/sleep.py)
+    pinned = pinned_cache_bytes(device) / 2**30
     llm = LLM(
         str(path), device=str(device), dtype="float32" if smoke else "bfloat16",
         enable_sleep_mode=True, enable_prefix_caching=True, block_size=block,
@@ -114,6 +118,7 @@ def section_sleep_offload(
     want = [o.outputs[0].token_ids for o in outputs()]
     result: dict[str, Any] = {
         "model": str(path.name), "graph_sizes": engine.runner._graph_sizes,
+        "pinned_cache_GiB_before_engine": pinned,
         "alloc_conf_env": {
             v: os.environ[v] for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
             if v in os.environ

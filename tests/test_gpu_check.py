@@ -129,6 +129,7 @@ def test_smoke_run_writes_well_formed_json(tmp_path):
         assert memory["all_pass"], memory
         assert [r["level"] for r in memory["levels"]] == [1, 2]
         assert memory["offload"]["blocks_copied_back"] > 0
+        assert memory["pinned_cache_GiB_before_engine"] == 0  # no CUDA allocator on the CPU
         if "kv_transfer" in memory:  # run when the smoke budget left room for it
             assert memory["kv_transfer"]["kv_consumer"]["blocks_loaded"] > 0
     spec = doc["sections"]["spec_decode"]
