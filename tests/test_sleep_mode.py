@@ -17,7 +17,13 @@ from paged_llm import LLM, SamplingParams
 from paged_llm.engine import llm_engine
 from paged_llm.engine.loading import checkpoint_path
 from paged_llm.engine.sleep_mode import EngineAsleepError, describe
-from paged_llm.runner.sleep import SleepingMemory, SleepReport, pinned_cache_bytes
+from paged_llm.runner.sleep import (
+    HeldFreeSpace,
+    SleepingMemory,
+    SleepReport,
+    free_blocks_to_hold,
+    pinned_cache_bytes,
+)
 
 PROMPTS = [[5, 9, 13, 2, 7, 11, 3, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 
@@ -230,9 +236,29 @@ def test_a_sleep_mode_engine_warns_when_cached_cuda_memory_is_pinned(
     # cached space inside segments live tensors use cannot go back to the driver (run 8 probe)
     monkeypatch.setattr(llm_engine, "pinned_cache_bytes", lambda device: pinned_mib * 2**20)
     with caplog.at_level("WARNING", logger=llm_engine.logger.name):
-        llm_engine._warn_if_sleep_cannot_free(torch.device("cuda"))
+        held = llm_engine._hold_pinned_free_space(torch.device("cuda"))
     assert ("expandable_segments:True" in caplog.text) is warns
+    assert held.nbytes == 0  # CUDA never initialised here: nothing to hold
     assert pinned_cache_bytes(torch.device("cpu")) == 0
+
+
+def test_placeholders_cover_free_blocks_of_pinned_large_default_pool_segments_only():
+    def seg(blocks, **kw):
+        base = {"segment_type": "large", "segment_pool_id": (0, 0), "stream": 0,
+                "is_expandable": False}  # fmt: skip
+        return {**base, **kw, "blocks": [{"size": n, "state": st} for n, st in blocks]}
+
+    live, free = "active_allocated", "inactive"
+    segments = [
+        seg([(32, live), (992, free)]),  # a cuBLAS workspace pinning a freed copy buffer
+        seg([(8, live), (24, free), (4, live), (12, free)]),
+        seg([(8, live), (56, free)], is_expandable=True),  # unmaps its free pages itself
+        seg([(1, live), (1, free)], segment_type="small"),
+        seg([(8, live), (8, free)], segment_pool_id=(1, 0)),  # a CUDA graph's private pool
+        seg([(8, live), (8, free)], stream=7),  # the engine allocates on the current stream
+    ]
+    assert free_blocks_to_hold(segments, stream=0) == [992, 24, 12]
+    assert HeldFreeSpace(torch.device("cpu")).nbytes == 0
 
 
 def test_the_sleep_log_says_what_the_driver_got_back_where_it_knows():

@@ -52,7 +52,7 @@ from paged_llm.quant.layers import QuantLinear
 from paged_llm.runner.cuda_graphs import cuda_graph_sizes
 from paged_llm.runner.logits_processors import bad_words_token_ids
 from paged_llm.runner.model_runner import ModelRunner
-from paged_llm.runner.sleep import pinned_cache_bytes
+from paged_llm.runner.sleep import HeldFreeSpace, pinned_cache_bytes
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 from paged_llm.spec.metrics import SpecDecodeStats
 from paged_llm.spec.registry import build_drafter
@@ -94,18 +94,24 @@ class _Group:
     pooled: Any = None  # a pooling request's output tensor, once its prompt has run
 
 
-def _warn_if_sleep_cannot_free(device: torch.device) -> None:
-    """Before a sleep-mode engine allocates: warn when cached CUDA memory sits in segments that
-    live tensors pin, since the engine may take it and no sleep can then return it."""
+def _hold_pinned_free_space(device: torch.device) -> HeldFreeSpace:
+    """Before a sleep-mode engine allocates: hold the cached CUDA memory in segments that live
+    tensors pin, which a sleep could not return (runner/sleep.py); warn about what remains."""
+    held = HeldFreeSpace(device)
+    if held.nbytes:
+        logger.info("sleep mode: holding %.2f GiB of pinned free CUDA memory while allocating",
+                    held.nbytes / 2**30)  # fmt: skip
     pinned = pinned_cache_bytes(device)
     if pinned >= PINNED_CACHE_WARN_BYTES:
         logger.warning(
             "sleep mode: %.2f GiB of cached CUDA memory sits in segments that live tensors also "
-            "use; what the engine takes from it a sleep cannot hand back to the driver. Set "
+            "use and could not be held (other streams, small segments); what the engine takes "
+            "from it a sleep cannot hand back to the driver. Set "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process first uses "
             "CUDA, or build the engine first",
             pinned / 2**30,
         )
+    return held
 
 
 class LLMEngine:
@@ -120,8 +126,7 @@ class LLMEngine:
         self.parallel = start_tensor_parallel(config)
         self.device = self.parallel.device if self.parallel else resolve_device(mc.device)
         torch.manual_seed(mc.seed)
-        if mc.enable_sleep_mode:
-            _warn_if_sleep_cannot_free(self.device)
+        held = _hold_pinned_free_space(self.device) if mc.enable_sleep_mode else None
         with building_for(self.parallel.group if self.parallel else None):
             self.model, self.hf_config, self.tokenizer = load_model_and_tokenizer(mc, self.device)
         if mc.skip_tokenizer_init:
@@ -230,6 +235,8 @@ class LLMEngine:
             enable_lora=self.lora is not None,
         )  # fmt: skip  # [] on the CPU or with enforce_eager
         self.runner.capture_cuda_graphs(graph_sizes, self.max_model_len)
+        if held is not None:  # everything a sleep frees is allocated by now
+            held.release()
         tokens = num_blocks * cc.block_size
         logger.info(
             "KV cache: %d blocks x %d = %d tokens (%.2f GiB, %s); maximum concurrency for "

@@ -26,6 +26,7 @@ from paged_llm.runner.kv_cache import (
 )
 from paged_llm.runner.sampler import Sampler, SampleResult, logprob_entries
 from paged_llm.runner.sleep import (
+    HeldFreeSpace,
     RankMemory,
     Sleeper,
     SleepReport,
@@ -34,6 +35,7 @@ from paged_llm.runner.sleep import (
 )
 
 logger = logging.getLogger(__name__)
+WAKE_MARGIN_BYTES = 256 * 2**20  # for the CUDA graphs captured again after waking
 
 
 @dataclass
@@ -315,10 +317,19 @@ class ModelRunner:
         return report
 
     def wake_up(self, tags: list[str]) -> None:
-        """Restore these tags' memory; once all is awake, capture the CUDA graphs again."""
-        self.sleeper.wake_up(tags)
-        if not self.sleeper.asleep and self.cuda_graphs is None and self._graph_sizes:
-            self.capture_cuda_graphs(self._graph_sizes, self._max_model_len)
+        """Restore these tags' memory; once all is awake, capture the CUDA graphs again. On
+        CUDA the restored storages avoid segments that live tensors pin (``HeldFreeSpace``),
+        where the driver has room for them, so the next sleep can return them."""
+        needed = self.sleeper.bytes_to_restore(tags) + WAKE_MARGIN_BYTES
+        room = self.device.type == "cuda" and device_free_bytes(self.device) >= needed
+        held = HeldFreeSpace(self.device) if room else None
+        try:
+            self.sleeper.wake_up(tags)
+            if not self.sleeper.asleep and self.cuda_graphs is None and self._graph_sizes:
+                self.capture_cuda_graphs(self._graph_sizes, self._max_model_len)
+        finally:
+            if held is not None:
+                held.release()
 
     def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list[str]:
         """Write HF-named tensors into this rank's model (its slices); the names written."""

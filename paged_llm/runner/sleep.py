@@ -21,18 +21,25 @@ the driver only segments with nothing live in them. In a process whose first CUD
 engine, that is all of the engine's weights and KV cache (H200, 2026-12-04: 1.58 of 1.61 GiB).
 But free space the allocator cached before the engine was built, inside a segment that a live
 tensor pins (cuBLAS keeps its workspace for the life of the process), is reused by the engine
-and can never be handed back: there a sleep handed back 0.57 of 1.5 GiB. The engine warns at
-start-up when such space exists (``pinned_cache_bytes``); setting
+and can never be handed back: there a sleep handed back 0.57 of 1.5 GiB. Setting
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before the process first touches CUDA
-avoids it (the same probe then handed back everything). Each sleep reports what it returned.
+avoided it (the same probe then handed back everything). So while a sleep-mode engine
+allocates what a sleep frees (at start-up and in ``wake_up``), ``HeldFreeSpace`` puts
+placeholder tensors over that pinned free space, and the engine's tensors land in segments of
+their own; the placeholders are freed afterwards. UNMEASURED on a GPU: written after runs 8-11;
+the GPU check's sleep section, which runs after other sections in one process, measures it.
+The engine warns when pinned free space remains that the placeholders could not cover
+(``pinned_cache_bytes``). Each sleep reports what the driver got back.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -158,6 +165,10 @@ class Sleeper:
         parts = self.asleep.values()
         return SleepReport(sum(p.freed_bytes for p in parts), sum(p.offloaded_bytes for p in parts))
 
+    def bytes_to_restore(self, tags: Iterable[str]) -> int:
+        """What waking these tags will allocate."""
+        return sum(r.nbytes for t in tags if t in self.asleep for r in self.asleep[t].released)
+
     def wake_up(self, tags: Iterable[str]) -> None:
         """Restore the memory of these tags (those already awake are skipped)."""
         for tag in check_tags(tags):
@@ -189,6 +200,54 @@ def pinned_cache_bytes(device: torch.device) -> int:
         return 0
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def free_blocks_to_hold(segments: list[dict[str, Any]], stream: int) -> list[int]:
+    """Sizes of the free blocks that ``HeldFreeSpace`` covers, from a memory snapshot's
+    segments taken after ``empty_cache()`` (so every segment left has something live in it):
+    those of the default pool's large, non-expandable segments on ``stream``. The 2 MiB
+    small-pool segments hold too little to matter, and expandable ones unmap their free pages."""
+    sizes = []
+    for seg in segments:
+        if (
+            seg.get("is_expandable")
+            or seg.get("segment_type") != "large"
+            or tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+            or seg.get("stream") != stream
+        ):
+            continue
+        sizes += [b["size"] for b in seg["blocks"] if b["state"] == "inactive"]
+    return sizes
+
+
+class HeldFreeSpace:
+    """Placeholders over the caching allocator's free space inside segments that live tensors
+    pin (see the module docstring), held while an engine allocates what a sleep should free.
+    Each placeholder asks for a free block's exact size, so best-fit hands it that block. A
+    no-op off CUDA or before CUDA is used."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.tensors: list[torch.Tensor] = []
+        if device.type != "cuda" or not torch.cuda.is_initialized():
+            return
+        gc.collect()  # tensors in reference cycles would pin segments until the collector runs
+        torch.cuda.empty_cache()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        segments = [s for s in torch.cuda.memory_snapshot() if s.get("device") == index]
+        stream = torch.cuda.current_stream(device).cuda_stream
+        self.tensors = [
+            torch.empty(n, dtype=torch.uint8, device=device)
+            for n in free_blocks_to_hold(segments, stream)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(t.numel() for t in self.tensors)
+
+    def release(self) -> None:
+        """Free the placeholders (their space goes back to the allocator's cache)."""
+        self.tensors = []
 
 
 def device_free_bytes(device: torch.device) -> int:
