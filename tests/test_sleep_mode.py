@@ -22,6 +22,7 @@ from paged_llm.runner.sleep import (
     SleepingMemory,
     SleepReport,
     free_blocks_to_hold,
+    hold_blocks,
     pinned_cache_bytes,
 )
 
@@ -259,6 +260,24 @@ def test_placeholders_cover_free_blocks_of_pinned_large_default_pool_segments_on
     ]
     assert free_blocks_to_hold(segments, stream=0) == [992, 24, 12]
     assert HeldFreeSpace(torch.device("cpu")).nbytes == 0
+
+
+def test_a_placeholder_that_needs_a_new_segment_is_dropped():
+    reserved, holes = [1000], [992, 12]  # reserved bytes; free blocks the allocator can reuse
+
+    def allocate(n):
+        if n == 7:
+            raise torch.OutOfMemoryError("no room")
+        if n in holes:
+            holes.remove(n)
+        else:  # best-fit found no hole: the allocator reserves a new segment
+            reserved[0] += n
+        return torch.empty(n, dtype=torch.uint8)
+
+    kept, grew = hold_blocks([992, 24, 7, 12], allocate, lambda: reserved[0])
+    assert [t.numel() for t in kept] == [992, 12] and grew
+    kept, grew = hold_blocks([], allocate, lambda: reserved[0])
+    assert kept == [] and not grew
 
 
 def test_the_sleep_log_says_what_the_driver_got_back_where_it_knows():

@@ -220,6 +220,27 @@ def free_blocks_to_hold(segments: list[dict[str, Any]], stream: int) -> list[int
     return sizes
 
 
+def hold_blocks(
+    sizes: list[int], allocate: Any, reserved_bytes: Any
+) -> tuple[list[torch.Tensor], bool]:
+    """One placeholder per size, kept only where it took space already reserved (a hole in a
+    pinned segment); one that needed a new segment is dropped at once. Returns the kept ones
+    and whether any was dropped that way (its segment is then cached, to be emptied)."""
+    kept, grew = [], False
+    for n in sizes:
+        before = reserved_bytes()
+        try:
+            placeholder = allocate(n)
+        except torch.OutOfMemoryError:
+            continue
+        if reserved_bytes() > before:
+            grew = True
+            del placeholder
+            continue
+        kept.append(placeholder)
+    return kept, grew
+
+
 class HeldFreeSpace:
     """Placeholders over the caching allocator's free space inside segments that live tensors
     pin (see the module docstring), held while an engine allocates what a sleep should free.
@@ -230,15 +251,20 @@ class HeldFreeSpace:
         self.tensors: list[torch.Tensor] = []
         if device.type != "cuda" or not torch.cuda.is_initialized():
             return
+        if torch.cuda.memory.get_allocator_backend() != "native":  # cudaMallocAsync: no segments
+            return
         gc.collect()  # tensors in reference cycles would pin segments until the collector runs
         torch.cuda.empty_cache()
         index = device.index if device.index is not None else torch.cuda.current_device()
         segments = [s for s in torch.cuda.memory_snapshot() if s.get("device") == index]
         stream = torch.cuda.current_stream(device).cuda_stream
-        self.tensors = [
-            torch.empty(n, dtype=torch.uint8, device=device)
-            for n in free_blocks_to_hold(segments, stream)
-        ]
+        self.tensors, grew = hold_blocks(
+            free_blocks_to_hold(segments, stream),
+            lambda n: torch.empty(n, dtype=torch.uint8, device=device),
+            lambda: torch.cuda.memory_reserved(device),
+        )
+        if grew:
+            torch.cuda.empty_cache()
 
     @property
     def nbytes(self) -> int:
