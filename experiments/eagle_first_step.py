@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from experiments.spec_workload import code_prompts, model_dir, prompt_batches
-from paged_llm import LLM, SamplingParams
+from experiments.spec_workload import code_prompts, generate_greedy, model_dir, prompt_batches
+from paged_llm import LLM
 from paged_llm.metrics.run_info import hardware_info
 
 
@@ -54,12 +54,9 @@ class DrafterClock:
 def _timed(
     llm: LLM, clock: DrafterClock, batches: list[list[list[int]]], max_tokens: int
 ) -> tuple[dict[str, float], list]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    start, cpu, outputs = time.perf_counter(), time.process_time(), []
+    start, cpu = time.perf_counter(), time.process_time()
     clock.seconds = clock.cpu_seconds = 0.0
-    for prompts in batches:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        outputs += [o.outputs[0].token_ids for o in outs]
+    outputs = generate_greedy(llm, batches, max_tokens)
     return {
         "wall_s": time.perf_counter() - start, "drafter_s": clock.seconds,
         "cpu_s": time.process_time() - cpu, "drafter_cpu_s": clock.cpu_seconds,

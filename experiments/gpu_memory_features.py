@@ -3,10 +3,11 @@ features whose device paths only a GPU runs, checked and measured on one engine 
 
 * Sleep mode at levels 1 and 2 with CUDA graphs on: the device memory in use awake, asleep and
   woken (``torch.cuda.mem_get_info``), this process's allocated and reserved bytes, the
-  allocator settings in force (earlier sections' cuBLAS workspace pins cached segments the
-  engine then reuses, so run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` to see
-  what a sleep can return; ``experiments/gpu_sleep_probe.py`` has the breakdown), the seconds
-  of each call, greedy outputs after waking
+  allocator configuration the environment sets, and the free space earlier sections left in
+  segments that their live tensors pin (the bandwidth section's cuBLAS workspace does; a
+  sleep-mode engine holds that space while it allocates, runner/sleep.py;
+  ``experiments/gpu_sleep_probe.py`` has the breakdown), the seconds of each call, greedy
+  outputs after waking
   equal to those before (level 2 after ``load_weights`` from a transformers state dict), and
   the decode graphs captured again and replayed after waking.
 * The prefix cache's CPU tier: a long prompt, others that evict its blocks from a small device
@@ -74,6 +75,12 @@ def _allocator_gib(device: torch.device) -> dict[str, float]:
     }
 
 
+def alloc_conf_env() -> dict[str, str]:
+    """The allocator configuration the environment sets (the new variable name, the old)."""
+    return {v: os.environ[v] for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+            if v in os.environ}  # fmt: skip
+
+
 def _timed(fn: Any, device: torch.device) -> float:
     start = time.perf_counter()
     fn()
@@ -119,10 +126,7 @@ def section_sleep_offload(
     result: dict[str, Any] = {
         "model": str(path.name), "graph_sizes": engine.runner._graph_sizes,
         "pinned_cache_GiB_before_engine": pinned,
-        "alloc_conf_env": {
-            v: os.environ[v] for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-            if v in os.environ
-        },
+        "alloc_conf_env": alloc_conf_env(),
     }  # fmt: skip
     levels = []
     for level in (1, 2):

@@ -17,24 +17,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from experiments.gpu_memory_features import _allocator_gib, _used_gib, alloc_conf_env
+
 MIB = 2**20
 
 
 def _memory(device: torch.device) -> dict[str, float]:
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    return {
-        "used_MiB": (total - free) / MIB,
-        "reserved_MiB": torch.cuda.memory_reserved(device) / MIB,
-        "allocated_MiB": torch.cuda.memory_allocated(device) / MIB,
-    }
+    """Device memory used (all processes), this process's reserved and allocated, in MiB."""
+    gib = {"used": _used_gib(device), **_allocator_gib(device)}
+    return {f"{k}_MiB": v * 1024 for k, v in gib.items()}
 
 
 def micro(device: torch.device) -> dict[str, Any]:
@@ -126,11 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "measured": True,
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
-        "alloc_conf_env": {
-            v: os.environ[v] for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-            if v in os.environ
-        },
-    }  # fmt: skip
+        "alloc_conf_env": alloc_conf_env(),
+    }
     if args.micro:
         doc["micro"] = micro(device)
     else:

@@ -39,17 +39,24 @@ def prompt_batches(pool: list[list[int]], batch_size: int) -> list[list[list[int
     return [pool[i : i + batch_size] for i in range(0, len(pool) - batch_size + 1, batch_size)]
 
 
+def generate_greedy(llm: LLM, batches: list[list[list[int]]], max_tokens: int) -> list[list[int]]:
+    """Each output's token ids, the batches run one after another, each a greedy ``generate``
+    call that ignores EOS."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = []
+    for prompts in batches:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs += [o.outputs[0].token_ids for o in outs]
+    return outputs
+
+
 def timed_run(
     llm: LLM, batches: list[list[list[int]]], max_tokens: int, repeats: int = 1
 ) -> tuple[float, int]:
-    """Seconds (the fastest of ``repeats``) and output tokens to run the batches one after
-    another, each a greedy ``generate`` call."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    """Seconds (the fastest of ``repeats``) and output tokens of ``generate_greedy``."""
     best, tokens = float("inf"), 0
     for _ in range(repeats):
-        start, tokens = time.perf_counter(), 0
-        for prompts in batches:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        start = time.perf_counter()
+        tokens = sum(len(ids) for ids in generate_greedy(llm, batches, max_tokens))
         best = min(best, time.perf_counter() - start)
     return best, tokens

@@ -255,7 +255,6 @@ class EagleDrafter:
         step = first.get(entry.request.request_id)
         return (
             step is not None
-            and entry.num_lookahead > 0
             and step.position == start
             and entry.block_table[start // self.block_size] == step.block
         )
