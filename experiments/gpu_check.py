@@ -56,6 +56,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -363,6 +364,11 @@ def run_section(
                 "traceback": traceback.format_exc(limit=8),
             }
     result["seconds"] = round(time.perf_counter() - start, 2)
+    # a thread a section leaves running (transformers' continuous-batching loop past its join
+    # timeout, say) takes the GIL from later sections' launch-bound loops: say so
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        result["threads_left_running"] = others
     report.doc["sections"][name] = result
     report.write()
     print(f"[gpu_check] {name}: {result['status']} in {result['seconds']} s", flush=True)

@@ -124,7 +124,7 @@ def section_sleep_offload(
 
     want = [o.outputs[0].token_ids for o in outputs()]
     result: dict[str, Any] = {
-        "model": str(path.name), "graph_sizes": engine.runner._graph_sizes,
+        "model": str(path.name), "graph_sizes": engine.runner.graph_sizes,
         "pinned_cache_GiB_before_engine": pinned,
         "alloc_conf_env": alloc_conf_env(),
     }  # fmt: skip

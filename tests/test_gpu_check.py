@@ -19,6 +19,7 @@ from paged_llm.runner.cuda_graphs import (
     bucket_for,
     capture_sizes,
     cuda_graph_sizes,
+    pad_batch,
     pad_decode_batch,
 )
 
@@ -213,17 +214,16 @@ def test_graphs_only_on_cuda_without_enforce_eager():
 
 
 class EagerReplay(CudaGraphRunner):
-    """Runs exactly what a captured graph replays (the static buffers of the batch's bucket,
-    padding included), but eagerly, so the CPU can check it."""
+    """Runs exactly what a captured graph replays (the static buffers of the batch's bucket and
+    stride, padding included), but eagerly, so the CPU can check it."""
 
     def capture(self) -> None:
-        self.replays: list[int] = []
+        self.replays: list[tuple[int, int]] = []
+        self.graphs = dict.fromkeys(self.keys)  # key_for only asks which keys exist
 
-    def replay(self, batch):
-        bucket = self.load(batch)
-        self.replays.append(bucket)
-        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self._context(bucket))
-        return hidden[: len(batch.query_lens)]
+    def launch(self, key):
+        self.replays.append(key)
+        return self.run_static(key)
 
 
 def test_padded_bucket_replay_gives_the_same_tokens(tiny_llama):
@@ -247,7 +247,85 @@ def test_padded_bucket_replay_gives_the_same_tokens(tiny_llama):
     runner.cuda_graphs = graphs
     assert generate(llm) == expected
     # 3 decoding (bucket 4, one padding row), then 2 (bucket 2), then 1 (bucket 1)
-    assert set(graphs.replays) == {4, 2, 1}
+    assert set(graphs.replays) == {(4, 1), (2, 1), (1, 1)}
+
+
+def test_verification_padding_keeps_positions_and_writes_nowhere():
+    # block size 4; a verification of 3 tokens at 5-7 and a decode at 2, stride 3, bucket 4
+    batch = SimpleNamespace(
+        input_ids=[7, 8, 9, 6], positions=[5, 6, 7, 2], query_lens=[3, 1], seq_lens=[8, 3],
+        block_tables=[[3, 9], [4]],
+    )  # fmt: skip
+    padded = pad_batch(batch, bucket=4, stride=3, block_size=4, width=3)
+    assert padded.rows == [0, 1, 2, 3]  # the decode's token moves to its sequence's row 3
+    assert padded.input_ids == [7, 8, 9, 6, 0, 0] + [0] * 6
+    assert padded.positions == [5, 6, 7, 2, 2, 2] + [0] * 6  # padding repeats the last position
+    assert padded.slot_mapping == [37, 38, 39, 18, -1, -1] + [-1] * 6
+    # the decode's context grows by its 2 padding queries, so its real query stays at 2
+    assert padded.seq_lens == [8, 5, 3, 3]
+    with pytest.raises(ValueError, match="1 to 2 query tokens"):
+        pad_batch(batch, bucket=4, stride=2, block_size=4, width=3)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_verification_and_draft_graphs_give_the_same_tokens(tiny_llama, method):
+    """Speculative steps through graphs of stride k + 1 (the target's verifications, the draft
+    model's catch-up steps) and stride 1 (its one-token steps), replayed eagerly."""
+    prompts = [[5, 9, 17, 33, 2 + i] * (i + 2) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kwargs = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01, max_num_seqs=4,
+                  attention_backend="triton")  # fmt: skip
+
+    def generate(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    expected = generate(LLM(str(tiny_llama[0]), **kwargs))
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":  # the target drafting for itself: every draft is accepted
+        spec["model"] = str(tiny_llama[0])
+    llm = LLM(str(tiny_llama[0]), speculative_config=spec, **kwargs)
+    runner, drafter = llm.llm_engine.runner, llm.llm_engine.drafter
+    models = [(runner, llm.llm_engine.model, runner.kv_caches)]
+    if method == "draft_model":
+        models.append((drafter, drafter.model, drafter.kv_caches))
+    for owner, model, caches in models:
+        owner.cuda_graphs = EagerReplay(model, runner.backend, caches, None, capture_sizes(4), 4,
+                                        64, runner.device, strides=(1, 4))  # fmt: skip
+        owner.cuda_graphs.capture()
+    assert generate(llm) == expected
+    assert llm.llm_engine.spec_stats.num_draft_tokens > 0
+    assert any(s == 4 for _, s in runner.cuda_graphs.replays)  # verifications replayed
+    if method == "draft_model":
+        assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+        assert {s for _, s in drafter.cuda_graphs.replays} == {1, 4}
+
+
+def test_a_failed_verification_capture_keeps_the_decode_graphs(monkeypatch):
+    graphs = CudaGraphRunner(None, None, [], None, [1, 2, 4], 4, 64, torch.device("cpu"),
+                             strides=(1, 5))  # fmt: skip
+    assert graphs.keys == [(1, 1), (2, 1), (4, 1), (1, 5), (2, 5), (4, 5)]
+
+    def capture_one(key, pool):
+        if key == (2, 5):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graphs.graphs[key], graphs.outputs[key] = "graph", "output"
+
+    monkeypatch.setattr(graphs, "_capture_one", capture_one)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    graphs.capture()
+    assert sorted(graphs.graphs) == [(1, 1), (2, 1), (4, 1)] and graphs.strides == [1]
+    verification = SimpleNamespace(input_ids=[1, 2], positions=[3, 4], query_lens=[2],
+                                   seq_lens=[5], block_tables=[[0, 1]])  # fmt: skip
+    assert not graphs.can_replay(verification)
+    assert graphs.can_replay(decode_batch([3], [[0]]))
+
+    def decode_fails(key, pool):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(graphs, "_capture_one", decode_fails)
+    with pytest.raises(RuntimeError, match="capture failed"):  # the runner then stays eager
+        graphs.capture()
 
 
 def test_failed_capture_leaves_the_engine_eager(tiny_llama, monkeypatch):
@@ -304,3 +382,19 @@ def test_the_sleep_probe_summarises_segments_biggest_first_with_live_sites():
     assert [r["total_MiB"] for r in rows] == [1024.0, 40.0]
     assert rows[0]["live_blocks"] == []
     assert rows[1]["live_blocks"] == [{"MiB": 32.0, "site": "llama.py:67 forward"}]
+
+
+def test_spec_profile_smoke_writes_phases(tmp_path):
+    """experiments/gpu_spec_profile (speed, phase times, profiles per drafter) on the CPU."""
+    from experiments import gpu_spec_profile
+
+    doc = gpu_spec_profile.main(["--smoke", "--out", str(tmp_path)])
+    assert [r["method"] for r in doc["runs"]] == ["none", "ngram", "draft_model", "eagle"]
+    for row in doc["runs"]:
+        phases = row["batch_1"]["phases_ms_per_step"]
+        assert row["tokens_per_s"]["1"] > 0 and phases["forward"] > 0
+        assert ("propose" in phases) == (row["method"] != "none")
+        assert (tmp_path / f"profile_{row['method']}.txt").is_file()
+    busy = doc["ngram_beside_busy_thread"]
+    assert busy["alone_tokens_per_s"] > 0 and busy["beside_busy_thread_tokens_per_s"] > 0
+    assert json.loads((tmp_path / "spec_profile.json").read_text())["runs"] == doc["runs"]

@@ -247,6 +247,22 @@ def test_greedy_speculation_is_exact_with_penalties_and_min_tokens(tiny_llama, d
     assert [len(t) for t in ids_of(plain.generate(prompts, cases[1]))] == [6] * len(PROMPTS)
 
 
+def test_one_draft_step_mixing_plain_and_shaped_greedy_requests(tiny_llama, draft_dir):
+    """Plain greedy drafts share one argmax per draft step (choose_draft_tokens); shaped ones
+    (penalties, bias) beside them in the same step still get their own processing."""
+    kw = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01)
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(draft_dir)}
+    plain, specd = (
+        LLM(str(tiny_llama[0]), **kw),
+        LLM(str(tiny_llama[0]), speculative_config=spec, **kw),
+    )
+    shaped = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **SHAPED)
+    params = [greedy(12) if i % 2 else shaped for i in range(len(PROMPTS))]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    assert ids_of(specd.generate(prompts, params)) == ids_of(plain.generate(prompts, params))
+    assert specd.llm_engine.spec_stats.num_accepted_tokens > 0
+
+
 def test_self_draft_with_penalties_accepts_everything(tiny_llama):
     """The target as its own draft: every draft is accepted only if drafter and verifier both
     shape row i by the output plus drafts 0..i-1 (penalties, and EOS allowed from min_tokens)."""

@@ -234,7 +234,9 @@ class LLMEngine:
             self.device, mc.enforce_eager, self.backend, mc.tensor_parallel_size, sc.max_num_seqs,
             enable_lora=self.lora is not None,
         )  # fmt: skip  # [] on the CPU or with enforce_eager
-        self.runner.capture_cuda_graphs(graph_sizes, self.max_model_len)
+        # speculative steps verify 1 + up to k tokens per sequence: graphs of that stride too
+        strides = (1, 1 + self.drafter.k) if self.drafter is not None else (1,)
+        self.runner.capture_cuda_graphs(graph_sizes, self.max_model_len, strides)
         if held is not None:  # everything a sleep frees is allocated by now
             held.release()
         tokens = num_blocks * cc.block_size

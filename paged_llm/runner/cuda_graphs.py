@@ -1,28 +1,38 @@
-"""CUDA graphs for decode steps (vLLM's scheme): capture the model's forward pass once per
-batch-size bucket, then replay it for steps where every sequence decodes one token.
+"""CUDA graphs for decode and speculative steps (vLLM's scheme): capture the model's forward
+pass once per (batch-size bucket, query stride), then replay it for steps that fit.
 
 Why: a decode step of a 7B model launches hundreds of small kernels; at small batches the
-launches, not the GPU, set the pace. A replayed graph launches them all in one call.
+launches, not the GPU, set the pace. A replayed graph launches them all in one call. A
+speculative verification (1 + k tokens a sequence) is as launch-bound: on the H200 an eager
+one took 7 ms where a decode graph step took 0.8 ms (run 13, paper_repro/gpu_results.md).
 
 How:
 * buckets 1, 2, 4, 8, 16, 24, ... (multiples of 8) up to ``max_num_seqs`` (at most 256, plus
   ``max_num_seqs`` itself when it is not a bucket); a batch runs in the smallest bucket >= it;
-* static input buffers sized for the largest bucket: token ids, positions, slot mapping,
-  context lengths, block tables ``[max_bucket, ceil(max_model_len / block_size)]``;
-* rows past the real batch are padding: slot -1 (the KV store skips it), context length 0
-  (decode attention reads nothing and writes zeros), token 0 at position 0; their outputs are
-  dropped;
+* query strides: 1 (pure decodes, the decode kernel) and, with speculative decoding, k + 1
+  (the prefill kernel): a batch whose queries are all 1 to k + 1 tokens long (verifications
+  beside plain decodes, a draft model's catch-up) is padded to k + 1 tokens a sequence, for
+  buckets of up to ``MAX_CAPTURE_TOKENS`` tokens (``pad_batch`` says how padding stays
+  invisible to the real tokens);
+* static input buffers sized for the largest key: token ids, positions, slot mapping,
+  context lengths, block tables ``[max_bucket, ceil((max_model_len + k) / block_size)]``;
+* rows past the real batch are padding: slot -1 (the KV store skips it), context length 0 at
+  stride 1 (decode attention reads nothing and writes zeros), token 0 at position 0; their
+  outputs are dropped;
 * graphs are captured after the KV pools exist (a graph bakes in their addresses), largest
-  bucket first, sharing one memory pool; each capture is preceded by an eager warm-up run so
+  first, sharing one memory pool; each capture is preceded by an eager warm-up run so
   Triton compiles its kernels outside the capture;
-* the LM head and sampling stay eager (they only see the real rows).
+* the LM head and sampling stay eager (they only see the real rows);
+* a draft model gets graphs of its own (``ModelRunner.capture_cuda_graphs``).
 
 Graphs are used only on CUDA, without ``enforce_eager``, at tensor_parallel_size 1 (capturing
-NCCL collectives is not verified here) and with the triton backend, whose decode path reads
+NCCL collectives is not verified here) and with the triton backend, whose attention reads
 only device tensors and host values fixed at capture. Everything else runs exactly as before.
 
 Measured on an H200 (paper_repro/gpu_results.md): parity with transformers through replayed
-graphs, and 1,457 of 1,465 end-to-end steps replayed (run 11).
+decode graphs, and 1,457 of 1,465 end-to-end steps replayed (run 11). The stride k + 1 graphs
+and the draft model's were written after run 13 and are checked on the CPU only (replayed
+eagerly, tests/test_gpu_check.py); docs/gpu.md has the run that measures them.
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ logger = logging.getLogger(__name__)
 # Backends whose decode path is graph-safe: no host syncs, no per-step host-side values.
 GRAPH_SAFE_BACKENDS = frozenset({"triton"})
 MAX_CAPTURE_SIZE = 256
+# Graphs with longer query strides stop at this many tokens per step (vLLM's default limit).
+MAX_CAPTURE_TOKENS = 512
 
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -84,14 +96,16 @@ def cuda_graph_sizes(
 
 
 @dataclass
-class PaddedDecode:
-    """Host copies of one padded decode batch, ``bucket`` rows each."""
+class PaddedBatch:
+    """Host copies of one batch padded to ``bucket`` sequences of ``stride`` query tokens each:
+    token j of sequence i sits at row i * stride + j."""
 
-    input_ids: list[int]  # [bucket]
-    positions: list[int]  # [bucket]
-    slot_mapping: list[int]  # [bucket], -1 for padding rows
-    seq_lens: list[int]  # [bucket], 0 for padding rows
+    input_ids: list[int]  # [bucket * stride]
+    positions: list[int]  # [bucket * stride]
+    slot_mapping: list[int]  # [bucket * stride], -1 for padding tokens
+    seq_lens: list[int]  # [bucket]
     block_tables: list[list[int]]  # [bucket][width], zero-padded
+    rows: list[int]  # [T]: the padded row of each of the batch's tokens, in its order
 
 
 def is_decode_batch(batch: Any) -> bool:
@@ -99,31 +113,69 @@ def is_decode_batch(batch: Any) -> bool:
     return bool(batch.query_lens) and all(q == 1 for q in batch.query_lens)
 
 
-def pad_decode_batch(batch: Any, bucket: int, block_size: int, width: int) -> PaddedDecode:
-    """Pad a pure-decode HostBatch to ``bucket`` rows and its block tables to ``width``."""
+def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int) -> PaddedBatch:
+    """Pad a HostBatch whose queries are 1 to ``stride`` tokens long to ``bucket`` sequences of
+    ``stride`` tokens, and its block tables to ``width``.
+
+    Padding writes nowhere (slot -1). With stride 1 (decode graphs) padding sequences have
+    context length 0, which the decode kernel reads nothing for. With a longer stride the
+    prefill kernel runs, and a sequence's padding queries come after its real ones: its
+    context length grows by their number, so the real queries keep their positions and,
+    attending causally, never see the padding (whose outputs are dropped); a padding
+    sequence is ``stride`` queries over block 0. Padding tokens repeat the sequence's last
+    position, which the position tables hold.
+    """
     n = len(batch.query_lens)
-    if not is_decode_batch(batch) or n > bucket:
-        raise ValueError(f"need a decode batch of at most {bucket} sequences, got {n}")
+    if n > bucket or not batch.query_lens or not all(1 <= q <= stride for q in batch.query_lens):
+        raise ValueError(
+            f"need at most {bucket} sequences of 1 to {stride} query tokens, got {batch.query_lens}"
+        )
+    if stride == 1 and not is_decode_batch(batch):
+        raise ValueError("stride 1 needs a decode batch")
     if any(len(t) > width for t in batch.block_tables):
         raise ValueError(f"a block table is wider than the captured {width} blocks")
+    ids, positions, slots, rows = [], [], [], []
+    first = 0
+    for i, (q, table) in enumerate(zip(batch.query_lens, batch.block_tables)):
+        pos = batch.positions[first : first + q]
+        ids += list(batch.input_ids[first : first + q]) + [0] * (stride - q)
+        positions += list(pos) + [pos[-1]] * (stride - q)
+        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
+        slots += [-1] * (stride - q)
+        rows += range(i * stride, i * stride + q)
+        first += q
     pad = bucket - n
-    slots = [
-        table[pos // block_size] * block_size + pos % block_size
-        for pos, table in zip(batch.positions, batch.block_tables)
-    ]
     tables = [device_block_table(t) + [0] * (width - len(t)) for t in batch.block_tables]
-    tables += [[0] * width] * pad
-    return PaddedDecode(
-        input_ids=list(batch.input_ids) + [0] * pad,
-        positions=list(batch.positions) + [0] * pad,
-        slot_mapping=slots + [-1] * pad,
-        seq_lens=list(batch.seq_lens) + [0] * pad,
-        block_tables=tables,
+    if stride == 1:
+        seq_lens = list(batch.seq_lens) + [0] * pad
+    else:
+        seq_lens = [s + stride - q for s, q in zip(batch.seq_lens, batch.query_lens)]
+        seq_lens += [stride] * pad
+    return PaddedBatch(
+        input_ids=ids + [0] * (pad * stride),
+        positions=positions + [0] * (pad * stride),
+        slot_mapping=slots + [-1] * (pad * stride),
+        seq_lens=seq_lens,
+        block_tables=tables + [[0] * width] * pad,
+        rows=rows,
     )
 
 
+def pad_decode_batch(batch: Any, bucket: int, block_size: int, width: int) -> PaddedBatch:
+    """Pad a pure-decode HostBatch to ``bucket`` rows and its block tables to ``width``."""
+    if not is_decode_batch(batch):
+        raise ValueError(f"need a decode batch, got query lengths {batch.query_lens}")
+    return pad_batch(batch, bucket, 1, block_size, width)
+
+
 class CudaGraphRunner:
-    """Static buffers, one captured graph per bucket, and replay of fitting decode steps."""
+    """Static buffers, one captured graph per (bucket, query stride), and replay of fitting
+    steps.
+
+    Stride 1 graphs replay pure decodes. With speculative decoding a second stride, k + 1,
+    replays verification steps (and a draft model's catch-up steps): every sequence's 1 to
+    k + 1 query tokens padded to k + 1, for buckets of up to ``MAX_CAPTURE_TOKENS`` tokens.
+    """
 
     def __init__(
         self,
@@ -135,81 +187,142 @@ class CudaGraphRunner:
         block_size: int,
         max_model_len: int,
         device: torch.device,
+        strides: tuple[int, ...] = (1,),
     ) -> None:
         self.model, self.backend = model, backend
         self.kv_caches, self.kv_scales = kv_caches, kv_scales
         self.sizes = sorted(sizes)
+        self.strides = sorted(set(strides))
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
-        self.width = -(-max_model_len // block_size)  # blocks of the longest allowed sequence
+        # blocks of the longest allowed sequence, plus a padded verification's extra positions
+        self.width = -(-(max_model_len + self.strides[-1] - 1) // block_size)
+        self.keys = [(b, s) for s in self.strides for b in self.sizes
+                     if s == 1 or b * s <= MAX_CAPTURE_TOKENS]  # fmt: skip
         top = self.sizes[-1]
+        tokens = max(b * s for b, s in self.keys)
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(top, **i64)
-        self.positions = torch.zeros(top, **i64)
-        self.slot_mapping = torch.full((top,), -1, **i64)
+        self.input_ids = torch.zeros(tokens, **i64)
+        self.positions = torch.zeros(tokens, **i64)
+        self.slot_mapping = torch.full((tokens,), -1, **i64)
         self.seq_lens = torch.zeros(top, **i32)
         self.block_tables = torch.zeros(top, self.width, **i32)
-        self.query_start_loc = torch.arange(top + 1, **i32)  # one query token per sequence
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> static hidden states [b, H]
+        # every sequence has ``stride`` query tokens, so the offsets never change
+        self.query_start_loc = {s: torch.arange(0, (top + 1) * s, s, **i32) for s in self.strides}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # key -> hidden [b * s, H]
 
-    def _context(self, b: int) -> ForwardContext:
-        """A decode-only step of b sequences reading the static buffers."""
+    def _context(self, b: int, stride: int = 1) -> ForwardContext:
+        """A step of b sequences of ``stride`` query tokens reading the static buffers."""
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b],
-            query_start_loc=self.query_start_loc[: b + 1],
+            slot_mapping=self.slot_mapping[: b * stride],
+            query_start_loc=self.query_start_loc[stride][: b + 1],
             seq_lens=self.seq_lens[:b],
             block_tables=self.block_tables[:b],
-            max_query_len=1,
+            max_query_len=stride,  # fixes the prefill kernel's grid at capture
             max_seq_len=self.max_model_len,  # fixes the decode kernel's split-K at capture
-            num_decodes=b,
-            query_lens_cpu=[1] * b,
+            num_decodes=b if stride == 1 else 0,
+            query_lens_cpu=[stride] * b,
             seq_lens_cpu=[self.max_model_len] * b,  # only its length (b) is read here
         )
         return ForwardContext(meta, self.backend, self.kv_caches, self.kv_scales)
 
+    def run_static(self, key: tuple[int, int]) -> torch.Tensor:  # -> [b * s, H]
+        """The forward pass a graph captures: the model over the static buffers of ``key``."""
+        b, s = key
+        ctx = self._context(b, s)
+        return self.model(self.input_ids[: b * s], self.positions[: b * s], ctx)
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warm up and capture every bucket, largest first, in one shared memory pool."""
+        """Warm up and capture every key, largest first, in one shared memory pool. A stride
+        above 1 whose capture fails is dropped with a warning (the decode graphs stay); a
+        failing stride 1 raises."""
         start = time.perf_counter()
         pool = None
-        for b in reversed(self.sizes):
-            ctx = self._context(b)
-            # Padding everywhere (slot -1, length 0): the warm-up and capture touch no KV.
-            self.model(self.input_ids[:b], self.positions[:b], ctx)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self.model(self.input_ids[:b], self.positions[:b], ctx)
-            pool = graph.pool()
-            self.graphs[b] = graph
+        for key in sorted(self.keys, key=lambda k: k[0] * k[1], reverse=True):
+            if key not in self.keys:  # its stride was dropped
+                continue
+            try:
+                pool = self._capture_one(key, pool)
+            except Exception as err:
+                if key[1] == 1:
+                    raise
+                logger.warning("capturing query stride %d failed, those steps run eagerly: %s",
+                               key[1], err)  # fmt: skip
+                torch.cuda.synchronize(self.device)
+                self.keys = [k for k in self.keys if k[1] != key[1]]
+                self.strides = [s for s in self.strides if s != key[1]]
+                for k in [k for k in self.graphs if k[1] == key[1]]:
+                    del self.graphs[k], self.outputs[k]
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d CUDA graphs (batch %d-%d) in %.1f s", len(self.sizes),
-                    self.sizes[0], self.sizes[-1], time.perf_counter() - start)  # fmt: skip
+        logger.info("captured %d CUDA graphs (batch %d-%d, query strides %s) in %.1f s",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], self.strides,
+                    time.perf_counter() - start)  # fmt: skip
+
+    def _capture_one(self, key: tuple[int, int], pool: Any) -> Any:
+        """Warm up and capture the graph of ``key``; return the shared pool."""
+        # Padding everywhere (slot -1): the warm-up and capture write no KV.
+        self.load_padding(key)
+        self.run_static(key)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.outputs[key] = self.run_static(key)
+        self.graphs[key] = graph
+        return graph.pool()
+
+    def load_padding(self, key: tuple[int, int]) -> None:
+        """Fill the static buffers of ``key`` with padding only (for warm-up and capture)."""
+        b, s = key
+        self.input_ids[: b * s].zero_()
+        self.positions[: b * s].zero_()
+        self.slot_mapping[: b * s].fill_(-1)
+        self.seq_lens[:b].fill_(0 if s == 1 else s)
+        self.block_tables[:b].zero_()
+
+    def key_for(self, batch: Any) -> tuple[int, int] | None:
+        """The (bucket, stride) whose graph can replay this HostBatch, or None."""
+        if not batch.query_lens or any(len(t) > self.width for t in batch.block_tables):
+            return None
+        longest = max(batch.query_lens)
+        stride = next((s for s in self.strides if s >= longest), None)
+        if stride is None:
+            return None
+        bucket = bucket_for(len(batch.query_lens), self.sizes)
+        return (bucket, stride) if (bucket, stride) in self.graphs else None
 
     def can_replay(self, batch: Any) -> bool:
-        """True for a pure-decode HostBatch that fits a bucket and the static block tables."""
-        return (
-            is_decode_batch(batch)
-            and len(batch.query_lens) <= self.sizes[-1]
-            and all(len(t) <= self.width for t in batch.block_tables)
-        )
+        """True for a HostBatch that fits a captured (bucket, stride) and the block tables."""
+        return self.key_for(batch) is not None
 
-    def load(self, batch: Any) -> int:
-        """Copy a decode HostBatch, padded, into the static buffers; return its bucket."""
-        b = bucket_for(len(batch.query_lens), self.sizes)
-        padded = pad_decode_batch(batch, b, self.block_size, self.width)
+    def load(self, batch: Any) -> tuple[tuple[int, int], list[int]]:
+        """Copy a HostBatch, padded, into the static buffers; return its key and its tokens'
+        padded rows."""
+        key = self.key_for(batch)
+        if key is None:
+            raise ValueError("no captured graph fits this batch (check can_replay first)")
+        b, s = key
+        padded = pad_batch(batch, b, s, self.block_size, self.width)
         for buf, values in (
             (self.input_ids, padded.input_ids),
             (self.positions, padded.positions),
             (self.slot_mapping, padded.slot_mapping),
             (self.seq_lens, padded.seq_lens),
         ):
-            buf[:b].copy_(torch.tensor(values, dtype=buf.dtype))
+            buf[: len(values)].copy_(torch.tensor(values, dtype=buf.dtype))
         self.block_tables[:b].copy_(torch.tensor(padded.block_tables, dtype=torch.int32))
-        return b
+        return key, padded.rows
 
-    def replay(self, batch: Any) -> torch.Tensor:  # -> [n, H], a view valid until next replay
-        """Load the batch, replay its bucket's graph, return the real rows' hidden states."""
-        b = self.load(batch)
-        self.graphs[b].replay()
-        return self.outputs[b][: len(batch.query_lens)]
+    def launch(self, key: tuple[int, int]) -> torch.Tensor:  # -> [b * s, H]
+        """Replay the graph of ``key``; its static output."""
+        self.graphs[key].replay()
+        return self.outputs[key]
+
+    def replay(self, batch: Any) -> torch.Tensor:  # -> [T, H]
+        """Load the batch, replay its graph, return the hidden states of the batch's tokens in
+        its order (stride 1: a view valid until the next replay)."""
+        key, rows = self.load(batch)
+        hidden = self.launch(key)
+        if key[1] == 1:
+            return hidden[: len(rows)]
+        return hidden[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]

@@ -206,8 +206,8 @@ class ModelRunner:
         self.lora: Any = None  # lora.manager.LoRAManager when LoRA is enabled (set by the engine)
         self.pooler: Any = None  # pooling.pooler.Pooler for a pooling model (set by the engine)
         self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
-        self._graph_sizes: list[int] = []  # what capture_cuda_graphs captured (wake_up redoes it)
-        self._max_model_len = 0
+        # capture_cuda_graphs' arguments (sizes, max_model_len, strides): wake_up redoes it
+        self._graph_args: tuple[list[int], int, tuple[int, ...]] = ([], 0, (1,))
         self.sleeper = Sleeper()
         # other owners of this rank's device memory (a draft model): ``device_memory()``
         self.memory_owners: list[Any] = []
@@ -271,23 +271,45 @@ class ModelRunner:
         scale_args = (self.block_size, self.num_kv_heads, SCALE_DTYPE)
         return caches, allocate_kv_scales(self.num_layers, num_blocks, *scale_args, device, pin)
 
-    def capture_cuda_graphs(self, sizes: list[int], max_model_len: int) -> None:
-        """Capture decode graphs for these batch buckets (after initialize_cache; [] = none).
-        A capture that fails leaves the engine eager, with a warning: graphs only save time."""
-        self._graph_sizes, self._max_model_len = list(sizes), max_model_len
+    def capture_cuda_graphs(
+        self, sizes: list[int], max_model_len: int, strides: tuple[int, ...] = (1,)
+    ) -> None:
+        """Capture graphs for these batch buckets and query strides (after initialize_cache;
+        sizes [] = none), this rank's and those of the ``memory_owners`` that run a model of
+        their own (a draft model's). A capture that fails leaves that model eager, with a
+        warning: graphs only save time."""
+        self._graph_args = (list(sizes), max_model_len, tuple(strides))
         if not sizes:
             return
+        self.cuda_graphs = self._capture(
+            self.model, self.kv_caches, self.kv_scales or None, sizes, max_model_len, strides
+        )
+        for owner in self.memory_owners:
+            if hasattr(owner, "cuda_graphs"):
+                owner.cuda_graphs = self._capture(
+                    owner.model, owner.kv_caches, None, sizes, max_model_len, strides
+                )
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The batch buckets ``capture_cuda_graphs`` was asked for ([] = eager)."""
+        return self._graph_args[0]
+
+    def _capture(
+        self, model: Any, kv_caches: KVCaches, kv_scales: KVCaches | None, sizes: list[int],
+        max_model_len: int, strides: tuple[int, ...],
+    ) -> CudaGraphRunner | None:  # fmt: skip
         graphs = CudaGraphRunner(
-            self.model, self.backend, self.kv_caches, self.kv_scales or None, sizes,
-            self.block_size, max_model_len, self.device,
+            model, self.backend, kv_caches, kv_scales, sizes, self.block_size, max_model_len,
+            self.device, strides,
         )  # fmt: skip
         try:
             graphs.capture()
         except Exception as err:
             self.cuda_graph_error = f"{type(err).__name__}: {err}"
             logger.warning("CUDA graph capture failed, running eagerly: %s", err, exc_info=True)
-            return
-        self.cuda_graphs = graphs
+            return None
+        return graphs
 
     # ---- sleep mode (runner/sleep.py): the same calls on every tensor-parallel rank -------------
     def device_memory(self) -> RankMemory:
@@ -307,6 +329,9 @@ class ModelRunner:
         discards the parameters); CUDA graphs, which bake in their addresses, go too."""
         free_before = device_free_bytes(self.device)
         self.cuda_graphs = None  # their memory pool is freed with them
+        for owner in self.memory_owners:
+            if hasattr(owner, "cuda_graphs"):
+                owner.cuda_graphs = None
         self.backend.release_buffers()
         report = self.sleeper.sleep(level, self.device_memory())
         if self.device.type == "cuda":
@@ -325,8 +350,8 @@ class ModelRunner:
         held = HeldFreeSpace(self.device) if room else None
         try:
             self.sleeper.wake_up(tags)
-            if not self.sleeper.asleep and self.cuda_graphs is None and self._graph_sizes:
-                self.capture_cuda_graphs(self._graph_sizes, self._max_model_len)
+            if not self.sleeper.asleep and self.cuda_graphs is None and self._graph_args[0]:
+                self.capture_cuda_graphs(*self._graph_args)
         finally:
             if held is not None:
                 held.release()
@@ -448,11 +473,13 @@ class ModelRunner:
         prompt = prompt_logprobs(logits[num_sample_rows:], batch)
         logits = logits[:num_sample_rows]
         results: dict[str, SampleResult] = {}
-        plain_rows, plain = [], []
+        plain_rows, plain, greedy_verifies = [], [], []
         row = 0
         for s, n_rows in zip(sampling, batch.rows_per_request):
             req = s.request
-            if req.spec_token_ids:
+            if req.spec_token_ids and self.sampler.verifies_plainly(req):
+                greedy_verifies.append((req, row, n_rows))
+            elif req.spec_token_ids:
                 results[req.request_id] = self.sampler.verify(
                     logits[row : row + n_rows], req, req.spec_token_ids,
                     (draft_probs or {}).get(req.request_id),
@@ -461,6 +488,8 @@ class ModelRunner:
                 plain_rows.append(row)
                 plain.append(req)
             row += n_rows
+        if greedy_verifies:
+            results.update(self.sampler.verify_plain_greedy(logits, greedy_verifies))
         if plain:
             sampled = self.sampler(logits[plain_rows], plain)
             results.update((req.request_id, r) for req, r in zip(plain, sampled))

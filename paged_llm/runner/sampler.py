@@ -192,6 +192,39 @@ class Sampler:
             lp = self._logprobs(row[None], 0, tokens[-1], params)
         return SampleResult(tokens[-1], lp, tokens, len(drafts), len(tokens) - 1)
 
+    @staticmethod
+    def verifies_plainly(request: Request) -> bool:
+        """Greedy, with no logits processing, grammar or logprobs: ``verify_plain_greedy``
+        can take this request's verification."""
+        params = request.sampling_params
+        return (
+            params.greedy
+            and not params.tracks_logprobs
+            and request.guide is None
+            and not needs_processing(params, request.num_output_tokens)
+        )
+
+    def verify_plain_greedy(
+        self,
+        logits: torch.Tensor,  # [R, V]: the batch's sample rows
+        entries: list[tuple[Request, int, int]],  # (request, its first row, its k + 1 rows)
+    ) -> dict[str, SampleResult]:
+        """``verify`` for requests that ``verifies_plainly``, with one argmax and one device
+        sync for all of them (on a GPU a sync per request would cost more than the step)."""
+        from paged_llm.spec.rejection import accept_greedy
+
+        rows = [r for _, first, n in entries for r in range(first, first + n)]
+        best = logits[rows].argmax(-1).tolist()
+        results, i = {}, 0
+        for req, _, n in entries:
+            drafts = req.spec_token_ids
+            tokens = accept_greedy(best[i : i + n], drafts)
+            i += n
+            results[req.request_id] = SampleResult(
+                tokens[-1], None, tokens, len(drafts), len(tokens) - 1
+            )
+        return results
+
     def __call__(
         self,
         logits: torch.Tensor,  # [N, V]: row i is the next-token logits of requests[i]

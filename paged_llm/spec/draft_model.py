@@ -8,6 +8,7 @@ KV manager) manages both, and a rollback of the target rolls back the draft too.
 from __future__ import annotations
 
 from itertools import accumulate
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from paged_llm.attention.metadata import build_metadata_any_order
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from paged_llm.runner.logits_processors import needs_processing
 from paged_llm.runner.sampler import process_request_rows
 from paged_llm.runner.sleep import RankMemory
 
@@ -29,6 +31,8 @@ class DraftModelDrafter:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.k = num_speculative_tokens
         self.model_path = model
+        # the runner captures graphs of the draft model beside the target's (CUDA only)
+        self.cuda_graphs: Any = None
         self._computed: dict[str, tuple[int, int]] = {}  # request -> (preemptions, tokens)
 
     def load(self, engine: Any) -> None:
@@ -91,8 +95,10 @@ class DraftModelDrafter:
             live = [i for i, k in enumerate(ks) if step < k]
             logits = self._forward([feeds[i] for i in live], [starts[i] for i in live],
                                    [entries[i].block_table for i in live])  # fmt: skip
-            for row, i in enumerate(live):
-                tok, q = choose_draft_token(logits[row], reqs[i], drafts[i], sampler)
+            chosen = choose_draft_tokens(
+                list(logits), [reqs[i] for i in live], [drafts[i] for i in live], sampler
+            )
+            for (tok, q), i in zip(chosen, live):
                 drafts[i].append(tok)
                 probs[i].append(q)
                 starts[i] += len(feeds[i])
@@ -108,16 +114,49 @@ class DraftModelDrafter:
         """Run the draft over each sequence's new tokens; logits at each last token [B, V]."""
         q_lens = [len(f) for f in feeds]
         seq_lens = [st + n for st, n in zip(starts, q_lens)]
+        last = torch.tensor(list(accumulate(q_lens)), device=self.device) - 1  # caller's order
+        step = SimpleNamespace(
+            input_ids=[t for f in feeds for t in f], query_lens=q_lens, seq_lens=seq_lens,
+            positions=[p for st, end in zip(starts, seq_lens) for p in range(st, end)],
+            block_tables=tables,
+        )  # fmt: skip
+        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(step):
+            # k - 1 of the k steps are one-token decodes, the first a catch-up of <= k + 1
+            return self.model.compute_logits(self.cuda_graphs.replay(step)[last])
         meta, rows, back = build_metadata_any_order(
             q_lens, seq_lens, tables, self.block_size, self.device
         )
-        ids = torch.tensor([t for f in feeds for t in f], device=self.device)[rows]
-        pos = torch.tensor(
-            [p for st, end in zip(starts, seq_lens) for p in range(st, end)], device=self.device
-        )[rows]
+        ids = torch.tensor(step.input_ids, device=self.device)[rows]
+        pos = torch.tensor(step.positions, device=self.device)[rows]
         hidden = self.model(ids, pos, ForwardContext(meta, self.backend, self.kv_caches))
-        last = torch.tensor(list(accumulate(q_lens)), device=self.device) - 1  # caller's order
         return self.model.compute_logits(hidden[back[last]])
+
+
+def choose_draft_tokens(
+    logits: list[torch.Tensor],  # per sequence [V]
+    requests: list[Any],
+    drafted: list[list[int]],  # per sequence: this step's drafts so far
+    sampler: Any,
+) -> list[tuple[int, torch.Tensor | None]]:
+    """``choose_draft_token`` for each sequence, in order; the greedy ones with nothing to
+    process share one argmax and one device sync (on a GPU a sync per sequence and step
+    would cost more than the draft forward)."""
+    plain = [i for i, (r, d) in enumerate(zip(requests, drafted)) if _plain_greedy(r, len(d))]
+    picks: dict[int, tuple[int, torch.Tensor | None]] = {}
+    if plain:
+        ids = torch.stack([logits[i] for i in plain]).argmax(-1).tolist()
+        picks = {i: (int(t), None) for i, t in zip(plain, ids)}
+    return [
+        picks[i] if i in picks else choose_draft_token(logits[i], requests[i], drafted[i], sampler)
+        for i in range(len(requests))
+    ]
+
+
+def _plain_greedy(request: Any, num_drafted: int) -> bool:
+    """Greedy, with no logits processing and no grammar at this draft position."""
+    params = request.sampling_params
+    n = len(request.output_token_ids) + num_drafted
+    return params.greedy and request.guide is None and not needs_processing(params, n)
 
 
 def choose_draft_token(

@@ -41,7 +41,7 @@ from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from paged_llm.runner.model_runner import order_for_backend
 from paged_llm.runner.sleep import RankMemory
-from paged_llm.spec.draft_model import choose_draft_token
+from paged_llm.spec.draft_model import choose_draft_tokens
 
 
 @dataclass
@@ -238,12 +238,16 @@ class EagleDrafter:
                 lg = self.target.compute_logits(h)
                 for row, i in enumerate(run):
                     out[i], logits[i] = h[row], lg[row]
-            for i in idx:  # in entry order, so sampled drafts draw as before
-                s = live[i]
-                rid = s.request.request_id
+            for i in idx:
+                rid = live[i].request.request_id
                 if i not in out:  # observe ran this step
                     out[i], logits[i] = first[rid].feature, first[rid].logits
-                tok, q = choose_draft_token(logits[i], s.request, drafts[rid], sampler)
+            chosen = choose_draft_tokens(  # in entry order, so sampled drafts draw as before
+                [logits[i] for i in idx], [live[i].request for i in idx],
+                [drafts[live[i].request.request_id] for i in idx], sampler,
+            )  # fmt: skip
+            for (tok, q), i in zip(chosen, idx):
+                rid = live[i].request.request_id
                 drafts[rid].append(tok)
                 if q is not None:
                     probs.setdefault(rid, []).append(q)

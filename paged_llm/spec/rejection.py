@@ -16,7 +16,11 @@ def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
     target_logits: [k + 1, V] at the positions after the last verified token and each draft.
     Returns the accepted drafts followed by one token from the target (k + 1 at most).
     """
-    best = target_logits.argmax(-1).tolist()
+    return accept_greedy(target_logits.argmax(-1).tolist(), drafts)
+
+
+def accept_greedy(best: list[int], drafts: list[int]) -> list[int]:
+    """``verify_greedy`` given the target's argmax at each of the k + 1 positions."""
     out = []
     for i, d in enumerate(drafts):
         if best[i] != d:

@@ -1,0 +1,200 @@
+"""Where a speculative-decoding cycle spends its time on a GPU: the GPU check's spec-decode
+workload (experiments/gpu_spec_decode.py) per method at k = 4, with each engine phase timed.
+
+    python3 -m experiments.gpu_spec_profile --out $OUT    # carrying .gpu_inputs
+
+For the target alone and each drafter it records, in one fresh process:
+
+* ``tokens_per_s``: batch 1 and 16 as the GPU check's section measures them (best of 2), so a
+  run here tells whether that section's numbers depend on what ran before it in its process;
+* ``phases_ms_per_step``: wall time per engine step in the scheduler, the drafter's
+  ``propose`` and ``observe``, the target's forward (``runner._forward``) and sampling or
+  verification (the rest of ``runner.execute``), each phase ended by a device synchronize so
+  that GPU work is charged to the phase that launched it (this run is a little slower);
+* ``target_forwards``: how the target's forwards ran (``graph`` replays, eager ones);
+* ``profile_<method>.txt``: torch.profiler's op tables over a few batch-1 requests.
+
+Also the Python threads alive at the start (another busy thread would take the GIL from
+these launch-bound loops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from experiments.gpu_check import PLANS, Plan
+from experiments.gpu_spec_decode import _engine, _free, _models
+from experiments.spec_workload import generate_greedy, prompt_batches, timed_run
+
+RUNS: tuple[tuple[str | None, int], ...] = ((None, 0), ("ngram", 4), ("draft_model", 4),
+                                            ("eagle", 4))  # fmt: skip
+
+
+class PhaseClock:
+    """Wall seconds per named phase, from wrappers set on the engine's instances."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.steps = 0
+
+    def wrap(self, obj: Any, attr: str, phase: str) -> None:
+        """Time ``obj.attr`` (a bound method) as ``phase``, synchronizing before it returns."""
+        fn = getattr(obj, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+        setattr(obj, attr, timed)
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Milliseconds per engine step in each phase (execute without the forward)."""
+        ms = {k: 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}
+        if "execute" in ms:
+            ms["sample_or_verify"] = ms.pop("execute") - ms.get("forward", 0.0)
+        return ms
+
+
+def _phases(llm: Any, batches: list, max_tokens: int, device: torch.device) -> dict[str, Any]:
+    """Per-step phase times of one greedy run (wrappers removed afterwards)."""
+    engine = llm.llm_engine
+    clock = PhaseClock(device)
+    targets = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "execute", "execute"),
+               (engine.runner, "_forward", "forward")]  # fmt: skip
+    if engine.drafter is not None:
+        targets += [(engine.drafter, name, name) for name in ("propose", "observe")
+                    if hasattr(engine.drafter, name)]  # fmt: skip
+    originals = [(obj, attr, obj.__dict__.get(attr)) for obj, attr, _ in targets]
+    for obj, attr, phase in targets:
+        clock.wrap(obj, attr, phase)
+    step = engine.step
+
+    def counted() -> Any:
+        clock.steps += 1
+        return step()
+
+    engine.step = counted
+    kinds_before = dict(engine.runner.forward_kinds)
+    start = time.perf_counter()
+    try:
+        generate_greedy(llm, batches, max_tokens)
+    finally:
+        for obj, attr, orig in originals:
+            if orig is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, orig)
+        del engine.step
+    wall = time.perf_counter() - start
+    kinds = {k: n - kinds_before.get(k, 0) for k, n in engine.runner.forward_kinds.items()}
+    return {"steps": clock.steps, "wall_ms_per_step": 1e3 * wall / max(clock.steps, 1),
+            "phases_ms_per_step": clock.per_step_ms(),
+            "target_forwards": {k: n for k, n in kinds.items() if n}}  # fmt: skip
+
+
+def _profile(llm: Any, prompts: list, max_tokens: int, path: Path, device: torch.device) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        generate_greedy(llm, prompt_batches(prompts, 1), max_tokens)
+    table = prof.key_averages()
+    text = "sorted by self_cpu_time_total\n" + table.table("self_cpu_time_total", row_limit=30)
+    if device.type == "cuda":
+        text += "\n\nsorted by self_cuda_time_total\n"
+        text += table.table("self_cuda_time_total", row_limit=20)
+    path.write_text(text)
+
+
+def run(plan: Plan, device: torch.device, out: Path, models_dir: str | None) -> dict[str, Any]:
+    """Speed, phase times and a profile per method; the JSON document."""
+    dirs, prompts = _models(plan, models_dir)
+    smoke = plan.mode == "smoke"
+    max_tokens = 8 if smoke else 64
+    batch_sizes = (1,) if smoke else (1, 16)
+    repeats = 1 if smoke else 2
+    doc: dict[str, Any] = {
+        "threads_at_start": [t.name for t in threading.enumerate()],
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": plan.dtype, "num_prompts": len(prompts), "max_tokens": max_tokens, "runs": [],
+    }  # fmt: skip
+    for method, k in RUNS:
+        llm = _engine(dirs, method, k, plan.dtype, device)
+        timed_run(llm, [prompts[:2]], 4)  # warm-up: kernels compile, graphs capture
+        row: dict[str, Any] = {"method": method or "none", "k": k, "tokens_per_s": {}}
+        for bs in batch_sizes:
+            secs, toks = timed_run(llm, prompt_batches(prompts, bs), max_tokens, repeats)
+            row["tokens_per_s"][str(bs)] = toks / secs
+        for bs in batch_sizes:
+            row[f"batch_{bs}"] = _phases(llm, prompt_batches(prompts, bs), max_tokens, device)
+        profiled = prompts[: 1 if smoke else 4]
+        _profile(llm, profiled, max_tokens, out / f"profile_{row['method']}.txt", device)
+        _free(llm, device)
+        doc["runs"].append(row)
+        print(json.dumps(row), flush=True)
+        (out / "spec_profile.json").write_text(json.dumps(doc, indent=1))  # kept on a timeout
+    doc["ngram_beside_busy_thread"] = _beside_busy_thread(
+        dirs, prompts, max_tokens, repeats, plan, device
+    )
+    return doc
+
+
+def _beside_busy_thread(dirs, prompts, max_tokens, repeats, plan, device) -> dict[str, float]:
+    """n-grams (k = 4) at batch 1 alone and beside a pure-Python busy thread, as a leftover
+    thread of an earlier section (say transformers' continuous-batching loop) would be."""
+    llm = _engine(dirs, "ngram", 4, plan.dtype, device)
+    batches = prompt_batches(prompts, 1)
+    timed_run(llm, [prompts[:2]], 4)
+    alone, toks = timed_run(llm, batches, max_tokens, repeats)
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    thread = threading.Thread(target=spin, name="busy", daemon=True)
+    thread.start()
+    try:
+        beside, _ = timed_run(llm, batches, max_tokens, repeats)
+    finally:
+        stop.set()
+        thread.join()
+    _free(llm, device)
+    return {"alone_tokens_per_s": toks / alone, "beside_busy_thread_tokens_per_s": toks / beside}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """CLI: write ``spec_profile.json`` and the profile tables into ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--spec-models", default=None)
+    parser.add_argument("--smoke", action="store_true", help="CPU plumbing check, test models")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    plan = PLANS["smoke" if args.smoke else "full"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    doc = run(plan, device, args.out, args.spec_models)
+    doc["elapsed_s"] = time.perf_counter() - start
+    (args.out / "spec_profile.json").write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
