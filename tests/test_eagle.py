@@ -6,12 +6,14 @@ from collections import Counter
 
 import pytest
 import torch
+from graph_replay import replay_graphs_eagerly
 from safetensors.torch import load_file
 from test_spec import PROMPTS, greedy, ids_of, save_llama
 
 from paged_llm import LLM, SamplingParams
 from paged_llm.models.eagle import random_eagle_head
 from paged_llm.recipes.eagle import EagleHeadReference, shifted_features, target_features
+from paged_llm.runner.cuda_graphs import capture_sizes
 
 SHARED = [7, 8, 9, 10, 11, 12, 13, 14, 15]  # a common prefix longer than two blocks of 4
 PREFIXED = [SHARED + [20 + i, 3 * i + 1] for i in range(4)]
@@ -101,6 +103,22 @@ def test_drafts_equal_the_transformers_reference(pair, kw):
         assert engine.scheduler.num_preemptions_total > 0
     if kw.get("enable_prefix_caching"):
         assert engine.scheduler.kv.prefix_hits > 0
+
+
+def test_drafts_through_replayed_graphs_equal_the_reference(pair, monkeypatch):
+    """With CUDA graphs (replayed eagerly here): the target verifies at stride k + 1, the head
+    runs observe at stride k + 2 and its draft steps at stride 1, reading its features from
+    the graphs' static buffer; every draft still equals the whole-sequence reference."""
+    llm = eagle_llm(pair, max_num_seqs=4, attention_backend="triton")
+    graphs = replay_graphs_eagerly(llm, monkeypatch, capture_sizes(4), strides=(1, 4))
+    seen = recorded_proposals(llm)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], greedy(10))
+    _, _, hf, ref = pair
+    assert len(seen) > 10
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(hf, ref, tokens, len(drafts)), tokens
+    assert any(s == 4 for _, s in graphs.replays)
+    assert {s for _, s in llm.llm_engine.drafter.cuda_graphs.replays} == {1, 5}
 
 
 @pytest.mark.parametrize("k", [1, 4])

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from graph_replay import replay_graphs_eagerly
 
 from paged_llm import LLM, SamplingParams
 from paged_llm.attention.torch_backend import TorchAttentionBackend
@@ -213,20 +214,7 @@ def test_graphs_only_on_cuda_without_enforce_eager():
     assert cuda_graph_sizes(cuda, False, triton, 2, 8) == []  # tensor parallel: eager
 
 
-class EagerReplay(CudaGraphRunner):
-    """Runs exactly what a captured graph replays (the static buffers of the batch's bucket and
-    stride, padding included), but eagerly, so the CPU can check it."""
-
-    def capture(self) -> None:
-        self.replays: list[tuple[int, int]] = []
-        self.graphs = dict.fromkeys(self.keys)  # key_for only asks which keys exist
-
-    def launch(self, key):
-        self.replays.append(key)
-        return self.run_static(key)
-
-
-def test_padded_bucket_replay_gives_the_same_tokens(tiny_llama):
+def test_padded_bucket_replay_gives_the_same_tokens(tiny_llama, monkeypatch):
     prompts = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(3)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 6, 9)]
     kwargs = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01, max_num_seqs=4,
@@ -240,11 +228,7 @@ def test_padded_bucket_replay_gives_the_same_tokens(tiny_llama):
     assert eager.llm_engine.runner.cuda_graphs is None  # the CPU never captures
     expected = generate(eager)
     llm = LLM(str(tiny_llama[0]), **kwargs)
-    runner = llm.llm_engine.runner
-    graphs = EagerReplay(llm.llm_engine.model, runner.backend, runner.kv_caches, None,
-                         capture_sizes(4), 4, 64, runner.device)  # fmt: skip
-    graphs.capture()
-    runner.cuda_graphs = graphs
+    graphs = replay_graphs_eagerly(llm, monkeypatch, capture_sizes(4))
     assert generate(llm) == expected
     # 3 decoding (bucket 4, one padding row), then 2 (bucket 2), then 1 (bucket 1)
     assert set(graphs.replays) == {(4, 1), (2, 1), (1, 1)}
@@ -268,7 +252,7 @@ def test_verification_padding_keeps_positions_and_writes_nowhere():
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
-def test_verification_and_draft_graphs_give_the_same_tokens(tiny_llama, method):
+def test_verification_and_draft_graphs_give_the_same_tokens(tiny_llama, method, monkeypatch):
     """Speculative steps through graphs of stride k + 1 (the target's verifications, the draft
     model's catch-up steps) and stride 1 (its one-token steps), replayed eagerly."""
     prompts = [[5, 9, 17, 33, 2 + i] * (i + 2) for i in range(3)]
@@ -285,20 +269,13 @@ def test_verification_and_draft_graphs_give_the_same_tokens(tiny_llama, method):
     if method == "draft_model":  # the target drafting for itself: every draft is accepted
         spec["model"] = str(tiny_llama[0])
     llm = LLM(str(tiny_llama[0]), speculative_config=spec, **kwargs)
-    runner, drafter = llm.llm_engine.runner, llm.llm_engine.drafter
-    models = [(runner, llm.llm_engine.model, runner.kv_caches)]
-    if method == "draft_model":
-        models.append((drafter, drafter.model, drafter.kv_caches))
-    for owner, model, caches in models:
-        owner.cuda_graphs = EagerReplay(model, runner.backend, caches, None, capture_sizes(4), 4,
-                                        64, runner.device, strides=(1, 4))  # fmt: skip
-        owner.cuda_graphs.capture()
+    graphs = replay_graphs_eagerly(llm, monkeypatch, capture_sizes(4), strides=(1, 4))
     assert generate(llm) == expected
     assert llm.llm_engine.spec_stats.num_draft_tokens > 0
-    assert any(s == 4 for _, s in runner.cuda_graphs.replays)  # verifications replayed
+    assert any(s == 4 for _, s in graphs.replays)  # verifications replayed
     if method == "draft_model":
         assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
-        assert {s for _, s in drafter.cuda_graphs.replays} == {1, 4}
+        assert {s for _, s in llm.llm_engine.drafter.cuda_graphs.replays} == {1, 4}
 
 
 def test_a_failed_verification_capture_keeps_the_decode_graphs(monkeypatch):

@@ -23,7 +23,8 @@ How:
   first, sharing one memory pool; each capture is preceded by an eager warm-up run so
   Triton compiles its kernels outside the capture;
 * the LM head and sampling stay eager (they only see the real rows);
-* a draft model gets graphs of its own (``ModelRunner.capture_cuda_graphs``).
+* a drafter's model (a draft model, an EAGLE head) gets graphs of its own, from its
+  ``graph_inputs`` (``ModelRunner.capture_cuda_graphs``).
 
 Graphs are used only on CUDA, without ``enforce_eager``, at tensor_parallel_size 1 (capturing
 NCCL collectives is not verified here) and with the triton backend, whose attention reads
@@ -31,7 +32,7 @@ only device tensors and host values fixed at capture. Everything else runs exact
 
 Measured on an H200 (paper_repro/gpu_results.md): parity with transformers through replayed
 decode graphs, and 1,457 of 1,465 end-to-end steps replayed (run 11). The stride k + 1 graphs
-and the draft model's were written after run 13 and are checked on the CPU only (replayed
+and the drafters' were written after run 13 and are checked on the CPU only (replayed
 eagerly, tests/test_gpu_check.py); docs/gpu.md has the run that measures them.
 """
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -318,11 +320,18 @@ class CudaGraphRunner:
         self.graphs[key].replay()
         return self.outputs[key]
 
-    def replay(self, batch: Any) -> torch.Tensor:  # -> [T, H]
+    def replay(
+        self, batch: Any, extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    ) -> torch.Tensor:  # -> [T, H]
         """Load the batch, replay its graph, return the hidden states of the batch's tokens in
-        its order (stride 1: a view valid until the next replay)."""
+        its order (stride 1: a view valid until the next replay). ``extra`` holds per-token
+        inputs the captured model reads from static buffers of its own: (buffer [tokens, ...],
+        values [T, ...]) pairs, copied to the batch's padded rows."""
         key, rows = self.load(batch)
+        index = None
+        if key[1] != 1 or extra:
+            index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        for buffer, values in extra:
+            buffer[index] = values.to(buffer.dtype)
         hidden = self.launch(key)
-        if key[1] == 1:
-            return hidden[: len(rows)]
-        return hidden[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+        return hidden[: len(rows)] if key[1] == 1 else hidden[index]

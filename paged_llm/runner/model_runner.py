@@ -284,10 +284,11 @@ class ModelRunner:
         self.cuda_graphs = self._capture(
             self.model, self.kv_caches, self.kv_scales or None, sizes, max_model_len, strides
         )
-        for owner in self.memory_owners:
-            if hasattr(owner, "cuda_graphs"):
+        for owner in self.memory_owners:  # a drafter's model: see graph_inputs there
+            if hasattr(owner, "graph_inputs"):
+                model, caches, owner_strides = owner.graph_inputs(sizes, tuple(strides))
                 owner.cuda_graphs = self._capture(
-                    owner.model, owner.kv_caches, None, sizes, max_model_len, strides
+                    model, caches, None, sizes, max_model_len, owner_strides
                 )
 
     @property
@@ -330,7 +331,7 @@ class ModelRunner:
         free_before = device_free_bytes(self.device)
         self.cuda_graphs = None  # their memory pool is freed with them
         for owner in self.memory_owners:
-            if hasattr(owner, "cuda_graphs"):
+            if hasattr(owner, "graph_inputs"):
                 owner.cuda_graphs = None
         self.backend.release_buffers()
         report = self.sleeper.sleep(level, self.device_memory())

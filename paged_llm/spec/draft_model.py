@@ -70,6 +70,14 @@ class DraftModelDrafter:
         weights = [*self.model.parameters(), *self.model.buffers()]
         return RankMemory([], weights, [t for pair in self.kv_caches for t in pair])
 
+    def graph_inputs(
+        self, sizes: list[int], strides: tuple[int, ...]
+    ) -> tuple[Any, Any, tuple[int, ...]]:
+        """What the runner captures CUDA graphs of (into ``cuda_graphs``): the draft model over
+        its KV pool, at the target's strides (1 for the one-token steps, k + 1 for the
+        catch-up)."""
+        return self.model, self.kv_caches, strides
+
     def forget(self, request_id: str) -> None:
         """Drop a finished request's state."""
         self._computed.pop(request_id, None)

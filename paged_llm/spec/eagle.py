@@ -32,9 +32,11 @@ the step itself. The head's KV at b is then the true pair's, as the invariant as
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch import nn
 
 from paged_llm.attention.metadata import build_metadata_any_order
 from paged_llm.layers.attention import ForwardContext
@@ -42,6 +44,19 @@ from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per
 from paged_llm.runner.model_runner import order_for_backend
 from paged_llm.runner.sleep import RankMemory
 from paged_llm.spec.draft_model import choose_draft_tokens
+
+
+class _HeadStep(nn.Module):
+    """The head as a CUDA graph captures a model, ``(token ids, positions, ctx) -> [T, H]``:
+    the previous features come from a static buffer that the replay fills first."""
+
+    def __init__(self, head: nn.Module, embed: nn.Module, features: torch.Tensor) -> None:
+        super().__init__()
+        self.head, self.embed, self.features = head, embed, features  # features [tokens, H]
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Predicted features of the first ids.shape[0] rows."""
+        return self.head(self.embed(ids), self.features[: ids.shape[0]], positions, ctx)
 
 
 @dataclass
@@ -66,6 +81,9 @@ class EagleDrafter:
         self.k = num_speculative_tokens
         self.model_path = model
         self._first: dict[str, _FirstStep] = {}  # request -> draft step 1, run by observe
+        # the runner captures graphs of the head (CUDA only; see graph_inputs)
+        self.cuda_graphs: Any = None
+        self._graph_features: torch.Tensor | None = None  # [tokens, H] the graphs' input
 
     def load(self, engine: Any) -> None:
         """Load the head on the target's device; it reads the target's embeddings and LM head."""
@@ -118,6 +136,18 @@ class EagleDrafter:
         weights = [*self.head.parameters(), *self.head.buffers()]
         pools = [t for group in self.block_pools("device") for t in group]
         return RankMemory([], weights, pools)
+
+    def graph_inputs(
+        self, sizes: list[int], strides: tuple[int, ...]
+    ) -> tuple[Any, Any, tuple[int, ...]]:
+        """What the runner captures CUDA graphs of (into ``cuda_graphs``): the head reading its
+        features from a static buffer, over its KV pool. Strides 1 (propose's steps) and
+        k + 2 (observe: up to k + 1 computed tokens and the first draft step)."""
+        strides = (1, self.k + 2)
+        tokens = max(sizes) * max(strides)
+        self._graph_features = torch.zeros(tokens, self.hidden, dtype=self.dtype,
+                                           device=self.device)  # fmt: skip
+        return _HeadStep(self.head, self.embed, self._graph_features), self.kv_caches, strides
 
     def forget(self, request_id: str) -> None:
         """Drop the request's first draft step, if ``observe`` ran it; the rest lives in its
@@ -202,6 +232,11 @@ class EagleDrafter:
         tables: list[list[int]],
     ) -> torch.Tensor:  # [T, H]
         """One head forward over the flat batch [T] given in the caller's order."""
+        step = SimpleNamespace(input_ids=ids, positions=positions, query_lens=q_lens,
+                               seq_lens=seq_lens, block_tables=tables)  # fmt: skip
+        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(step):
+            # a copy: observe keeps rows of it (_FirstStep) past the next replay
+            return self.cuda_graphs.replay(step, [(self._graph_features, features)]).clone()
         meta, rows, back = build_metadata_any_order(
             q_lens, seq_lens, tables, self.block_size, self.device
         )
