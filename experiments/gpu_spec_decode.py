@@ -9,7 +9,8 @@ states, verification batches next to CUDA-graph decodes) ran first on an H200 in
   k+1-token verification and a one-token decode go through different kernels, which may round
   a near-tie differently, so this is reported, not required (the CPU tests require identity).
 * ``speed``: output tokens/s in the plan's dtype at batch 1 and 16 for the target alone and for
-  each method at k = 2 and 4, with the acceptance rate and tokens per target step.
+  each method at k = 2 and 4, with the acceptance rate, tokens per target step and how the
+  target's forwards ran (``target_forwards``: graph replays and eager ones, both repeats).
 
 The models come from ``--spec-models DIR`` (``target/``, ``draft/``, ``eagle/`` and
 ``prompts.json``), written on a CPU machine before a loan by
@@ -154,9 +155,13 @@ def _speed(dirs, prompts, max_tokens, dtype, device, deadline: Deadline) -> dict
         for bs in batch_sizes:
             if method is not None:
                 llm.llm_engine.spec_stats = type(llm.llm_engine.spec_stats)()
+            kinds = dict(llm.llm_engine.runner.forward_kinds)
             secs, toks = timed_run(llm, prompt_batches(prompts, bs), max_tokens, repeats=2)
+            now = llm.llm_engine.runner.forward_kinds  # graph replays vs eager forwards
             row = {"method": method or "none", "k": k, "batch_size": bs, "seconds": secs,
-                   "output_tokens_per_s": toks / secs}  # fmt: skip
+                   "output_tokens_per_s": toks / secs,
+                   "target_forwards": {n: c - kinds.get(n, 0) for n, c in now.items()
+                                       if c > kinds.get(n, 0)}}  # fmt: skip
             if method is not None:
                 stats = llm.llm_engine.spec_stats
                 row.update(

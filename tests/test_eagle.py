@@ -227,6 +227,25 @@ def test_the_head_sleeps_with_the_target(pair):
     assert seen and all(d == reference_drafts(hf, ref, t, len(d)) for t, d in seen)
 
 
+def test_the_heads_graphs_are_captured_again_after_a_sleep(pair, monkeypatch):
+    """A sleep drops the head's graphs with the target's (they bake in the pools' addresses);
+    waking captures both again, and drafting through them still matches the reference."""
+    llm = eagle_llm(pair, k=2, enable_sleep_mode=True, max_num_seqs=4, attention_backend="triton")
+    replay_graphs_eagerly(llm, monkeypatch, capture_sizes(4), strides=(1, 3))
+    drafter, runner = llm.llm_engine.drafter, llm.llm_engine.runner
+    prompts = [{"prompt_token_ids": p} for p in PREFIXED[:2]]
+    before = ids_of(llm.generate(prompts, greedy(8), use_tqdm=False))
+    llm.sleep(1)
+    assert drafter.cuda_graphs is None and runner.cuda_graphs is None
+    llm.wake_up()
+    assert drafter.cuda_graphs is not None and drafter.cuda_graphs.replays == []
+    seen = recorded_proposals(llm)
+    assert ids_of(llm.generate(prompts, greedy(8), use_tqdm=False)) == before
+    assert {s for _, s in drafter.cuda_graphs.replays} == {1, 4}
+    _, _, hf, ref = pair
+    assert seen and all(d == reference_drafts(hf, ref, t, len(d)) for t, d in seen)
+
+
 def test_what_eagle_cannot_be_combined_with(pair, tmp_path):
     with pytest.raises(ValueError, match="kv_offloading_size"):
         eagle_llm(pair, enable_prefix_caching=True, kv_offloading_size=0.01)
