@@ -273,6 +273,7 @@ def test_verification_and_draft_graphs_give_the_same_tokens(tiny_llama, method, 
     assert generate(llm) == expected
     assert llm.llm_engine.spec_stats.num_draft_tokens > 0
     assert any(s == 4 for _, s in graphs.replays)  # verifications replayed
+    assert llm.llm_engine.runner.forward_kinds["graph_q4"] > 0
     if method == "draft_model":
         assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
         assert {s for _, s in llm.llm_engine.drafter.cuda_graphs.replays} == {1, 4}

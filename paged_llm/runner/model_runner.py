@@ -212,8 +212,9 @@ class ModelRunner:
         # other owners of this rank's device memory (a draft model): ``device_memory()``
         self.memory_owners: list[Any] = []
         self.cuda_graph_error: str | None = None  # why capturing failed, if it did
-        # How each forward ran ("graph" replay, "eager_decode", "eager_prefill": a batch with
-        # any prompt tokens), counted and last: benchmarks attribute step time by kind.
+        # How each forward ran ("graph" replay of a decode graph, "graph_q<stride>" of a longer
+        # stride, "eager_decode", "eager_prefill": any other batch, a verification included),
+        # counted and last: benchmarks attribute step time by kind.
         self.forward_kinds: collections.Counter[str] = collections.Counter()
         self.last_forward_kind: str | None = None
         self.kv_spec = kv_spec or KVCacheSpec(dtype)
@@ -418,8 +419,10 @@ class ModelRunner:
         self.last_hidden = None
         if batch is None:
             return None, None
-        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(batch):
-            self._count_forward("graph")
+        key = self.cuda_graphs.key_for(batch) if self.cuda_graphs is not None else None
+        if key is not None:
+            # "graph": a decode graph; "graph_q5": one of query stride 5 (k = 4 verifications)
+            self._count_forward("graph" if key[1] == 1 else f"graph_q{key[1]}")
             hidden = self.cuda_graphs.replay(batch)  # [T, hidden]
         else:
             self._count_forward("eager_decode" if is_decode_batch(batch) else "eager_prefill")
