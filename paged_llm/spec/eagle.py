@@ -172,8 +172,8 @@ class EagleDrafter:
             if b > a and not req.is_pooling:
                 spans.append((s, a, b, hidden[row : row + b - a]))
             row += n
-        for s, a, _, rows in spans:
-            self._store_features(s.block_table, a, rows)
+        if spans:
+            self._store_features([(s.block_table, a, rows) for s, a, _, rows in spans])
         self._first = {}
         ids, feats, positions, q_lens, seq_lens, tables = [], [], [], [], [], []
         firsts = []  # (request id, row of position b, its block) where observe drafts step 1
@@ -215,12 +215,15 @@ class EagleDrafter:
         bs = self.block_size
         return self.features[table[position // bs], position % bs]
 
-    def _store_features(self, table: list[int], start: int, rows: torch.Tensor) -> None:
-        """Write features of positions start.. into the slots of ``table``."""
+    def _store_features(self, spans: list[tuple[list[int], int, torch.Tensor]]) -> None:
+        """Write each span's features [n, H] into positions start.. of its block table's
+        slots, all spans with one index copy to the device (each one a host sync on a GPU)."""
         bs = self.block_size
-        pos = torch.arange(start, start + rows.shape[0])
-        blocks = torch.tensor(table, dtype=torch.long)[pos // bs].to(self.features.device)
-        self.features[blocks, (pos % bs).to(self.features.device)] = rows.to(self.dtype)
+        slots = [(table[p // bs], p % bs) for table, start, rows in spans
+                 for p in range(start, start + rows.shape[0])]  # fmt: skip
+        index = torch.tensor(slots, dtype=torch.long).to(self.features.device)  # [N, 2]
+        values = torch.cat([rows for _, _, rows in spans])
+        self.features[index[:, 0], index[:, 1]] = values.to(self.dtype)
 
     def _run(
         self,
