@@ -21,7 +21,6 @@ from paged_llm.runner.cuda_graphs import (
     capture_sizes,
     cuda_graph_sizes,
     pad_batch,
-    pad_decode_batch,
 )
 
 SECTIONS = ["bandwidth", "kernels", "parity", "kernel_sweep", "decode_bandwidth", "fig18a",
@@ -190,18 +189,18 @@ def decode_batch(positions, tables):
 
 def test_padding_writes_nowhere_and_reads_nothing():
     batch = decode_batch([5, 0], [[3, 9], [4]])  # block size 4: slots 9*4+1 and 4*4+0
-    padded = pad_decode_batch(batch, bucket=4, block_size=4, width=3)
+    padded = pad_batch(batch, bucket=4, stride=1, block_size=4, width=3)
     assert padded.slot_mapping == [37, 16, -1, -1]
     assert padded.seq_lens == [6, 1, 0, 0]
     assert padded.input_ids == [7, 7, 0, 0] and padded.positions == [5, 0, 0, 0]
     assert padded.block_tables == [[3, 9, 0], [4, 0, 0], [0, 0, 0], [0, 0, 0]]
     with pytest.raises(ValueError, match="at most 1"):
-        pad_decode_batch(batch, bucket=1, block_size=4, width=3)
+        pad_batch(batch, bucket=1, stride=1, block_size=4, width=3)
     with pytest.raises(ValueError, match="wider"):
-        pad_decode_batch(batch, bucket=2, block_size=4, width=1)
+        pad_batch(batch, bucket=2, stride=1, block_size=4, width=1)
     prefill = SimpleNamespace(**{**vars(batch), "query_lens": [1, 2]})
     with pytest.raises(ValueError, match="decode batch"):
-        pad_decode_batch(prefill, bucket=2, block_size=4, width=3)
+        pad_batch(prefill, bucket=2, stride=1, block_size=4, width=3)
 
 
 def test_graphs_only_on_cuda_without_enforce_eager():
@@ -295,8 +294,8 @@ def test_a_failed_verification_capture_keeps_the_decode_graphs(monkeypatch):
     assert sorted(graphs.graphs) == [(1, 1), (2, 1), (4, 1)] and graphs.strides == [1]
     verification = SimpleNamespace(input_ids=[1, 2], positions=[3, 4], query_lens=[2],
                                    seq_lens=[5], block_tables=[[0, 1]])  # fmt: skip
-    assert not graphs.can_replay(verification)
-    assert graphs.can_replay(decode_batch([3], [[0]]))
+    assert graphs.key_for(verification) is None
+    assert graphs.key_for(decode_batch([3], [[0]])) == (1, 1)
 
     def decode_fails(key, pool):
         raise RuntimeError("capture failed")

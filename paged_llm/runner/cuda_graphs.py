@@ -128,12 +128,12 @@ def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int)
     position, which the position tables hold.
     """
     n = len(batch.query_lens)
+    if stride == 1 and not is_decode_batch(batch):
+        raise ValueError(f"stride 1 needs a decode batch, got query lengths {batch.query_lens}")
     if n > bucket or not batch.query_lens or not all(1 <= q <= stride for q in batch.query_lens):
         raise ValueError(
             f"need at most {bucket} sequences of 1 to {stride} query tokens, got {batch.query_lens}"
         )
-    if stride == 1 and not is_decode_batch(batch):
-        raise ValueError("stride 1 needs a decode batch")
     if any(len(t) > width for t in batch.block_tables):
         raise ValueError(f"a block table is wider than the captured {width} blocks")
     ids, positions, slots, rows = [], [], [], []
@@ -161,13 +161,6 @@ def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int)
         block_tables=tables + [[0] * width] * pad,
         rows=rows,
     )
-
-
-def pad_decode_batch(batch: Any, bucket: int, block_size: int, width: int) -> PaddedBatch:
-    """Pad a pure-decode HostBatch to ``bucket`` rows and its block tables to ``width``."""
-    if not is_decode_batch(batch):
-        raise ValueError(f"need a decode batch, got query lengths {batch.query_lens}")
-    return pad_batch(batch, bucket, 1, block_size, width)
 
 
 class CudaGraphRunner:
@@ -293,16 +286,9 @@ class CudaGraphRunner:
         bucket = bucket_for(len(batch.query_lens), self.sizes)
         return (bucket, stride) if (bucket, stride) in self.graphs else None
 
-    def can_replay(self, batch: Any) -> bool:
-        """True for a HostBatch that fits a captured (bucket, stride) and the block tables."""
-        return self.key_for(batch) is not None
-
-    def load(self, batch: Any) -> tuple[tuple[int, int], list[int]]:
-        """Copy a HostBatch, padded, into the static buffers; return its key and its tokens'
-        padded rows."""
-        key = self.key_for(batch)
-        if key is None:
-            raise ValueError("no captured graph fits this batch (check can_replay first)")
+    def load(self, batch: Any, key: tuple[int, int]) -> list[int]:
+        """Copy a HostBatch, padded, into the static buffers of ``key`` (from ``key_for``);
+        return its tokens' padded rows."""
         b, s = key
         padded = pad_batch(batch, b, s, self.block_size, self.width)
         # One host-to-device copy for all of them: a copy from pageable memory waits for the
@@ -316,7 +302,7 @@ class CudaGraphRunner:
         self.slot_mapping[: b * s].copy_(slots)
         self.seq_lens[:b].copy_(lens)
         self.block_tables[:b].copy_(tables.view(b, self.width))
-        return key, padded.rows
+        return padded.rows
 
     def launch(self, key: tuple[int, int]) -> torch.Tensor:  # -> [b * s, H]
         """Replay the graph of ``key``; its static output."""
@@ -324,13 +310,17 @@ class CudaGraphRunner:
         return self.outputs[key]
 
     def replay(
-        self, batch: Any, extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+        self,
+        batch: Any,
+        key: tuple[int, int],
+        extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> torch.Tensor:  # -> [T, H]
-        """Load the batch, replay its graph, return the hidden states of the batch's tokens in
-        its order (stride 1: a view valid until the next replay). ``extra`` holds per-token
-        inputs the captured model reads from static buffers of its own: (buffer [tokens, ...],
-        values [T, ...]) pairs, copied to the batch's padded rows."""
-        key, rows = self.load(batch)
+        """Load the batch, replay the graph of ``key`` (``key_for(batch)``, not None), return
+        the hidden states of the batch's tokens in its order (stride 1: a view valid until the
+        next replay). ``extra`` holds per-token inputs the captured model reads from static
+        buffers of its own: (buffer [tokens, ...], values [T, ...]) pairs, copied to the
+        batch's padded rows."""
+        rows = self.load(batch, key)
         index = None
         if key[1] != 1 or extra:
             index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)

@@ -285,12 +285,16 @@ class ModelRunner:
         self.cuda_graphs = self._capture(
             self.model, self.kv_caches, self.kv_scales or None, sizes, max_model_len, strides
         )
-        for owner in self.memory_owners:  # a drafter's model: see graph_inputs there
-            if hasattr(owner, "graph_inputs"):
-                model, caches, owner_strides = owner.graph_inputs(sizes, tuple(strides))
-                owner.cuda_graphs = self._capture(
-                    model, caches, None, sizes, max_model_len, owner_strides
-                )
+        for owner in self._graph_owners():
+            model, caches, owner_strides = owner.graph_inputs(sizes, tuple(strides))
+            owner.cuda_graphs = self._capture(
+                model, caches, None, sizes, max_model_len, owner_strides
+            )
+
+    def _graph_owners(self) -> list[Any]:
+        """The memory owners with a model of their own to capture (see a drafter's
+        ``graph_inputs``)."""
+        return [owner for owner in self.memory_owners if hasattr(owner, "graph_inputs")]
 
     @property
     def graph_sizes(self) -> list[int]:
@@ -331,9 +335,8 @@ class ModelRunner:
         discards the parameters); CUDA graphs, which bake in their addresses, go too."""
         free_before = device_free_bytes(self.device)
         self.cuda_graphs = None  # their memory pool is freed with them
-        for owner in self.memory_owners:
-            if hasattr(owner, "graph_inputs"):
-                owner.cuda_graphs = None
+        for owner in self._graph_owners():
+            owner.cuda_graphs = None
         self.backend.release_buffers()
         report = self.sleeper.sleep(level, self.device_memory())
         if self.device.type == "cuda":
@@ -423,7 +426,7 @@ class ModelRunner:
         if key is not None:
             # "graph": a decode graph; "graph_q5": one of query stride 5 (k = 4 verifications)
             self._count_forward("graph" if key[1] == 1 else f"graph_q{key[1]}")
-            hidden = self.cuda_graphs.replay(batch)  # [T, hidden]
+            hidden = self.cuda_graphs.replay(batch, key)  # [T, hidden]
         else:
             self._count_forward("eager_decode" if is_decode_batch(batch) else "eager_prefill")
             inputs = to_step_inputs(batch, self.block_size, self.device)

@@ -194,15 +194,9 @@ class Sampler:
 
     @staticmethod
     def verifies_plainly(request: Request) -> bool:
-        """Greedy, with no logits processing, grammar or logprobs: ``verify_plain_greedy``
-        can take this request's verification."""
-        params = request.sampling_params
-        return (
-            params.greedy
-            and not params.tracks_logprobs
-            and request.guide is None
-            and not needs_processing(params, request.num_output_tokens)
-        )
+        """Plain greedy and without logprobs: ``verify_plain_greedy`` can take this request's
+        verification."""
+        return is_plain_greedy(request) and not request.sampling_params.tracks_logprobs
 
     def verify_plain_greedy(
         self,
@@ -290,6 +284,14 @@ def logprob_entries(
                 for r, (t, lp) in enumerate(zip(ids[:k], values[:k]), start=1)
             )
     return entries
+
+
+def is_plain_greedy(request: Request, num_drafted: int = 0) -> bool:
+    """Greedy, with no logits processing and no grammar for the token after its outputs and
+    ``num_drafted`` drafts: its choice is the plain argmax of the logits."""
+    params = request.sampling_params
+    n = request.num_output_tokens + num_drafted
+    return params.greedy and request.guide is None and not needs_processing(params, n)
 
 
 def process_request_rows(

@@ -16,8 +16,7 @@ import torch
 from paged_llm.attention.metadata import build_metadata_any_order
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import allocate_kv_caches, kv_bytes_per_block
-from paged_llm.runner.logits_processors import needs_processing
-from paged_llm.runner.sampler import process_request_rows
+from paged_llm.runner.sampler import is_plain_greedy, process_request_rows
 from paged_llm.runner.sleep import RankMemory
 
 
@@ -128,9 +127,10 @@ class DraftModelDrafter:
             positions=[p for st, end in zip(starts, seq_lens) for p in range(st, end)],
             block_tables=tables,
         )  # fmt: skip
-        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(step):
+        key = self.cuda_graphs.key_for(step) if self.cuda_graphs is not None else None
+        if key is not None:
             # k - 1 of the k steps are one-token decodes, the first a catch-up of <= k + 1
-            return self.model.compute_logits(self.cuda_graphs.replay(step)[last])
+            return self.model.compute_logits(self.cuda_graphs.replay(step, key)[last])
         meta, rows, back = build_metadata_any_order(
             q_lens, seq_lens, tables, self.block_size, self.device
         )
@@ -149,7 +149,7 @@ def choose_draft_tokens(
     """``choose_draft_token`` for each sequence, in order; the greedy ones with nothing to
     process share one argmax and one device sync (on a GPU a sync per sequence and step
     would cost more than the draft forward)."""
-    plain = [i for i, (r, d) in enumerate(zip(requests, drafted)) if _plain_greedy(r, len(d))]
+    plain = [i for i, (r, d) in enumerate(zip(requests, drafted)) if is_plain_greedy(r, len(d))]
     picks: dict[int, tuple[int, torch.Tensor | None]] = {}
     if plain:
         ids = torch.stack([logits[i] for i in plain]).argmax(-1).tolist()
@@ -158,13 +158,6 @@ def choose_draft_tokens(
         picks[i] if i in picks else choose_draft_token(logits[i], requests[i], drafted[i], sampler)
         for i in range(len(requests))
     ]
-
-
-def _plain_greedy(request: Any, num_drafted: int) -> bool:
-    """Greedy, with no logits processing and no grammar at this draft position."""
-    params = request.sampling_params
-    n = len(request.output_token_ids) + num_drafted
-    return params.greedy and request.guide is None and not needs_processing(params, n)
 
 
 def choose_draft_token(

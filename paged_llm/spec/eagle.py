@@ -237,9 +237,11 @@ class EagleDrafter:
         """One head forward over the flat batch [T] given in the caller's order."""
         step = SimpleNamespace(input_ids=ids, positions=positions, query_lens=q_lens,
                                seq_lens=seq_lens, block_tables=tables)  # fmt: skip
-        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(step):
+        key = self.cuda_graphs.key_for(step) if self.cuda_graphs is not None else None
+        if key is not None:
             # a copy: observe keeps rows of it (_FirstStep) past the next replay
-            return self.cuda_graphs.replay(step, [(self._graph_features, features)]).clone()
+            extra = [(self._graph_features, features)]
+            return self.cuda_graphs.replay(step, key, extra).clone()
         meta, rows, back = build_metadata_any_order(
             q_lens, seq_lens, tables, self.block_size, self.device
         )
