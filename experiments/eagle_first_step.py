@@ -26,40 +26,34 @@ from typing import Any
 
 import torch
 
-from experiments.spec_workload import code_prompts, generate_greedy, model_dir, prompt_batches
+from experiments.spec_workload import (
+    PhaseClock,
+    code_prompts,
+    generate_greedy,
+    model_dir,
+    prompt_batches,
+)
 from paged_llm import LLM
 from paged_llm.metrics.run_info import hardware_info
 
 
-class DrafterClock:
-    """Seconds spent in a drafter's ``observe`` and ``propose`` (wrapped on the instance)."""
-
-    def __init__(self, drafter: Any) -> None:
-        self.seconds = self.cpu_seconds = 0.0
-        for name in ("observe", "propose"):
-            setattr(drafter, name, self._timing(getattr(drafter, name)))
-
-    def _timing(self, fn: Any) -> Any:
-        def timed(*args: Any) -> Any:
-            start, cpu = time.perf_counter(), time.process_time()
-            try:
-                return fn(*args)
-            finally:
-                self.seconds += time.perf_counter() - start
-                self.cpu_seconds += time.process_time() - cpu
-
-        return timed
+def drafter_clock(drafter: Any) -> PhaseClock:
+    """A clock of the seconds spent in the drafter's ``observe`` and ``propose``."""
+    clock = PhaseClock()
+    for name in ("observe", "propose"):
+        clock.wrap(drafter, name, "drafter")
+    return clock
 
 
 def _timed(
-    llm: LLM, clock: DrafterClock, batches: list[list[list[int]]], max_tokens: int
+    llm: LLM, clock: PhaseClock, batches: list[list[list[int]]], max_tokens: int
 ) -> tuple[dict[str, float], list]:
     start, cpu = time.perf_counter(), time.process_time()
-    clock.seconds = clock.cpu_seconds = 0.0
+    clock.reset()
     outputs = generate_greedy(llm, batches, max_tokens)
     return {
-        "wall_s": time.perf_counter() - start, "drafter_s": clock.seconds,
-        "cpu_s": time.process_time() - cpu, "drafter_cpu_s": clock.cpu_seconds,
+        "wall_s": time.perf_counter() - start, "drafter_s": clock.seconds.get("drafter", 0.0),
+        "cpu_s": time.process_time() - cpu, "drafter_cpu_s": clock.cpu_seconds.get("drafter", 0.0),
     }, outputs  # fmt: skip
 
 
@@ -84,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spec = {"method": "eagle", "model": head, "num_speculative_tokens": k}
         llm = LLM(target, speculative_config=spec, block_size=16, seed=0)
         drafter = llm.llm_engine.drafter
-        fused, clock = drafter._drafts_next, DrafterClock(drafter)
+        fused, clock = drafter._drafts_next, drafter_clock(drafter)
         for batch in [int(x) for x in args.batch_sizes.split(",")]:
             batches = prompt_batches(pool, batch)
             _timed(llm, clock, batches[:1], 8)  # warm-up

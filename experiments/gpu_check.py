@@ -1130,10 +1130,9 @@ def profile_steps(engine: Any, work: Workload, out_dir: Path, steps: int = 6) ->
     for rid, prompt in zip(ids, head.prompts):
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
+    cuda = torch.cuda.is_available()
     kinds, times = [], []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             start = time.perf_counter()
@@ -1141,13 +1140,18 @@ def profile_steps(engine: Any, work: Workload, out_dir: Path, steps: int = 6) ->
             times.append(time.perf_counter() - start)
             kinds.append(engine.runner.last_forward_kind)
     engine.abort_request(ids)
-    table = prof.key_averages()
     path = out_dir / "profile_steps.txt"
-    sort_keys = ["self_cpu_time_total"] + (["self_cuda_time_total"] if len(activities) > 1 else [])
+    write_profile_tables(prof, path, cuda)
+    return {"file": path.name, "step_kinds": kinds, "step_ms": [1e3 * t for t in times]}
+
+
+def write_profile_tables(prof: Any, path: Path, cuda: bool) -> None:
+    """torch.profiler's op table sorted by self CPU time, and by self CUDA time on CUDA."""
+    table = prof.key_averages()
+    sort_keys = ["self_cpu_time_total"] + (["self_cuda_time_total"] if cuda else [])
     path.write_text(
         "\n\n".join(f"sorted by {k}\n{table.table(sort_by=k, row_limit=30)}" for k in sort_keys)
     )
-    return {"file": path.name, "step_kinds": kinds, "step_ms": [1e3 * t for t in times]}
 
 
 def _attempt_engine(

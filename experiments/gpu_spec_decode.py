@@ -141,7 +141,7 @@ def _exactness(dirs, prompts, max_tokens, device, deadline: Deadline) -> dict[st
 
 def _speed(dirs, prompts, max_tokens, dtype, device, deadline: Deadline) -> dict[str, Any]:
     """Output tokens/s of the target alone and each method at k = 2 and 4, batch 1 and 16."""
-    from experiments.spec_workload import prompt_batches, timed_run
+    from experiments.spec_workload import forwards_since, prompt_batches, timed_run
 
     batch_sizes = (1, 16) if device.type == "cuda" else (1, 2)
     runs: list[tuple[str | None, int]] = [(None, 0)] + [(m, k) for m in METHODS for k in (2, 4)]
@@ -157,11 +157,9 @@ def _speed(dirs, prompts, max_tokens, dtype, device, deadline: Deadline) -> dict
                 llm.llm_engine.spec_stats = type(llm.llm_engine.spec_stats)()
             kinds = dict(llm.llm_engine.runner.forward_kinds)
             secs, toks = timed_run(llm, prompt_batches(prompts, bs), max_tokens, repeats=2)
-            now = llm.llm_engine.runner.forward_kinds  # graph replays vs eager forwards
             row = {"method": method or "none", "k": k, "batch_size": bs, "seconds": secs,
                    "output_tokens_per_s": toks / secs,
-                   "target_forwards": {n: c - kinds.get(n, 0) for n, c in now.items()
-                                       if c > kinds.get(n, 0)}}  # fmt: skip
+                   "target_forwards": forwards_since(llm, kinds)}  # fmt: skip
             if method is not None:
                 stats = llm.llm_engine.spec_stats
                 row.update(

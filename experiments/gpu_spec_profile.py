@@ -29,49 +29,25 @@ from typing import Any
 
 import torch
 
-from experiments.gpu_check import PLANS, Plan
+from experiments.gpu_check import PLANS, Plan, write_profile_tables
 from experiments.gpu_spec_decode import _engine, _free, _models
-from experiments.spec_workload import generate_greedy, prompt_batches, timed_run
+from experiments.spec_workload import (
+    PhaseClock,
+    forwards_since,
+    generate_greedy,
+    prompt_batches,
+    timed_run,
+)
 
 RUNS: tuple[tuple[str | None, int], ...] = ((None, 0), ("ngram", 4), ("draft_model", 4),
                                             ("eagle", 4))  # fmt: skip
-
-
-class PhaseClock:
-    """Wall seconds per named phase, from wrappers set on the engine's instances."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.seconds: dict[str, float] = {}
-        self.steps = 0
-
-    def wrap(self, obj: Any, attr: str, phase: str) -> None:
-        """Time ``obj.attr`` (a bound method) as ``phase``, synchronizing before it returns."""
-        fn = getattr(obj, attr)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-        setattr(obj, attr, timed)
-
-    def per_step_ms(self) -> dict[str, float]:
-        """Milliseconds per engine step in each phase (execute without the forward)."""
-        ms = {k: 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}
-        if "execute" in ms:
-            ms["sample_or_verify"] = ms.pop("execute") - ms.get("forward", 0.0)
-        return ms
 
 
 def _phases(llm: Any, batches: list, max_tokens: int, device: torch.device) -> dict[str, Any]:
     """Per-step phase times of one greedy run (wrappers removed afterwards)."""
     engine = llm.llm_engine
     clock = PhaseClock(device)
+    steps = 0
     targets = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "execute", "execute"),
                (engine.runner, "_forward", "forward")]  # fmt: skip
     if engine.drafter is not None:
@@ -83,11 +59,12 @@ def _phases(llm: Any, batches: list, max_tokens: int, device: torch.device) -> d
     step = engine.step
 
     def counted() -> Any:
-        clock.steps += 1
+        nonlocal steps
+        steps += 1
         return step()
 
     engine.step = counted
-    kinds_before = dict(engine.runner.forward_kinds)
+    kinds = dict(engine.runner.forward_kinds)
     start = time.perf_counter()
     try:
         generate_greedy(llm, batches, max_tokens)
@@ -99,26 +76,20 @@ def _phases(llm: Any, batches: list, max_tokens: int, device: torch.device) -> d
                 setattr(obj, attr, orig)
         del engine.step
     wall = time.perf_counter() - start
-    kinds = {k: n - kinds_before.get(k, 0) for k, n in engine.runner.forward_kinds.items()}
-    return {"steps": clock.steps, "wall_ms_per_step": 1e3 * wall / max(clock.steps, 1),
-            "phases_ms_per_step": clock.per_step_ms(),
-            "target_forwards": {k: n for k, n in kinds.items() if n}}  # fmt: skip
+    ms = {phase: 1e3 * s / max(steps, 1) for phase, s in clock.seconds.items()}
+    ms["sample_or_verify"] = ms.pop("execute", 0.0) - ms.get("forward", 0.0)  # execute - forward
+    return {"steps": steps, "wall_ms_per_step": 1e3 * wall / max(steps, 1),
+            "phases_ms_per_step": ms, "target_forwards": forwards_since(llm, kinds)}  # fmt: skip
 
 
 def _profile(llm: Any, prompts: list, max_tokens: int, path: Path, device: torch.device) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         generate_greedy(llm, prompt_batches(prompts, 1), max_tokens)
-    table = prof.key_averages()
-    text = "sorted by self_cpu_time_total\n" + table.table("self_cpu_time_total", row_limit=30)
-    if device.type == "cuda":
-        text += "\n\nsorted by self_cuda_time_total\n"
-        text += table.table("self_cuda_time_total", row_limit=20)
-    path.write_text(text)
+    write_profile_tables(prof, path, cuda)
 
 
 def run(plan: Plan, device: torch.device, out: Path, models_dir: str | None) -> dict[str, Any]:
