@@ -79,6 +79,17 @@ class CausalLM(nn.Module):
         """The checkpoint's tensors under parameter names (see :meth:`checkpoint_name`)."""
         return ((self.checkpoint_name(n), t) for n, t in weights)
 
+    def export_name(self, name: str) -> str:
+        """The checkpoint name of parameter ``name`` (for writing HF-layout checkpoints)."""
+        return name
+
+    def fused_linears(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """Linear layers the checkpoint fuses and this model keeps apart: the checkpoint
+        layer's name -> [(our layer, the fused layer's output rows it holds)]. The float
+        weights are split by :meth:`checkpoint_tensors`; pre-quantized checkpoints, whose
+        packed tensors cannot be split row-wise, read this map instead."""
+        return {}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters; raise on unexpected or missing ones."""
         loaded = load_named_weights(

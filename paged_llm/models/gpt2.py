@@ -136,6 +136,15 @@ class GPT2LMHeadModel(CausalLM):
         prefix = module.removesuffix("c_attn")
         return [(prefix + name, a, piece) for name, piece in split_c_attn(b)]
 
+    def fused_linears(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """Each block's ``c_attn`` holds q, k and v as consecutive thirds of its outputs."""
+        parts = split_c_attn(torch.arange(3 * self.config.hidden_size))
+        fused = {}
+        for i in range(self.config.num_hidden_layers):
+            prefix = f"transformer.h.{i}.attn."
+            fused[prefix + "c_attn"] = [(prefix + part, idx) for part, idx in parts]
+        return fused
+
     def checkpoint_tensors(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterable[tuple[str | None, torch.Tensor]]:
@@ -148,8 +157,8 @@ class GPT2LMHeadModel(CausalLM):
             if name.startswith(_BARE):  # saved from the bare GPT2Model
                 name = "transformer." + name
             module = name.rsplit(".", 1)[0]
-            if module.endswith(_CONV1D) and tensor.dim() == 2:
-                tensor = tensor.t()  # [in, out] -> [out, in]
+            if module.endswith(_CONV1D) and name.endswith(".weight"):
+                tensor = tensor.t()  # [in, out] -> [out, in] (packed int4 tensors are [in, out])
             if module.endswith("attn.c_attn"):
                 prefix, kind = module.removesuffix("c_attn"), name.rsplit(".", 1)[1]
                 for part, piece in split_c_attn(tensor):

@@ -151,6 +151,21 @@ class GPTNeoXForCausalLM(CausalLM):
         heads = self.config.num_attention_heads
         return [(prefix + name, a, piece) for name, piece in split_query_key_value(b, heads)]
 
+    def export_name(self, name: str) -> str:
+        """Our ``lm_head`` is the checkpoint's ``embed_out``."""
+        return "embed_out." + name.removeprefix("lm_head.") if name.startswith("lm_head.") else name
+
+    def fused_linears(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """Each layer's ``query_key_value`` holds q, k and v interleaved per head."""
+        parts = split_query_key_value(
+            torch.arange(3 * self.config.hidden_size), self.config.num_attention_heads
+        )
+        fused = {}
+        for i in range(self.config.num_hidden_layers):
+            prefix = f"gpt_neox.layers.{i}.attention."
+            fused[prefix + "query_key_value"] = [(prefix + part, idx) for part, idx in parts]
+        return fused
+
     def checkpoint_tensors(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterable[tuple[str | None, torch.Tensor]]:

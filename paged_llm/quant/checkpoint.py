@@ -107,13 +107,63 @@ def _expect(name: str, tensor: torch.Tensor, shape: tuple[int, ...], fmt: Checkp
         )
 
 
+@dataclass(frozen=True)
+class CheckpointLayer:
+    """One int4 layer as the checkpoint stores it, and the layers of ours that hold its output
+    rows: itself (rows None), or the parts of a layer the checkpoint fuses (GPT-2's c_attn)."""
+
+    in_features: int
+    out_features: int
+    parts: tuple[tuple[str, torch.Tensor | None], ...]
+
+
+def _gptq_layout(
+    name: str, suffix: str, tensor: torch.Tensor, layer: CheckpointLayer, fmt: CheckpointFormat
+) -> torch.Tensor:
+    """One int4 tensor of ``layer``, shape-checked against the quantization config, in the
+    GPTQ layout (AWQ's interleaved nibbles reordered)."""
+    k, n = layer.in_features, layer.out_features
+    groups = k // fmt.layer_group_size(k)
+    if suffix == "scales":
+        _expect(name, tensor, (groups, n), fmt)
+    elif suffix == "g_idx":
+        _expect(name, tensor, (k,), fmt)
+        if int(tensor.min()) < 0 or int(tensor.max()) >= groups:
+            raise ValueError(
+                f"{name} indexes groups {int(tensor.min())}..{int(tensor.max())} but the "
+                f"{fmt.method} quantization_config (group_size={fmt.group_size}) implies "
+                f"{groups} groups for this layer"
+            )
+    elif fmt.method == "gptq":
+        _expect(name, tensor, (k // 8, n) if suffix == "qweight" else (groups, n // 8), fmt)
+    elif suffix == "qweight":  # AWQ: [K, N/8] interleaved -> GPTQ [K/8, N]
+        _expect(name, tensor, (k, n // 8), fmt)
+        tensor = pack_int4(unpack_int4(tensor, dim=1, order=AWQ_ORDER), dim=0)
+    else:  # AWQ qzeros: same shape as GPTQ's, columns interleaved
+        _expect(name, tensor, (groups, n // 8), fmt)
+        tensor = pack_int4(unpack_int4(tensor, dim=1, order=AWQ_ORDER), dim=1)
+    return tensor
+
+
+def _output_rows(suffix: str, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The part of a GPTQ-layout tensor that holds output features ``rows`` (columns here;
+    g_idx, over the inputs, is every part's)."""
+    if suffix == "g_idx":
+        return tensor
+    if suffix == "qzeros":  # eight outputs per int32: unpack, select, pack again
+        return pack_int4(unpack_int4(tensor, dim=1)[:, rows], dim=1)
+    return tensor[:, rows].contiguous()
+
+
 def translate(
     weights: Iterable[tuple[str, torch.Tensor]],
-    layers: dict[str, Int4Linear],
+    shells: dict[str, Int4Linear],
+    layers: dict[str, CheckpointLayer],
     fmt: CheckpointFormat,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors -> our parameter names and GPTQ layout, shape-checked against the
-    quantization config; g_idx is supplied where the checkpoint has none (AWQ)."""
+    quantization config, fused layers split into our ``shells``; g_idx is supplied where the
+    checkpoint has none (AWQ)."""
     has_g_idx: set[str] = set()
     for name, tensor in weights:
         prefix, _, suffix = name.rpartition(".")
@@ -121,31 +171,28 @@ def translate(
         if layer is None or suffix not in QUANT_SUFFIXES:
             yield name, tensor
             continue
-        k, n = layer.in_features, layer.out_features
-        groups = k // fmt.layer_group_size(k)
-        if suffix == "scales":
-            _expect(name, tensor, (groups, n), fmt)
-        elif suffix == "g_idx":
-            _expect(name, tensor, (k,), fmt)
-            if int(tensor.min()) < 0 or int(tensor.max()) >= groups:
-                raise ValueError(
-                    f"{name} indexes groups {int(tensor.min())}..{int(tensor.max())} but the "
-                    f"{fmt.method} quantization_config (group_size={fmt.group_size}) implies "
-                    f"{groups} groups for this layer"
-                )
-            has_g_idx.add(prefix)
-        elif fmt.method == "gptq":
-            _expect(name, tensor, (k // 8, n) if suffix == "qweight" else (groups, n // 8), fmt)
-        elif suffix == "qweight":  # AWQ: [K, N/8] interleaved -> GPTQ [K/8, N]
-            _expect(name, tensor, (k, n // 8), fmt)
-            tensor = pack_int4(unpack_int4(tensor, dim=1, order=AWQ_ORDER), dim=0)
-        else:  # AWQ qzeros: same shape as GPTQ's, columns interleaved
-            _expect(name, tensor, (groups, n // 8), fmt)
-            tensor = pack_int4(unpack_int4(tensor, dim=1, order=AWQ_ORDER), dim=1)
-        yield name, tensor
-    for prefix, layer in layers.items():
-        if prefix not in has_g_idx:
-            yield f"{prefix}.g_idx", layer.g_idx.detach().clone()  # plain k // group_size
+        tensor = _gptq_layout(name, suffix, tensor, layer, fmt)
+        for part, rows in layer.parts:
+            has_g_idx.update([part] if suffix == "g_idx" else [])
+            yield f"{part}.{suffix}", tensor if rows is None else _output_rows(suffix, tensor, rows)
+    for part, shell in shells.items():
+        if part not in has_g_idx:
+            yield f"{part}.g_idx", shell.g_idx.detach().clone()  # plain k // group_size
+
+
+def _linear(model: nn.Module, name: str, checkpoint_layer: str) -> nn.Linear:
+    """Our float linear layer ``name``, which holds (part of) ``checkpoint_layer``."""
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(
+            f"checkpoint has {checkpoint_layer}.qweight but the model has no layer {name}"
+        ) from None
+    if not isinstance(linear, nn.Linear):
+        raise ValueError(
+            f"{checkpoint_layer}.qweight belongs to {type(linear).__name__}, not a linear layer"
+        )
+    return linear
 
 
 def load_checkpoint(
@@ -166,32 +213,29 @@ def load_checkpoint(
     )
     if not quantized:
         raise ValueError(f"config.json says {fmt.method} but no tensor in {model_dir} is a qweight")
-    layers: dict[str, Int4Linear] = {}
+    fused = model.fused_linears()
+    shells: dict[str, Int4Linear] = {}
+    layers: dict[str, CheckpointLayer] = {}
     for name in quantized:
-        try:
-            linear = model.get_submodule(name)
-        except AttributeError:
-            raise ValueError(
-                f"checkpoint has {name}.qweight but the model has no layer {name}"
-            ) from None
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(
-                f"{name}.qweight belongs to {type(linear).__name__}, not a linear layer"
-            )
-        k, n = linear.in_features, linear.out_features
-        try:
-            shell = Int4Linear.shell(
-                k, n, fmt.layer_group_size(k), linear.bias is not None, fmt.zero_offset
-            )
-        except ValueError as err:
-            raise ValueError(
-                f"{name}: {err} (quantization_config group_size={fmt.group_size})"
-            ) from None
-        layers[name] = shell.to(device)
-        set_module(model, name, layers[name])
-    model.load_weights(translate(iter_weight_files(files), layers, fmt))
-    for layer in layers.values():
-        layer.plain_groups = layer._plain_groups()  # g_idx came from the checkpoint
+        parts = fused.get(name, [(name, None)])
+        linears = [_linear(model, part, name) for part, _ in parts]
+        for (part, _), linear in zip(parts, linears):
+            k, n = linear.in_features, linear.out_features
+            try:
+                shell = Int4Linear.shell(
+                    k, n, fmt.layer_group_size(k), linear.bias is not None, fmt.zero_offset
+                )
+            except ValueError as err:
+                raise ValueError(
+                    f"{part}: {err} (quantization_config group_size={fmt.group_size})"
+                ) from None
+            shells[part] = shell.to(device)
+            set_module(model, part, shells[part])
+        out_features = sum(linear.out_features for linear in linears)
+        layers[name] = CheckpointLayer(linears[0].in_features, out_features, tuple(parts))
+    model.load_weights(translate(iter_weight_files(files), shells, layers, fmt))
+    for shell in shells.values():
+        shell.plain_groups = shell._plain_groups()  # g_idx came from the checkpoint
     return model.eval(), hf_config
 
 
@@ -211,13 +255,11 @@ def save_quantized(
         raise ValueError(f"int4 layers use different group sizes {sorted(sizes)}")
     tensors: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        prefix, _, suffix = name.rpartition(".")
-        layer = layers.get(prefix)
-        if layer is not None and suffix in QUANT_SUFFIXES:
-            continue
+        if name.rpartition(".")[0] in layers:
+            continue  # an int4 layer's tensors (its bias too) are written below
         if model.checkpoint_name(name) is not None:
-            tensors[name] = param.detach().cpu().contiguous()
-    for prefix, layer in layers.items():
+            tensors[model.export_name(name)] = param.detach().cpu().contiguous()
+    for prefix, layer in _checkpoint_int4_layers(model, layers).items():
         tensors.update(_layer_tensors(prefix, layer, method))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
@@ -228,6 +270,49 @@ def save_quantized(
             if (Path(tokenizer_dir) / f).is_file():
                 (out_dir / f).write_bytes((Path(tokenizer_dir) / f).read_bytes())
     return out_dir
+
+
+def _checkpoint_int4_layers(
+    model: nn.Module, layers: dict[str, Int4Linear]
+) -> dict[str, Int4Linear]:
+    """The int4 layers under the checkpoint's names: the parts of a layer the checkpoint fuses
+    (``model.fused_linears()``) joined into one."""
+    out = dict(layers)
+    for name, parts in model.fused_linears().items():
+        held = [out.pop(part, None) for part, _ in parts]
+        if all(layer is None for layer in held):
+            continue
+        if any(layer is None for layer in held):
+            raise ValueError(f"{name}: only some of the layers it fuses are int4")
+        out[name] = fuse_int4([(layer, rows) for layer, (_, rows) in zip(held, parts)])
+    return out
+
+
+def fuse_int4(parts: list[tuple[Int4Linear, torch.Tensor]]) -> Int4Linear:
+    """One int4 layer whose output features ``rows`` are each part's (inputs, groups and
+    g_idx shared): how a checkpoint stores q, k and v in one fused layer."""
+    first = parts[0][0]
+    for layer, _ in parts[1:]:
+        same = (layer.in_features, layer.group_size, layer.zero_offset, layer.bias is None) == (
+            first.in_features, first.group_size, first.zero_offset, first.bias is None
+        )  # fmt: skip
+        if not same or not torch.equal(layer.g_idx, first.g_idx):
+            raise ValueError("int4 layers to fuse differ in inputs, groups, zeros or bias")
+    n = sum(len(rows) for _, rows in parts)
+    groups = first.scales.shape[0]
+    q = torch.empty(first.in_features, n, dtype=torch.int32)
+    zeros = torch.empty(groups, n, dtype=torch.int32)
+    scales = torch.empty(groups, n, dtype=torch.float16)
+    bias = None if first.bias is None else torch.empty(n, dtype=first.bias.dtype)
+    for layer, rows in parts:
+        q[:, rows] = unpack_int4(layer.qweight.detach().cpu(), dim=0)
+        zeros[:, rows] = unpack_int4(layer.qzeros.detach().cpu(), dim=1)
+        scales[:, rows] = layer.scales.detach().cpu()
+        if bias is not None:
+            bias[rows] = layer.bias.detach().cpu()
+    g_idx = first.g_idx.detach().cpu()
+    return Int4Linear(pack_int4(q, dim=0), pack_int4(zeros, dim=1), scales, g_idx,
+                      first.group_size, bias, first.zero_offset)  # fmt: skip
 
 
 def _quant_config(method: str, group_size: int) -> dict[str, Any]:
