@@ -623,6 +623,19 @@ def check_moe(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict
         args = (x, q_gate_up, q_down, weights, ids, s_gate_up, s_down)
         out, ref = fused_experts_triton(*args), fused_experts_reference(*args)
         results.append(_compare(f"fused_moe_{name}_tokens_7", out, ref, dtype))
+    # int4 experts (quantization="int4_rtn"): packed tiles dequantized per group of 64 inputs
+    from paged_llm.layers.moe import FusedExperts
+    from paged_llm.quant.experts import quantize_experts_int4
+
+    int4 = FusedExperts(experts, hidden, 2 * hidden).to(device)  # I = 2H: groups divide it
+    with torch.no_grad():
+        int4.gate_up_proj.normal_(std=hidden**-0.5)
+        int4.down_proj.normal_(std=(2 * hidden) ** -0.5)
+    quantize_experts_int4(int4, 64)
+    args = (x, int4.gate_up_proj, int4.down_proj, weights, ids, int4.gate_up_scale,
+            int4.down_scale, int4.gate_up_zero, int4.down_zero)  # fmt: skip
+    out, ref = fused_experts_triton(*args), fused_experts_reference(*args)
+    results.append(_compare("fused_moe_int4_tokens_7", out, ref, dtype))
     return results
 
 

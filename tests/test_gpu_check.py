@@ -84,7 +84,7 @@ def test_smoke_run_writes_well_formed_json(tmp_path):
         "store_kv", "store_kv_int8", "paged_decode_splits_4", "paged_decode_int8_cache",
         "paged_prefill", "copy_blocks", "int8_matmul_rows_1", "int8_matmul_rows_5",
         "int4_matmul_rows_1", "int4_matmul_rows_5", "fp8_matmul_rows_1", "lora_rows_7",
-        "fused_moe_tokens_7",
+        "fused_moe_tokens_7", "fused_moe_int4_tokens_7",
     }  # fmt: skip
     bw = doc["sections"]["bandwidth"]
     assert bw["copy_bandwidth_GBps"] > 0 and bw["matmul_bf16_TFLOPs"] > 0

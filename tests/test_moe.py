@@ -158,22 +158,33 @@ def test_checkpoint_missing_an_expert_is_refused(mixtral, tmp_path):
         LLM(str(tmp_path), cpu_kv_cache_gib=0.01)
 
 
-@pytest.mark.parametrize("method", ["int4_rtn", "int4_gptq", "int4_awq"])
+@pytest.mark.parametrize("method", ["int4_gptq", "int4_awq"])
 def test_weight_quantization_without_expert_support_is_refused(mixtral, method):
     with pytest.raises(ValueError, match="does not support mixture-of-experts"):
         LLM(mixtral[0], quantization=method, cpu_kv_cache_gib=0.01)
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+INT4_32 = {"_target_": "paged_llm.quant.simple.Int4RTN", "group_size": 32}
+# method -> (stored expert dtype, down_scale shape, weight bytes at most this share of fp16's)
+QUANTIZED_EXPERTS = {
+    "int8": (torch.int8, (8, 64), 0.55),  # 1 byte + a scale per row
+    "fp8": (torch.float8_e4m3fn, (8, 64), 0.55),
+    "int4_rtn": (torch.uint8, (8, 64, 96 // 32), 0.35),  # half a byte + scale and zero per 32
+}
+
+
+@pytest.mark.parametrize("method", sorted(QUANTIZED_EXPERTS))
 def test_quantized_experts_equal_transformers_on_the_dequantized_weights(mixtral, method):
-    """quantization="int8" / "fp8" on a Mixtral: attention and expert weights become int8 /
-    fp8 e4m3 (routers stay float), and greedy tokens equal transformers' Mixtral holding the
-    dequantized weights."""
+    """quantization="int8" / "fp8" / "int4_rtn" on a Mixtral: attention and expert weights
+    become int8 / fp8 e4m3 / int4 (routers stay float), and greedy tokens equal transformers'
+    Mixtral holding the dequantized weights."""
+    from paged_llm.ops.moe.reference import expert_weight
     from paged_llm.quant.evaluation import linear_weight_bytes
     from paged_llm.quant.layers import QuantLinear
 
     path, _ = mixtral
-    llm = LLM(path, quantization=method, block_size=4, cpu_kv_cache_gib=0.01)
+    spec = INT4_32 if method == "int4_rtn" else method
+    llm = LLM(path, quantization=spec, block_size=4, cpu_kv_cache_gib=0.01)
     model = llm.llm_engine.model
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
@@ -183,15 +194,24 @@ def test_quantized_experts_equal_transformers_on_the_dequantized_weights(mixtral
             elif isinstance(module, FusedExperts):
                 theirs = hf.get_submodule(name)
                 for proj in ("gate_up", "down"):
-                    q, scale = getattr(module, f"{proj}_proj"), getattr(module, f"{proj}_scale")
-                    getattr(theirs, f"{proj}_proj").copy_(q.float() * scale[..., None])
+                    w, scale, zero = (getattr(module, f"{proj}_{part}")
+                                      for part in ("proj", "scale", "zero"))  # fmt: skip
+                    plain = [expert_weight(w, scale, e, torch.float32, zero) for e in range(8)]
+                    getattr(theirs, f"{proj}_proj").copy_(torch.stack(plain))
     experts = model.model.layers[0].mlp.experts
-    stored = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[method]
-    assert experts.gate_up_proj.dtype == stored and experts.down_scale.shape == (8, 64)
+    stored, down_scale_shape, max_share = QUANTIZED_EXPERTS[method]
+    assert experts.gate_up_proj.dtype == stored and experts.down_scale.shape == down_scale_shape
     assert model.model.layers[0].mlp.gate.weight.dtype == torch.float32  # the router stays
     assert generate_ids(llm, PROMPTS, 10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
     sizes = linear_weight_bytes(model)
-    assert sizes["weight_bytes"] < 0.55 * sizes["fp16_weight_bytes"]  # 1 byte + scales vs fp16
+    assert sizes["weight_bytes"] < max_share * sizes["fp16_weight_bytes"]
+
+
+@pytest.mark.parametrize("group_size, message", [(8, "power of two"), (64, "does not divide")])
+def test_int4_experts_refuse_a_group_the_kernel_cannot_tile(mixtral, group_size, message):
+    spec = dict(INT4_32, group_size=group_size)  # 64 divides the attention's 64 inputs, not 96
+    with pytest.raises(ValueError, match=message):
+        LLM(mixtral[0], quantization=spec, cpu_kv_cache_gib=0.01)
 
 
 def test_unsupported_expert_activation_is_refused(tmp_path):

@@ -239,3 +239,57 @@ def test_quantized_experts_match_the_dequantized_reference(method, dtype, tokens
     torch.testing.assert_close(ref, plain, **TOL[dtype])
     with pytest.raises(ValueError, match="must be int8 or float8_e4m3fn with scales"):
         fused_experts_triton(x, gate_up, q_down, weights, ids, **scaled)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("group", [16, 32])
+def test_int4_experts_match_the_dequantized_reference(group, dtype, tokens):
+    """int4 expert weights (quantization="int4_rtn"): two codes per byte along K, a scale and a
+    zero per output channel and group. The kernel equals the reference, and the reference
+    equals float weights holding the dequantized values."""
+    from paged_llm.layers.moe import FusedExperts
+    from paged_llm.ops.moe.reference import expert_weight, unpack_int4_experts
+    from paged_llm.quant.experts import quantize_experts_int4
+
+    hidden, inter, experts = 64, 32, 4
+    x, gate_up, down, weights, ids = _case(tokens, 2, experts, dtype, 11, hidden, inter)
+    module = FusedExperts(experts, hidden, inter)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(gate_up.float())
+        module.down_proj.copy_(down.float())
+    quantize_experts_int4(module, group)
+    q = dict(gate_up_scale=module.gate_up_scale, down_scale=module.down_scale,
+             gate_up_zero=module.gate_up_zero, down_zero=module.down_zero)  # fmt: skip
+    assert module.down_proj.shape == (experts, hidden, inter // 2)
+    assert module.down_proj.dtype == torch.uint8 and q["down_scale"].shape == (4, 64, 32 // group)
+    codes = unpack_int4_experts(module.gate_up_proj)
+    assert int(codes.max()) <= 15 and codes.shape == gate_up.shape
+    ref = fused_experts_reference(x, module.gate_up_proj, module.down_proj, weights, ids, **q)
+    out = fused_experts_triton(x, module.gate_up_proj, module.down_proj, weights, ids, **q)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    plain = [torch.stack([expert_weight(w, s, e, dtype, z) for e in range(experts)])
+             for w, s, z in ((module.gate_up_proj, q["gate_up_scale"], q["gate_up_zero"]),
+                             (module.down_proj, q["down_scale"], q["down_zero"]))]  # fmt: skip
+    torch.testing.assert_close(ref, fused_experts_reference(x, *plain, weights, ids), **TOL[dtype])
+    # round to nearest: within half a step of the float weights
+    step = q["gate_up_scale"].repeat_interleave(group, dim=2)
+    assert ((plain[0].float() - gate_up.float()).abs() <= 0.51 * step + 1e-6).all()
+
+
+def test_int4_experts_with_a_group_the_kernel_cannot_tile_are_refused():
+    from paged_llm.ops.moe.reference import pack_int4_experts
+
+    x, gate_up, down, weights, ids = _case(3, 2, 4, torch.float32, 0, 64, 32)
+    gate_up_q = pack_int4_experts(torch.zeros(4, 64, 64, dtype=torch.uint8))
+    down_q = pack_int4_experts(torch.zeros(4, 64, 32, dtype=torch.uint8))
+    # groups of 8 inputs: too small for a K tile of 16
+    ones = {
+        name: torch.ones(4, rows, groups)
+        for name, rows, groups in (("gate_up", 64, 8), ("down", 64, 4))
+    }
+    q = dict(gate_up_scale=ones["gate_up"], down_scale=ones["down"],
+             gate_up_zero=ones["gate_up"].to(torch.uint8),
+             down_zero=ones["down"].to(torch.uint8))  # fmt: skip
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        fused_experts_triton(x, gate_up_q, down_q, weights, ids, **q)

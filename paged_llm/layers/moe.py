@@ -7,8 +7,10 @@ then its up rows) and ``experts.down_proj`` [E, H, I]. Checkpoints store one ten
 and projection; :func:`stack_expert_weights` stacks them while the checkpoint streams in.
 
 With ``quantization="int8"`` (or ``"fp8"``) the two stacked tensors hold int8 (fp8 e4m3) values
-and ``*_scale`` one float32 scale per expert and output channel (``quant/experts.py``); routers
-stay in float (a rounded router picks other experts).
+and ``*_scale`` one float32 scale per expert and output channel; with ``"int4_rtn"`` they hold
+two int4 codes per byte ([E, N, K/2] uint8) and ``*_scale`` / ``*_zero`` a scale and a zero
+point per expert, output channel and group of inputs ([E, N, G]) (``quant/experts.py``).
+Routers stay in float (a rounded router picks other experts).
 
 Under tensor parallelism every rank holds every expert, with a 1/N slice of each expert's
 intermediate features (gate/up rows column-parallel, down columns row-parallel, as a dense
@@ -42,9 +44,10 @@ class FusedExperts(nn.Module):
         self.full_intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
-        # [E, 2I] and [E, H] once int8 / fp8-quantized; buffers, so they move with the module
-        self.register_buffer("gate_up_scale", None, persistent=False)
-        self.register_buffer("down_scale", None, persistent=False)
+        # [E, 2I] and [E, H] once int8 / fp8-quantized ([E, 2I, G] and [E, H, G] with int4,
+        # beside the zeros); buffers, so they move with the module
+        for name in ("gate_up_scale", "down_scale", "gate_up_zero", "down_zero"):
+            self.register_buffer(name, None, persistent=False)
 
     def forward(
         self,
@@ -54,7 +57,8 @@ class FusedExperts(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         """The routing-weighted sum of each token's experts (summed over ranks under TP)."""
         out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
-                            self.gate_up_scale, self.down_scale)  # fmt: skip
+                            self.gate_up_scale, self.down_scale, self.gate_up_zero,
+                            self.down_zero)  # fmt: skip
         return all_reduce(out) if self.tp.size > 1 else out
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -66,8 +70,14 @@ class FusedExperts(nn.Module):
         up_rows = full.narrow(1, self.full_intermediate_size + self.inter_start, inter)
         return torch.cat([gate_rows, up_rows], dim=1)
 
+    def num_weights(self) -> int:
+        """Weights of this rank's experts, however they are stored (int4 packs two a byte)."""
+        e, two_i, _ = self.gate_up_proj.shape
+        return e * self.down_proj.shape[1] * two_i * 3 // 2  # gate and up [2I, H], down [H, I]
+
     def extra_repr(self) -> str:
-        e, two_i, h = self.gate_up_proj.shape
+        e, two_i, _ = self.gate_up_proj.shape
+        h = self.down_proj.shape[1]
         return f"num_experts={e}, hidden={h}, intermediate={two_i // 2} (this rank)"
 
 

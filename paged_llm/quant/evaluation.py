@@ -74,7 +74,7 @@ def linear_weight_bytes(model: nn.Module) -> dict[str, int]:
     stored, fp16 = 0, 0
     for name, module in model.named_modules():
         if isinstance(module, FusedExperts):
-            weights = module.gate_up_proj.numel() + module.down_proj.numel()
+            weights = module.num_weights()
             quantized = module.gate_up_scale is not None
             stored += experts_weight_bytes(module) if quantized else 2 * weights
             fp16 += 2 * weights

@@ -2,8 +2,11 @@
 
 int8 and fp8 (e4m3) as ``Int8Linear`` / ``Fp8Linear`` do it (``int8_per_channel`` /
 ``fp8_per_channel``), per expert: one scale per output channel, so expert e's
-``W = q[e] * scale[e][:, None]``. The fused kernels read the quantized tensors and scales
-directly (``ops/moe``). The routers are not touched (``RouterLinear``).
+``W = q[e] * scale[e][:, None]``. int4 as ``Int4RTN`` does it: round-to-nearest with a scale
+and a zero point per output channel and group of inputs, two codes per byte along the inputs
+(``ops/moe/reference.pack_int4_experts``): ``W = (q[e] - zero[e]) * scale[e]`` per group. The
+fused kernels read the quantized tensors, scales and zeros directly (``ops/moe``). The routers
+are not touched (``RouterLinear``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from paged_llm.ops.moe.reference import pack_int4_experts
+from paged_llm.quant.int4 import rtn_quantize
 from paged_llm.quant.layers import fp8_per_channel, int8_per_channel
 
 
@@ -39,7 +44,32 @@ def quantize_experts_fp8(experts: nn.Module) -> None:
     quantize_experts(experts, fp8_per_channel)
 
 
+@torch.no_grad()
+def quantize_experts_int4(experts: nn.Module, group_size: int) -> None:
+    """int4 experts, round-to-nearest per output channel and group of ``group_size`` inputs
+    (quantization="int4_rtn")."""
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(
+            f"int4 experts need a group_size that is a power of two >= 16 (the fused kernel's "
+            f"K tiles divide it), got {group_size}"
+        )
+    for name in ("gate_up", "down"):
+        w = getattr(experts, f"{name}_proj")  # [E, N, K]
+        e, n, k = w.shape
+        if k % group_size:
+            raise ValueError(
+                f"int4 group_size {group_size} does not divide the {k} inputs of the experts' "
+                f"{name} projection; choose one that divides it (e.g. 32, 64 or 128)"
+            )
+        q, scales, zeros = rtn_quantize(w.reshape(e * n, k), group_size)  # scales [G, E*N]
+        packed = pack_int4_experts(q.view(e, n, k))  # [E, N, K/2]
+        setattr(experts, f"{name}_proj", nn.Parameter(packed, requires_grad=False))
+        setattr(experts, f"{name}_scale", scales.t().reshape(e, n, -1).contiguous())
+        setattr(experts, f"{name}_zero", zeros.t().reshape(e, n, -1).to(torch.uint8).contiguous())
+
+
 def experts_weight_bytes(experts: nn.Module) -> int:
-    """Bytes of a FusedExperts' weights (and scales, once quantized)."""
-    tensors = [experts.gate_up_proj, experts.down_proj, experts.gate_up_scale, experts.down_scale]
+    """Bytes of a FusedExperts' weights (and scales and zeros, once quantized)."""
+    tensors = [experts.gate_up_proj, experts.down_proj, experts.gate_up_scale, experts.down_scale,
+               experts.gate_up_zero, experts.down_zero]  # fmt: skip
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -83,7 +83,7 @@ def apply_quantization(
         # The methods swap nn.Linear layers; stacked experts would silently stay unquantized.
         raise ValueError(
             f"quantization={spec!r} does not support mixture-of-experts models: their stacked "
-            "experts have no quantized kernel for it here (int8 does)"
+            "experts have no quantized kernel for it here (int8, fp8 and int4_rtn do)"
         )
     if method.needs_calibration and calibration is None:
         from paged_llm.quant.calibration import default_calibration

@@ -8,7 +8,11 @@ import torch
 from torch import nn
 
 from paged_llm.quant.base import PerLayerMethod
-from paged_llm.quant.experts import quantize_experts_fp8, quantize_experts_int8
+from paged_llm.quant.experts import (
+    quantize_experts_fp8,
+    quantize_experts_int4,
+    quantize_experts_int8,
+)
 from paged_llm.quant.int4 import rtn_quantize
 from paged_llm.quant.layers import (
     Fp8Linear,
@@ -40,6 +44,7 @@ class Int4RTN(PerLayerMethod):
     """int4 group-wise asymmetric, round-to-nearest (the baseline GPTQ and AWQ improve on)."""
 
     name = "int4_rtn"
+    supports_experts = True
 
     def __init__(self, group_size: int = 128) -> None:
         self.group_size = group_size
@@ -49,6 +54,10 @@ class Int4RTN(PerLayerMethod):
         check_int4_shape(linear.in_features, linear.out_features, self.group_size)
         q, scales, zeros = rtn_quantize(linear.weight.detach(), self.group_size)
         return Int4Linear.from_quantized(q, scales, zeros, self.group_size, linear.bias)
+
+    def quantize_experts(self, experts: nn.Module) -> None:
+        """The same per output channel and group of every expert (quant/experts.py)."""
+        quantize_experts_int4(experts, self.group_size)
 
 
 class Fp8Weights(PerLayerMethod):

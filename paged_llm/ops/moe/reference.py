@@ -24,27 +24,58 @@ def select_experts(
     return weights, ids
 
 
-def expert_weight(
-    weights: torch.Tensor,  # [E, N, K] float, or int8 / fp8 e4m3 with scales
-    scales: torch.Tensor | None,  # [E, N] per output channel, or None for float weights
-    expert: int,
+def pack_int4_experts(q: torch.Tensor) -> torch.Tensor:  # [..., K] codes 0..15 -> [..., K/2]
+    """Two int4 codes per byte along K: input k's code in the low nibble when k is even."""
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4_experts(packed: torch.Tensor) -> torch.Tensor:  # [..., K/2] -> [..., K] uint8
+    """The codes of :func:`pack_int4_experts`, in input order."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def dequantize_int4_experts(
+    packed: torch.Tensor,  # [N, K/2] uint8, two codes per byte
+    scales: torch.Tensor,  # [N, G] float32, one per output channel and group of K / G inputs
+    zeros: torch.Tensor,  # [N, G] uint8 zero points
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [N, K] in dtype
+    """``(q - z) * s`` of one expert's int4 weight, computed in float32."""
+    q = unpack_int4_experts(packed).float()  # [N, K]
+    group = q.shape[1] // scales.shape[1]
+    s = scales.float().repeat_interleave(group, dim=1)
+    z = zeros.float().repeat_interleave(group, dim=1)
+    return ((q - z) * s).to(dtype)
+
+
+def expert_weight(
+    weights: torch.Tensor,  # [E, N, K] float, int8 / fp8 e4m3 with scales, or [E, N, K/2] int4
+    scales: torch.Tensor | None,  # [E, N] per output channel, [E, N, G] for int4, or None
+    expert: int,
+    dtype: torch.dtype,
+    zeros: torch.Tensor | None = None,  # [E, N, G] uint8 zero points of int4 weights
+) -> torch.Tensor:  # [N, K] in dtype
     """One expert's weight in the activations' dtype (quantized weights dequantized:
-    w * scale)."""
+    w * scale, or (q - zero) * scale per group for int4)."""
     if scales is None:
         return weights[expert]
+    if zeros is not None:
+        return dequantize_int4_experts(weights[expert], scales[expert], zeros[expert], dtype)
     return dequantize_per_channel(weights[expert], scales[expert], dtype)
 
 
 def fused_experts_reference(
     x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows (float, or int8 with scales)
+    gate_up: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows (float, int8 with scales, or
+    # int4: [E, 2I, H/2] uint8 with group scales and zeros)
     down: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k] int
-    gate_up_scale: torch.Tensor | None = None,  # [E, 2I] with int8 gate_up
-    down_scale: torch.Tensor | None = None,  # [E, H] with int8 down
+    gate_up_scale: torch.Tensor | None = None,  # [E, 2I] with int8 gate_up ([E, 2I, G]: int4)
+    down_scale: torch.Tensor | None = None,  # [E, H] with int8 down ([E, H, G]: int4)
+    gate_up_zero: torch.Tensor | None = None,  # [E, 2I, G] uint8 with int4 gate_up
+    down_zero: torch.Tensor | None = None,  # [E, H, G] uint8 with int4 down
 ) -> torch.Tensor:  # [T, H]
     """sum_j topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t) with e = topk_ids[t, j]."""
     out = torch.zeros_like(x)
@@ -61,9 +92,9 @@ def fused_experts_reference(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k
-        w_gate_up = expert_weight(gate_up, gate_up_scale, expert, x.dtype)
+        w_gate_up = expert_weight(gate_up, gate_up_scale, expert, x.dtype, gate_up_zero)
         gate, up = F.linear(x[tokens], w_gate_up).chunk(2, dim=-1)
-        w_down = expert_weight(down, down_scale, expert, x.dtype)
+        w_down = expert_weight(down, down_scale, expert, x.dtype, down_zero)
         y = F.linear(F.silu(gate) * up, w_down) * weights[pairs, None]
         out.index_add_(0, tokens, y)
     return out

@@ -16,7 +16,12 @@ the pairs are sorted by expert and each expert's run is padded to a multiple of 
 Int8 or fp8 e4m3 expert weights (``quantization="int8"`` / ``"fp8"``) are loaded as such,
 converted to the activations' dtype for the dot (exact: |q| <= 127, and an e4m3 value has 3
 mantissa bits and an exponent that fp16 / bf16 / fp32 all hold) and scaled per output channel
-after the K loop.
+after the K loop. Int4 expert weights (``quantization="int4_rtn"``) hold two codes per byte
+along K, [E, N, K/2] uint8, with a float32 scale and a uint8 zero point per output channel and
+group of inputs, [E, N, G]; a K tile lies within one group (``BLOCK_K`` divides the group
+size), so each tile is dequantized, ``(q - z) * s``, in float32 with the tile's one scale and
+zero per column, then rounded to the activations' dtype for the dot, as the reference rounds
+the dequantized weight.
 
 Both GEMMs accumulate in float32 with ``tl.dot`` (which needs tiles of at least 16 rows, so
 ``BLOCK_M >= 16``). Padding rows hold the sentinel pair id T*k: they load zeros and store
@@ -92,7 +97,8 @@ def _fused_moe_kernel(
     b_ptr,  # [E, N, K] any strides: gate_up [E, 2I, H] or down [E, H, I]
     c_ptr,  # [T*k, N] any strides, one row per pair
     weights_ptr,  # [T*k] routing weight of each pair (read when MUL_ROUTED_WEIGHT)
-    scale_ptr,  # [E, N] per-channel scale of int8 / fp8 B (read when B_SCALED)
+    scale_ptr,  # [E, N] per-channel scale of int8 / fp8 B (B_SCALED), [E, N, G] of int4 B
+    zero_ptr,  # [E, N, G] uint8 zero points of int4 B (read when B_INT4), scale's strides
     sorted_ids_ptr,  # [L] int32 pair ids by expert, sentinel num_pairs in the padding
     block_expert_ptr,  # [L / BLOCK_M] int32 expert of each block
     num_padded_ptr,  # [1] int32 used length of sorted_ids
@@ -108,9 +114,12 @@ def _fused_moe_kernel(
     stride_cn,
     stride_se,
     stride_sn,
+    stride_sg,
     A_ROW_DIV: tl.constexpr,  # A row of pair p: p // A_ROW_DIV (top_k for x, 1 for activations)
     MUL_ROUTED_WEIGHT: tl.constexpr,
     B_SCALED: tl.constexpr,  # B is int8 / fp8: converted to A's dtype, scaled per column
+    B_INT4: tl.constexpr,  # B is [E, N, K/2] packed int4, dequantized per K tile
+    GROUP_SIZE: tl.constexpr,  # int4 inputs per scale (a multiple of BLOCK_K)
     BLOCK_M: tl.constexpr,  # >= 16, the padding unit of moe_align_block_size
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -132,19 +141,37 @@ def _fused_moe_kernel(
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     # Tile pointers, advanced by BLOCK_K along K each step (the increments stay small).
     a_ptrs = a_ptr + (pair // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    if B_INT4:  # byte k // 2 holds input k, in its high nibble when k is odd
+        b_rows = offs_k // 2
+        shifts = ((offs_k % 2) * 4)[:, None]  # [BK, 1]
+        b_step = BLOCK_K // 2
+    else:
+        b_rows = offs_k
+        b_step = BLOCK_K
+    b_ptrs = b_ptr + expert * stride_be + b_rows[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    sz_offs = expert * stride_se + offs_n * stride_sn  # [BN] into scales (and int4 zeros)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
-        if B_SCALED:  # int8 / e4m3 values are exact in fp16/bf16/fp32; the scale comes after
-            b = b.to(a.dtype)
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        if B_INT4:
+            packed = tl.load(b_ptrs, mask=b_mask, other=0)  # [BK, BN] uint8
+            q = (packed.to(tl.int32) >> shifts) & 0xF
+            group = k0 // GROUP_SIZE
+            s = tl.load(scale_ptr + sz_offs + group * stride_sg, mask=n_mask, other=0.0)
+            z = tl.load(zero_ptr + sz_offs + group * stride_sg, mask=n_mask, other=0)
+            deq = (q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+            b = deq.to(a.dtype)
+        else:
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BK, BN]
+            if B_SCALED:  # int8 / e4m3 values are exact in fp16/bf16/fp32; the scale comes after
+                b = b.to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        b_ptrs += b_step * stride_bk
     if B_SCALED:
-        s = tl.load(scale_ptr + expert * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)
+        s = tl.load(scale_ptr + sz_offs, mask=n_mask, other=0.0)
         acc = acc * s.to(tl.float32)[None, :]
     if MUL_ROUTED_WEIGHT:
         w = tl.load(weights_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)  # [BLOCK_M]
@@ -167,8 +194,9 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
 
 def _grouped_gemm(
     a: torch.Tensor,  # [rows, K]
-    b: torch.Tensor,  # [E, N, K] float, or int8 / fp8 with scale
-    scale: torch.Tensor | None,  # [E, N] or None
+    b: torch.Tensor,  # [E, N, K] float, int8 / fp8 with scale, or [E, N, K/2] int4
+    scale: torch.Tensor | None,  # [E, N], [E, N, G] with int4, or None
+    zero: torch.Tensor | None,  # [E, N, G] uint8 with int4, else None
     out: torch.Tensor,  # [T*k, N]
     weights: torch.Tensor | None,  # [T*k] or None
     align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -178,17 +206,23 @@ def _grouped_gemm(
 ) -> None:
     """Launch ``_fused_moe_kernel``: one program per (aligned block, ``block_n`` columns)."""
     sorted_ids, block_expert, num_padded = align
-    n, k = b.shape[1], b.shape[2]
+    n, k = b.shape[1], a.shape[1]
     grid = (block_expert.numel(), triton.cdiv(n, cfg.block_n))
-    scale_strides = scale.stride() if scale is not None else (0, 0)
+    group, block_k = 1, cfg.block_k  # GROUP_SIZE is read only for int4
+    if zero is not None:
+        scale, zero = scale.contiguous(), zero.contiguous()  # one set of strides for both
+        group = k // scale.shape[2]
+        block_k = min(block_k, group)  # a K tile never straddles two groups
+    scale_strides = (*scale.stride(), 0)[:3] if scale is not None else (0, 0, 0)
     _fused_moe_kernel[grid](
         a, b, out, weights if weights is not None else out, scale if scale is not None else out,
-        sorted_ids, block_expert, num_padded,
+        zero if zero is not None else out, sorted_ids, block_expert, num_padded,
         n, k, out.shape[0], *a.stride(), *b.stride(), *out.stride(), *scale_strides,
         A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=weights is not None,
-        B_SCALED=scale is not None, BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=_dot_precision(a.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        B_SCALED=scale is not None and zero is None, B_INT4=zero is not None, GROUP_SIZE=group,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        DOT_PRECISION=_dot_precision(a.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
@@ -200,6 +234,8 @@ def check_moe_args(
     topk_ids: torch.Tensor,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    gate_up_zero: torch.Tensor | None = None,
+    down_zero: torch.Tensor | None = None,
 ) -> None:
     """Shapes, dtypes and devices of fused_experts' arguments (no device values are read)."""
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
@@ -210,7 +246,9 @@ def check_moe_args(
     tokens, hidden = x.shape
     experts, two_i, _ = gate_up.shape
     inter = two_i // 2
-    if two_i % 2 or gate_up.shape[2] != hidden or down.shape != (experts, hidden, inter):
+    packed = gate_up_zero is not None, down_zero is not None  # int4: two inputs per byte
+    gate_up_k, down_k = (w.shape[2] * (2 if p else 1) for w, p in zip((gate_up, down), packed))
+    if two_i % 2 or gate_up_k != hidden or (*down.shape[:2], down_k) != (experts, hidden, inter):
         raise ValueError(
             f"fused_experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)} and down "
             f"{tuple(down.shape)} disagree (want [T, H], [E, 2I, H], [E, H, I])"
@@ -224,11 +262,15 @@ def check_moe_args(
         )
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"fused_experts: x must be float32/float16/bfloat16, got {x.dtype}")
-    for name, w, scale, rows in (("gate_up", gate_up, gate_up_scale, two_i),
-                                 ("down", down, down_scale, hidden)):  # fmt: skip
-        if scale is None and w.dtype != x.dtype:
+    for name, w, scale, zero, rows, k in (
+        ("gate_up", gate_up, gate_up_scale, gate_up_zero, two_i, hidden),
+        ("down", down, down_scale, down_zero, hidden, inter),
+    ):
+        if scale is None and (w.dtype != x.dtype or zero is not None):
             raise ValueError(f"fused_experts: {name} ({w.dtype}) must have x's dtype {x.dtype}")
-        if scale is not None and (w.dtype not in SCALED_DTYPES or scale.shape != (experts, rows)):
+        if zero is not None:
+            _check_int4(name, w, scale, zero, rows, k)
+        elif scale is not None and (w.dtype not in SCALED_DTYPES or scale.shape != (experts, rows)):
             raise ValueError(
                 f"fused_experts: a scaled {name} must be int8 or float8_e4m3fn with scales "
                 f"[{experts}, {rows}], got {w.dtype} and {tuple(scale.shape)}"
@@ -237,10 +279,34 @@ def check_moe_args(
         raise ValueError(f"fused_experts: topk_ids must be int32/int64, got {topk_ids.dtype}")
     if not topk_weights.is_floating_point():
         raise ValueError(f"fused_experts: topk_weights must be floating, got {topk_weights.dtype}")
-    scales = [t for t in (gate_up_scale, down_scale) if t is not None]
+    scales = [t for t in (gate_up_scale, down_scale, gate_up_zero, down_zero) if t is not None]
     devices = {t.device for t in (x, gate_up, down, topk_weights, topk_ids, *scales)}
     if len(devices) != 1:
         raise ValueError(f"fused_experts: arguments on several devices {sorted(map(str, devices))}")
+
+
+def _check_int4(
+    name: str, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, rows: int, k: int
+) -> None:
+    """An int4 projection: [E, rows, k/2] uint8 codes, [E, rows, G] scales and zeros, and a
+    group size (k / G) that K tiles can divide: a power of two of at least 16."""
+    experts = w.shape[0]
+    groups = scale.shape[2] if scale.dim() == 3 else 0
+    group = k // groups if groups and k % groups == 0 else 0
+    if (
+        w.dtype != torch.uint8
+        or zero.dtype != torch.uint8
+        or scale.shape != zero.shape
+        or scale.shape[:2] != (experts, rows)
+        or group < 16
+        or group & (group - 1)
+    ):
+        raise ValueError(
+            f"fused_experts: an int4 {name} must be [{experts}, {rows}, {k // 2}] uint8 with "
+            f"scales and uint8 zeros [{experts}, {rows}, G], {k} / G a power of two >= 16; got "
+            f"{w.dtype} {tuple(w.shape)}, scales {tuple(scale.shape)}, zeros {zero.dtype} "
+            f"{tuple(zero.shape)}"
+        )
 
 
 def fused_experts_triton(
@@ -251,6 +317,8 @@ def fused_experts_triton(
     topk_ids: torch.Tensor,  # [T, k] int32/int64 in [0, E) (not checked: a device sync)
     gate_up_scale: torch.Tensor | None = None,  # [E, 2I] with an int8 / fp8 gate_up
     down_scale: torch.Tensor | None = None,  # [E, H] with an int8 / fp8 down
+    gate_up_zero: torch.Tensor | None = None,  # [E, 2I, G] with an int4 gate_up (scale too)
+    down_zero: torch.Tensor | None = None,  # [E, H, G] with an int4 down
     *,
     block_m: int | None = None,  # tile / launch overrides for sweeps and tests (powers of two)
     block_n: int | None = None,
@@ -259,7 +327,8 @@ def fused_experts_triton(
     num_stages: int | None = None,
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """sum_j topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]."""
-    check_moe_args(x, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale)
+    check_moe_args(x, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale,
+                   gate_up_zero, down_zero)  # fmt: skip
     for name, block in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if block is not None and (block < 16 or block & (block - 1)):
             raise ValueError(f"fused_experts: {name} must be a power of two >= 16, got {block}")
@@ -279,11 +348,12 @@ def fused_experts_triton(
     # GEMM1: x's rows gathered per pair (row t for pairs t*k .. t*k + k-1), rounded to x's
     # dtype as F.linear rounds in the reference.
     gate_up_out = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)  # [T*k, 2I]
-    _grouped_gemm(x, gate_up, gate_up_scale, gate_up_out, None, align, top_k, block_m, cfg)
+    _grouped_gemm(x, gate_up, gate_up_scale, gate_up_zero, gate_up_out, None, align, top_k,
+                  block_m, cfg)  # fmt: skip
     act = silu_mul(gate_up_out[:, : two_i // 2], gate_up_out[:, two_i // 2 :])  # [T*k, I]
 
     # GEMM2 in float32 with the routing weight applied, so the k-sum rounds only once.
     weights = topk_weights.reshape(-1)  # [T*k] pair order t*k + j (a copy if not contiguous)
     down_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*k, H]
-    _grouped_gemm(act, down, down_scale, down_out, weights, align, 1, block_m, cfg)
+    _grouped_gemm(act, down, down_scale, down_zero, down_out, weights, align, 1, block_m, cfg)
     return down_out.view(tokens, top_k, hidden).sum(1).to(x.dtype)
