@@ -32,6 +32,9 @@ class ModelConfig:
     # vLLM's names. Ranks that split every layer (torch.distributed: gloo on CPU, NCCL on CUDA);
     # see docs/tensor_parallel.md. 1 = one process, no torch.distributed at all.
     tensor_parallel_size: int = 1
+    # vLLM's. With tensor_parallel_size > 1, each rank holds whole experts of a mixture-of-
+    # experts model (E / N of them) instead of a 1 / N slice of every expert
+    enable_expert_parallel: bool = False
     # True: never use CUDA graphs for decode steps (they are only used on CUDA anyway)
     enforce_eager: bool = False
     # vLLM's: allow LLM.sleep / wake_up (free the weights' and KV cache's memory between uses;

@@ -242,6 +242,24 @@ def test_quantized_experts_match_the_dequantized_reference(method, dtype, tokens
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_expert_parallel_ranks_sum_to_the_whole_layer(dtype):
+    """Expert parallelism over 2 ranks: each rank holds 2 of 4 experts and sees the others'
+    pairs as expert -1, which both implementations skip; the ranks' outputs sum to the layer."""
+    x, gate_up, down, weights, ids = _case(37, 2, 4, dtype, seed=5)
+    whole = _naive(x, gate_up, down, weights, ids).float()
+    parts = []
+    for first in (0, 2):
+        local = torch.where((ids >= first) & (ids < first + 2), ids - first, -1)
+        args = (x, gate_up[first : first + 2], down[first : first + 2], weights, local)
+        ref, out = fused_experts_reference(*args), fused_experts_triton(*args)
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+        parts.append(out.float())
+    torch.testing.assert_close(parts[0] + parts[1], whole, **TOL[dtype])
+    sorted_ids, _, num_padded = moe_align_block_size(torch.full((3, 2), -1), 16, 2)
+    assert int(num_padded) == 0 and (sorted_ids == 6).all()  # nothing routed here
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 37])
 @pytest.mark.parametrize("group", [16, 32])
 def test_int4_experts_match_the_dequantized_reference(group, dtype, tokens):

@@ -54,8 +54,11 @@ def test_engine_features_pass_through():
     assert cfg.kv_transfer_config.kv_connector_extra_config == {"shared_storage_path": "/kv"}
     assert cfg.cache.kv_offloading_size == 2.5 and cfg.model.enable_sleep_mode
     assert cfg.model.quantization == "int8" and cfg.cache.kv_cache_dtype == "fp8_e4m3"
-    cfg = EngineConfig.from_kwargs(**kwargs_of("-tp", "2", "--enforce-eager"))
+    cfg = EngineConfig.from_kwargs(
+        **kwargs_of("-tp", "2", "--enforce-eager", "--enable-expert-parallel")
+    )
     assert cfg.model.tensor_parallel_size == 2 and cfg.model.enforce_eager
+    assert cfg.model.enable_expert_parallel
     kw = kwargs_of("--generation-config", "vllm", "--override-generation-config", '{"top_k": 5}')
     cfg = EngineConfig.from_kwargs(**kw)
     assert (cfg.model.generation_config, cfg.model.override_generation_config) == (

@@ -219,6 +219,29 @@ def test_llama_family_matches_single_process(tmp_path, kind):
     assert_stopped(processes)
 
 
+def _gate_up_shapes(runner) -> list[tuple[int, ...]]:
+    """The distinct shapes of one rank's stacked gate/up expert weights (collective_rpc)."""
+    from paged_llm.layers.moe import FusedExperts
+
+    found = {tuple(m.gate_up_proj.shape) for m in runner.model.modules()
+             if isinstance(m, FusedExperts)}  # fmt: skip
+    return sorted(found)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2-moe"])
+def test_expert_parallel_matches_single_process(tmp_path, kind):
+    """enable_expert_parallel: each rank holds 2 of the 4 experts whole (not half of every
+    expert's intermediate features), and greedy tokens equal one process's."""
+    path = save_model(kind, tmp_path)
+    expected = run(LLM(path, block_size=8, cpu_kv_cache_gib=0.01))
+    llm = LLM(path, block_size=8, cpu_kv_cache_gib=0.01, tensor_parallel_size=2,
+              enable_expert_parallel=True)  # fmt: skip
+    inter = 128 if kind == "mixtral" else 32
+    assert llm.collective_rpc(_gate_up_shapes) == [[(2, 2 * inter, 64)]] * 2
+    assert run(llm) == expected
+    llm.shutdown()
+
+
 def _blocks_loaded(runner) -> int:
     return runner.kv_connector.num_loaded
 
@@ -314,6 +337,20 @@ def test_shape_errors(overrides, match):
     else:
         with pytest.raises(ValueError, match=match):
             check_tensor_parallel(engine_config(device="cpu"), config)
+
+
+def test_expert_parallel_errors():
+    llama, mixtral = hf_config("llama"), hf_config("mixtral")
+    llama.architectures, mixtral.architectures = ["LlamaForCausalLM"], ["MixtralForCausalLM"]
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        check_tensor_parallel(engine_config(device="cpu", enable_expert_parallel=True), llama)
+    mixtral.num_local_experts = 6
+    config = EngineConfig.from_kwargs(model="unused", tensor_parallel_size=4, device="cpu",
+                                      enable_expert_parallel=True)  # fmt: skip
+    with pytest.raises(ValueError, match="6 experts do not split evenly"):
+        check_tensor_parallel(config, mixtral)
+    mixtral.num_local_experts = 4
+    check_tensor_parallel(engine_config(device="cpu", enable_expert_parallel=True), mixtral)
 
 
 def test_opt_ffn_and_size_errors():

@@ -35,6 +35,8 @@ def check_tensor_parallel(config: Any, hf_config: Any) -> None:
         return
     _check_features(config, hf_config)
     _check_shapes(hf_config, n)
+    if mc.enable_expert_parallel:
+        _check_experts(hf_config, n)
     _check_devices(mc.device, n)
 
 
@@ -59,6 +61,24 @@ def _check_features(config: Any, hf_config: Any) -> None:
         raise ValueError(
             f"tensor_parallel_size={mc.tensor_parallel_size} does not support "
             f"{'; '.join(unsupported)} yet; use tensor_parallel_size=1 for these"
+        )
+
+
+def _check_experts(hf_config: Any, n: int) -> None:
+    """Expert parallelism places E / n whole experts on each rank."""
+    from paged_llm.models.registry import get_model_class
+
+    model_class = get_model_class(hf_config)
+    experts = model_class.num_experts(hf_config) if hasattr(model_class, "num_experts") else None
+    if experts is None:
+        raise ValueError(
+            "enable_expert_parallel needs a mixture-of-experts model; "
+            f"{type(hf_config).__name__} has no experts"
+        )
+    if experts % n:
+        raise ValueError(
+            f"enable_expert_parallel: {experts} experts do not split evenly over "
+            f"tensor_parallel_size={n}"
         )
 
 

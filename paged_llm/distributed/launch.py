@@ -20,7 +20,7 @@ import pickle
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -248,8 +248,11 @@ def start_tensor_parallel(config: Any) -> TensorParallel | None:
     )
     backend = "nccl" if use_cuda else "gloo"
     if SPAWNED_ENV in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return _join(n, backend, use_cuda)
-    return _launch(config, n, backend, use_cuda)
+        tp = _join(n, backend, use_cuda)
+    else:
+        tp = _launch(config, n, backend, use_cuda)
+    tp.group = replace(tp.group, expert_parallel=config.model.enable_expert_parallel)
+    return tp
 
 
 def collective_timeout() -> datetime.timedelta:

@@ -20,6 +20,9 @@ class TPGroup:
 
     rank: int = 0
     size: int = 1
+    # vLLM's enable_expert_parallel: mixture-of-experts layers give each rank whole experts
+    # (E / size of them) instead of a 1 / size slice of every expert (layers/moe.py)
+    expert_parallel: bool = False
 
     @property
     def is_driver(self) -> bool:

@@ -14,7 +14,10 @@ Routers stay in float (a rounded router picks other experts).
 
 Under tensor parallelism every rank holds every expert, with a 1/N slice of each expert's
 intermediate features (gate/up rows column-parallel, down columns row-parallel, as a dense
-MLP is split), and the partial outputs are all-reduced.
+MLP is split), and the partial outputs are all-reduced. With expert parallelism
+(``enable_expert_parallel``) rank r instead holds experts [r E/N, (r+1) E/N) whole; every rank
+routes every token (the router is replicated), runs only the pairs routed to its own experts
+(the others' ids become -1, which the kernels skip), and the outputs are all-reduced.
 """
 
 from __future__ import annotations
@@ -40,10 +43,18 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.tp = current_group()
-        self.inter_start, inter = even_split(intermediate_size, self.tp, "moe_intermediate_size")
         self.full_intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        self.expert_parallel = self.tp.expert_parallel and self.tp.size > 1
+        if self.expert_parallel:
+            self.expert_start, local = even_split(num_experts, self.tp, "num_experts")
+            self.inter_start, inter = 0, intermediate_size
+        else:
+            local = num_experts
+            self.inter_start, inter = even_split(
+                intermediate_size, self.tp, "moe_intermediate_size"
+            )
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, inter))
         # [E, 2I] and [E, H] once int8 / fp8-quantized ([E, 2I, G] and [E, H, G] with int4,
         # beside the zeros); buffers, so they move with the module
         for name in ("gate_up_scale", "down_scale", "gate_up_zero", "down_zero"):
@@ -56,13 +67,20 @@ class FusedExperts(nn.Module):
         topk_ids: torch.Tensor,  # [T, k] int64
     ) -> torch.Tensor:  # [T, H]
         """The routing-weighted sum of each token's experts (summed over ranks under TP)."""
+        if self.expert_parallel:  # global expert ids -> this rank's, -1 for another rank's
+            local = topk_ids - self.expert_start
+            mine = (local >= 0) & (local < self.gate_up_proj.shape[0])
+            topk_ids = torch.where(mine, local, -1)
         out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                             self.gate_up_scale, self.down_scale, self.gate_up_zero,
                             self.down_zero)  # fmt: skip
         return all_reduce(out) if self.tp.size > 1 else out
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's intermediate slice of a full [E, 2I, H] gate_up or [E, H, I] down."""
+        """This rank's part of a full [E, 2I, H] gate_up or [E, H, I] down: its experts (expert
+        parallel), or its intermediate slice of every expert."""
+        if self.expert_parallel:
+            return full.narrow(0, self.expert_start, self.gate_up_proj.shape[0])
         inter = self.down_proj.shape[2]
         if name == "down_proj":
             return full.narrow(2, self.inter_start, inter)

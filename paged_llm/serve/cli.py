@@ -171,6 +171,11 @@ def make_parser() -> argparse.ArgumentParser:
     lora.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default 16)")
     lora.add_argument("--max-cpu-loras", type=int, help="adapters kept in CPU memory")
     eng.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    eng.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with -tp N, each rank holds 1/N of a mixture-of-experts model's experts whole",
+    )
     eng.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     eng.add_argument(
         "-q", "--quantization", help="int8, int4_rtn, int4_gptq, int4_awq, fp8, gptq, awq"
@@ -343,6 +348,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": args.quantization,
         "kv_cache_dtype": None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "enforce_eager": args.enforce_eager,
         "enable_sleep_mode": args.enable_sleep_mode,
         "generation_config": args.generation_config,

@@ -12,7 +12,7 @@ def fused_experts(
     gate_up: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows (transformers' layout)
     down: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
-    topk_ids: torch.Tensor,  # [T, k] int
+    topk_ids: torch.Tensor,  # [T, k] int; -1: an expert on another rank (expert parallelism)
     gate_up_scale: torch.Tensor | None = None,  # [E, 2I]: gate_up is int8 / fp8, w = q * scale
     down_scale: torch.Tensor | None = None,  # [E, H]: down is int8 / fp8
     gate_up_zero: torch.Tensor | None = None,  # [E, 2I, G]: gate_up is int4 [E, 2I, H/2] uint8

@@ -71,7 +71,7 @@ def fused_experts_reference(
     # int4: [E, 2I, H/2] uint8 with group scales and zeros)
     down: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k]
-    topk_ids: torch.Tensor,  # [T, k] int
+    topk_ids: torch.Tensor,  # [T, k] int; -1: an expert of another rank (skipped)
     gate_up_scale: torch.Tensor | None = None,  # [E, 2I] with int8 gate_up ([E, 2I, G]: int4)
     down_scale: torch.Tensor | None = None,  # [E, H] with int8 down ([E, H, G]: int4)
     gate_up_zero: torch.Tensor | None = None,  # [E, 2I, G] uint8 with int4 gate_up
@@ -80,13 +80,14 @@ def fused_experts_reference(
     """sum_j topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t) with e = topk_ids[t, j]."""
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
-    # Sort the (token, slot) pairs by expert so each expert's rows are one contiguous run.
+    # Sort the (token, slot) pairs by expert so each expert's rows are one contiguous run;
+    # pairs of other ranks' experts (-1) sort first and are skipped.
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_ids + 1, minlength=gate_up.shape[0] + 1).tolist()
     top_k = topk_ids.shape[1]
     weights = topk_weights.reshape(-1).to(x.dtype)
-    start = 0
-    for expert, count in enumerate(counts):
+    start = counts[0]
+    for expert, count in enumerate(counts[1:]):
         if count == 0:
             continue
         pairs = order[start : start + count]

@@ -55,23 +55,26 @@ def padded_length(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def moe_align_block_size(
-    topk_ids: torch.Tensor,  # [T, k] int32 / int64, values in [0, E)
+    topk_ids: torch.Tensor,  # [T, k] int32 / int64, values in [0, E), or -1: not here
     block_m: int,
     num_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pairs sorted by expert, each expert padded to whole ``block_m`` blocks: ``sorted_ids``
     [L] int32 (pair ids t * k + j; padding and the unused tail hold the sentinel T * k),
     ``block_expert`` [L / block_m] int32 (each block's expert, -1 past the end) and
-    ``num_padded`` [1] int32 (the used length), with L = ``padded_length(T * k, E, block_m)``."""
+    ``num_padded`` [1] int32 (the used length), with L = ``padded_length(T * k, E, block_m)``.
+    Pairs with expert -1 (another rank's, under expert parallelism) are left out."""
     device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()  # [P] expert of each pair
+    # [P] expert of each pair; -1 becomes E, a last bucket whose run has no room
+    flat = torch.where(topk_ids.reshape(-1) < 0, num_experts, topk_ids.reshape(-1)).long()
     num_pairs = flat.numel()
     length = padded_length(num_pairs, num_experts, block_m)
 
     # Pairs per expert; scatter_add_ rather than bincount, which reads the max back on CUDA.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
-    padded_counts = (counts + block_m - 1) // block_m * block_m  # [E]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E + 1]
+    padded_counts = (counts + block_m - 1) // block_m * block_m  # [E + 1]
+    padded_counts[num_experts] = 0
     padded_ends = padded_counts.cumsum(0)  # [E] inclusive
     padded_starts = padded_ends - padded_counts  # [E] where each expert's run begins
     starts = counts.cumsum(0) - counts  # [E] the same without padding
@@ -80,10 +83,14 @@ def moe_align_block_size(
     order = torch.argsort(flat, stable=True)  # [P] pair ids by expert
     expert_of = flat[order]  # [P]
     rank = torch.arange(num_pairs, device=device) - starts[expert_of]  # position in its run
-    sorted_ids = torch.full((length,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, padded_starts[expert_of] + rank, order.to(torch.int32))
+    # a pair not on this rank goes to slot L, one past the end, dropped with it
+    slot = torch.where(expert_of < num_experts, padded_starts[expert_of] + rank, length)
+    sorted_ids = torch.full((length + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, slot, order.to(torch.int32))
+    sorted_ids = sorted_ids[:length]
 
     # Block b belongs to the first expert whose padded run ends after it (empty runs skipped).
+    padded_ends = padded_ends[:num_experts]
     block_starts = torch.arange(0, length, block_m, device=device)  # [L / block_m]
     block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
@@ -352,8 +359,9 @@ def fused_experts_triton(
                   block_m, cfg)  # fmt: skip
     act = silu_mul(gate_up_out[:, : two_i // 2], gate_up_out[:, two_i // 2 :])  # [T*k, I]
 
-    # GEMM2 in float32 with the routing weight applied, so the k-sum rounds only once.
+    # GEMM2 in float32 with the routing weight applied, so the k-sum rounds only once. Zeros:
+    # rows of pairs routed to another rank's experts are never written.
     weights = topk_weights.reshape(-1)  # [T*k] pair order t*k + j (a copy if not contiguous)
-    down_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*k, H]
+    down_out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*k, H]
     _grouped_gemm(act, down, down_scale, down_zero, down_out, weights, align, 1, block_m, cfg)
     return down_out.view(tokens, top_k, hidden).sum(1).to(x.dtype)
