@@ -207,6 +207,61 @@ def test_quantized_experts_equal_transformers_on_the_dequantized_weights(mixtral
     assert sizes["weight_bytes"] < max_share * sizes["fp16_weight_bytes"]
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_prequantized_moe_checkpoints_load(mixtral, tmp_path, fmt):
+    """An int4 Mixtral written as a GPTQ / AWQ checkpoint holds one int4 layer per expert and
+    projection under Mixtral's names (block_sparse_moe.experts.<e>.w1/w3/w2), as AutoGPTQ and
+    AutoAWQ write them. Loaded, the experts are stacked again, and greedy tokens equal the
+    in-memory int4 engine's and transformers' Mixtral holding the file's dequantized weights."""
+    from safetensors.torch import load_file, save_file
+
+    from paged_llm.quant.checkpoint import save_quantized
+    from paged_llm.quant.packing import dequantize_awq_reference, dequantize_gptq_reference
+
+    path, _ = mixtral
+    llm = LLM(path, quantization=INT4_32, block_size=4, cpu_kv_cache_gib=0.01)
+    expected = generate_ids(llm, PROMPTS, 10)
+    out = save_quantized(llm.llm_engine.model, tmp_path / fmt, fmt)
+    raw = load_file(str(out / "model.safetensors"))
+    assert "model.layers.1.block_sparse_moe.experts.7.w2.qweight" in raw
+    assert "model.layers.1.block_sparse_moe.gate.weight" in raw  # the router, in float
+    assert not [n for n in raw if "gate_up_proj" in n or ".mlp." in n]
+    loaded = LLM(str(out), block_size=4, cpu_kv_cache_gib=0.01)
+    experts = loaded.llm_engine.model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.uint8 and experts.down_zero.shape == (8, 64, 3)
+    assert generate_ids(loaded, PROMPTS, 10) == expected
+
+    def plain(name):  # [N, K] from the file's tensors, nibble by nibble
+        if fmt == "gptq":
+            t = [raw[f"{name}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx")]
+            return dequantize_gptq_reference(*t, zero_offset=1)
+        t = [raw[f"{name}.{s}"] for s in ("qweight", "qzeros", "scales")]
+        return dequantize_awq_reference(*t, group_size=32)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        for layer in range(2):
+            prefix = f"model.layers.{layer}."
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                hf.get_submodule(prefix + "self_attn." + proj).weight.copy_(
+                    plain(prefix + "self_attn." + proj)
+                )
+            moe, theirs = (
+                prefix + "block_sparse_moe.experts.",
+                hf.get_submodule(prefix + "mlp.experts"),
+            )
+            gate_up = [torch.cat([plain(f"{moe}{e}.w1"), plain(f"{moe}{e}.w3")]) for e in range(8)]
+            theirs.gate_up_proj.copy_(torch.stack(gate_up))
+            theirs.down_proj.copy_(torch.stack([plain(f"{moe}{e}.w2") for e in range(8)]))
+    assert expected == [hf_greedy(hf, p, 10) for p in PROMPTS]
+    if fmt == "gptq":  # act-order experts would need a gather the fused kernel does not do
+        name = "model.layers.0.block_sparse_moe.experts.2.w2.g_idx"
+        raw[name] = raw[name][torch.randperm(96, generator=torch.Generator().manual_seed(0))]
+        save_file(raw, str(out / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match="experts.2.down_proj has an act-order g_idx"):
+            LLM(str(out), cpu_kv_cache_gib=0.01)
+
+
 @pytest.mark.parametrize("group_size, message", [(8, "power of two"), (64, "does not divide")])
 def test_int4_experts_refuse_a_group_the_kernel_cannot_tile(mixtral, group_size, message):
     spec = dict(INT4_32, group_size=group_size)  # 64 divides the attention's 64 inputs, not 96

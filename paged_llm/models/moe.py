@@ -64,6 +64,13 @@ class MixtralForCausalLM(MoECausalLM):
             config, config.num_local_experts, config.intermediate_size, renormalize=True
         )
 
+    def export_name(self, name: str) -> str:
+        """Ours back to Mixtral's checkpoint names (every Mixtral MLP is sparse)."""
+        if ".mlp." in name:
+            for old, new in self._CHECKPOINT_NAMES:
+                name = name.replace(new, old)
+        return name
+
     def checkpoint_name(self, name: str) -> str | None:
         """Mixtral's ``block_sparse_moe.experts.<e>.w1/w3/w2`` -> ``mlp.experts.<e>.gate/up/
         down_proj`` (transformers' in-memory names)."""

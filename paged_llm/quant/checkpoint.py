@@ -5,6 +5,8 @@ A checkpoint is pre-quantized when its config.json has a ``quantization_config``
 ``quant_method`` "gptq" or "awq". Its quantized layers are found from the tensors themselves
 (every ``<layer>.qweight``), swapped for :class:`Int4Linear` shells, and filled by the normal
 weight loader; AWQ tensors are repacked into the GPTQ layout on the way (a lossless reorder).
+A mixture-of-experts checkpoint stores one quantized layer per expert and projection; those
+are collected and stacked into the model's int4 experts (``layers/moe.FusedExperts``).
 Every mismatch between the config and the tensors raises an error naming the tensor.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +25,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from paged_llm.layers.moe import FusedExperts
 from paged_llm.models.checkpoint import find_weight_files, iter_weight_files
 from paged_llm.models.loader import instantiate_model, load_config, load_model
 from paged_llm.models.registry import get_model_class
+from paged_llm.ops.moe.reference import pack_int4_experts
 from paged_llm.quant.base import set_module
+from paged_llm.quant.experts import check_int4_expert_group, int4_experts, set_int4_experts
 from paged_llm.quant.layers import Int4Linear
 from paged_llm.quant.packing import AWQ_ORDER, pack_int4, unpack_int4
 
@@ -155,17 +161,120 @@ def _output_rows(suffix: str, tensor: torch.Tensor, rows: torch.Tensor) -> torch
     return tensor[:, rows].contiguous()
 
 
+_EXPERT_LAYER = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)_proj$")
+_PROJECTIONS = {"gate": "gate_up", "up": "gate_up", "down": "down"}  # ours, stacked
+
+
+class Int4ExpertLoader:
+    """Collects a checkpoint's per-expert int4 layers (``...experts.<e>.{gate,up,down}_proj``
+    under our names) and stacks them into each FusedExperts at the end of the stream."""
+
+    def __init__(self, model: nn.Module, parts: dict[str, tuple[str, int, str]], fmt: Any):
+        self.parts, self.fmt = parts, fmt  # checkpoint layer -> (our module, expert, proj)
+        self.sizes: dict[str, tuple[int, int, int]] = {}  # module -> (E, I, H)
+        for module_name in {module for module, _, _ in parts.values()}:
+            experts = model.get_submodule(module_name)
+            e, two_i, h = experts.gate_up_proj.shape
+            device = experts.gate_up_proj.device
+            self.sizes[module_name] = (e, two_i // 2, h)
+            for name, n, k in (("gate_up", two_i, h), ("down", h, two_i // 2)):
+                group = fmt.layer_group_size(k)
+                check_int4_expert_group(group, k, f"{module_name}'s {name} projection")
+                zero = torch.zeros(e, n, k // group, device=device)  # a shell the checkpoint fills
+                codes = torch.zeros(e, n, k, dtype=torch.uint8, device=device)
+                set_int4_experts(experts, name, codes, zero, zero)
+        self.tensors: dict[tuple[str, int, str, str], torch.Tensor] = {}
+        self.modules = {name: model.get_submodule(name) for name in self.sizes}
+
+    def layer(self, prefix: str) -> CheckpointLayer:
+        """The sizes of one expert's projection."""
+        module, _, proj = self.parts[prefix]
+        _, inter, hidden = self.sizes[module]
+        k, n = (inter, hidden) if proj == "down" else (hidden, inter)
+        return CheckpointLayer(k, n, ())
+
+    def take(self, name: str, tensor: torch.Tensor) -> bool:
+        """Keep ``name`` if it is an expert's int4 tensor (in the GPTQ layout); else False."""
+        prefix, _, suffix = name.rpartition(".")
+        if prefix not in self.parts or suffix not in QUANT_SUFFIXES:
+            return False
+        module, expert, proj = self.parts[prefix]
+        tensor = _gptq_layout(name, suffix, tensor, self.layer(prefix), self.fmt)
+        self.tensors[module, expert, proj, suffix] = tensor
+        return True
+
+    def finish(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each FusedExperts' stacked int4 weights (its scales and zeros set in place)."""
+        for module, (num_experts, _, _) in self.sizes.items():
+            stacked: dict[str, list[list[torch.Tensor]]] = {"gate_up": [], "down": []}
+            for expert in range(num_experts):
+                rows = {"gate_up": [], "down": []}
+                for proj in ("gate", "up", "down"):
+                    rows[_PROJECTIONS[proj]].append(self._codes(module, expert, proj))
+                for name, parts in rows.items():
+                    stacked[name].append([torch.cat(p) for p in zip(*parts)])  # along N
+            experts = self.modules[module]
+            for name, per_expert in stacked.items():
+                codes, scales, zeros = (torch.stack(t) for t in zip(*per_expert))
+                device = getattr(experts, f"{name}_proj").device
+                setattr(experts, f"{name}_scale", scales.float().contiguous().to(device))
+                setattr(experts, f"{name}_zero", zeros.to(torch.uint8).contiguous().to(device))
+                yield f"{module}.{name}_proj", pack_int4_experts(codes)
+
+    def _codes(self, module: str, expert: int, proj: str) -> tuple[torch.Tensor, ...]:
+        """(codes [N, K], scales [N, G], zeros [N, G]) of one expert's projection."""
+        got = {s: self.tensors.get((module, expert, proj, s)) for s in QUANT_SUFFIXES}
+        missing = [s for s in ("qweight", "qzeros", "scales") if got[s] is None]
+        if missing:
+            raise ValueError(
+                f"checkpoint lacks {module}.{expert}.{proj}_proj.{missing[0]} (int4 experts)"
+            )
+        k = got["qweight"].shape[0] * 8
+        g_idx = got["g_idx"]
+        if g_idx is not None and not torch.equal(
+            g_idx.long(), torch.arange(k) // self.fmt.layer_group_size(k)
+        ):
+            raise ValueError(
+                f"{module}.{expert}.{proj}_proj has an act-order g_idx: int4 experts need the "
+                "plain group order (desc_act=False)"
+            )
+        codes = unpack_int4(got["qweight"], dim=0).t()  # [N, K]
+        zeros = (unpack_int4(got["qzeros"], dim=1) + self.fmt.zero_offset).t()  # [N, G]
+        return codes, got["scales"].float().t(), zeros
+
+
+def expert_parts(model: nn.Module, layers: list[str]) -> dict[str, tuple[str, int, str]]:
+    """The checkpoint layers among ``layers`` that are one expert's projection of a
+    FusedExperts: name -> (our module, expert, "gate" | "up" | "down")."""
+    parts = {}
+    for name in layers:
+        ours = model.checkpoint_name(name + ".weight")  # e.g. Mixtral's w1 -> gate_proj
+        match = _EXPERT_LAYER.match(ours.removesuffix(".weight")) if ours else None
+        if match is None or match["proj"] not in _PROJECTIONS:
+            continue
+        try:
+            module = model.get_submodule(match["module"])
+        except AttributeError:
+            continue
+        if isinstance(module, FusedExperts):
+            parts[name] = (match["module"], int(match["expert"]), match["proj"])
+    return parts
+
+
 def translate(
     weights: Iterable[tuple[str, torch.Tensor]],
     shells: dict[str, Int4Linear],
     layers: dict[str, CheckpointLayer],
     fmt: CheckpointFormat,
+    experts: Int4ExpertLoader | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors -> our parameter names and GPTQ layout, shape-checked against the
-    quantization config, fused layers split into our ``shells``; g_idx is supplied where the
-    checkpoint has none (AWQ)."""
+    quantization config, fused layers split into our ``shells``, experts' layers stacked into
+    their FusedExperts; g_idx is supplied where the checkpoint has none (AWQ)."""
     has_g_idx: set[str] = set()
     for name, tensor in weights:
+        if experts is not None and experts.take(name, tensor):
+            continue
         prefix, _, suffix = name.rpartition(".")
         layer = layers.get(prefix)
         if layer is None or suffix not in QUANT_SUFFIXES:
@@ -178,6 +287,8 @@ def translate(
     for part, shell in shells.items():
         if part not in has_g_idx:
             yield f"{part}.g_idx", shell.g_idx.detach().clone()  # plain k // group_size
+    if experts is not None:
+        yield from experts.finish()
 
 
 def _linear(model: nn.Module, name: str, checkpoint_layer: str) -> nn.Linear:
@@ -213,10 +324,12 @@ def load_checkpoint(
     )
     if not quantized:
         raise ValueError(f"config.json says {fmt.method} but no tensor in {model_dir} is a qweight")
+    of_experts = expert_parts(model, quantized)
+    experts = Int4ExpertLoader(model, of_experts, fmt) if of_experts else None
     fused = model.fused_linears()
     shells: dict[str, Int4Linear] = {}
     layers: dict[str, CheckpointLayer] = {}
-    for name in quantized:
+    for name in (n for n in quantized if n not in of_experts):
         parts = fused.get(name, [(name, None)])
         linears = [_linear(model, part, name) for part, _ in parts]
         for (part, _), linear in zip(parts, linears):
@@ -233,7 +346,7 @@ def load_checkpoint(
             set_module(model, part, shells[part])
         out_features = sum(linear.out_features for linear in linears)
         layers[name] = CheckpointLayer(linears[0].in_features, out_features, tuple(parts))
-    model.load_weights(translate(iter_weight_files(files), shells, layers, fmt))
+    model.load_weights(translate(iter_weight_files(files), shells, layers, fmt, experts))
     for shell in shells.values():
         shell.plain_groups = shell._plain_groups()  # g_idx came from the checkpoint
     return model.eval(), hf_config
@@ -248,18 +361,23 @@ def save_quantized(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
-    if not layers:
+    experts = {n: m for n, m in model.named_modules()
+               if isinstance(m, FusedExperts) and m.gate_up_zero is not None}  # fmt: skip
+    if not layers and not experts:
         raise ValueError("the model has no int4 layers to save")
-    sizes = {m.group_size for m in layers.values()}
+    int4_layers = _checkpoint_int4_layers(model, layers)
+    for name, module in experts.items():
+        int4_layers.update(_expert_int4_layers(model, name, module))
+    sizes = {m.group_size for m in int4_layers.values()}
     if len(sizes) != 1:
         raise ValueError(f"int4 layers use different group sizes {sorted(sizes)}")
     tensors: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        if name.rpartition(".")[0] in layers:
+        if name.rpartition(".")[0] in layers | experts:
             continue  # an int4 layer's tensors (its bias too) are written below
         if model.checkpoint_name(name) is not None:
             tensors[model.export_name(name)] = param.detach().cpu().contiguous()
-    for prefix, layer in _checkpoint_int4_layers(model, layers).items():
+    for prefix, layer in int4_layers.items():
         tensors.update(_layer_tensors(prefix, layer, method))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
@@ -270,6 +388,25 @@ def save_quantized(
             if (Path(tokenizer_dir) / f).is_file():
                 (out_dir / f).write_bytes((Path(tokenizer_dir) / f).read_bytes())
     return out_dir
+
+
+def _expert_int4_layers(model: nn.Module, name: str, experts: nn.Module) -> dict[str, Int4Linear]:
+    """A FusedExperts' int4 weights as the checkpoint stores them: one layer per expert and
+    projection, under the checkpoint's names (``model.export_name``)."""
+    gate_up, down = int4_experts(experts, "gate_up"), int4_experts(experts, "down")
+    inter = gate_up[0].shape[1] // 2
+    out = {}
+    for e in range(gate_up[0].shape[0]):
+        for proj, (codes, scales, zeros), rows in (
+            ("gate", gate_up, slice(0, inter)),
+            ("up", gate_up, slice(inter, 2 * inter)),
+            ("down", down, slice(None)),
+        ):
+            q, s, z = codes[e, rows], scales[e, rows], zeros[e, rows]  # [N, K], [N, G], [N, G]
+            layer = Int4Linear.from_quantized(q, s.t(), z.t(), q.shape[1] // s.shape[1])
+            checkpoint = model.export_name(f"{name}.{e}.{proj}_proj.weight")
+            out[checkpoint.removesuffix(".weight")] = layer
+    return out
 
 
 def _checkpoint_int4_layers(

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from paged_llm.ops.moe.reference import pack_int4_experts
+from paged_llm.ops.moe.reference import pack_int4_experts, unpack_int4_experts
 from paged_llm.quant.int4 import rtn_quantize
 from paged_llm.quant.layers import fp8_per_channel, int8_per_channel
 
@@ -44,28 +44,51 @@ def quantize_experts_fp8(experts: nn.Module) -> None:
     quantize_experts(experts, fp8_per_channel)
 
 
+def check_int4_expert_group(group_size: int, inputs: int, what: str) -> None:
+    """Raise unless the fused kernel can tile ``inputs`` in groups of ``group_size``."""
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(
+            f"int4 experts need a group_size that is a power of two >= 16 (the fused kernel's "
+            f"K tiles divide it), got {group_size} for {what}"
+        )
+    if inputs % group_size:
+        raise ValueError(
+            f"int4 group_size {group_size} does not divide the {inputs} inputs of {what}; "
+            f"choose one that divides it (e.g. 32, 64 or 128)"
+        )
+
+
+def set_int4_experts(
+    experts: nn.Module,
+    name: str,  # "gate_up" or "down"
+    codes: torch.Tensor,  # [E, N, K] integer codes 0..15
+    scales: torch.Tensor,  # [E, N, G]
+    zeros: torch.Tensor,  # [E, N, G] integer zero points
+) -> None:
+    """Store one stacked projection of a FusedExperts as int4 (two codes per byte along K)."""
+    packed = pack_int4_experts(codes)  # [E, N, K/2]
+    setattr(experts, f"{name}_proj", nn.Parameter(packed, requires_grad=False))
+    setattr(experts, f"{name}_scale", scales.float().contiguous())
+    setattr(experts, f"{name}_zero", zeros.to(torch.uint8).contiguous())
+
+
+def int4_experts(experts: nn.Module, name: str) -> tuple[torch.Tensor, ...]:
+    """(codes [E, N, K], scales [E, N, G], zeros [E, N, G]) of an int4 projection."""
+    codes = unpack_int4_experts(getattr(experts, f"{name}_proj").detach().cpu())
+    return codes, getattr(experts, f"{name}_scale").cpu(), getattr(experts, f"{name}_zero").cpu()
+
+
 @torch.no_grad()
 def quantize_experts_int4(experts: nn.Module, group_size: int) -> None:
     """int4 experts, round-to-nearest per output channel and group of ``group_size`` inputs
     (quantization="int4_rtn")."""
-    if group_size < 16 or group_size & (group_size - 1):
-        raise ValueError(
-            f"int4 experts need a group_size that is a power of two >= 16 (the fused kernel's "
-            f"K tiles divide it), got {group_size}"
-        )
     for name in ("gate_up", "down"):
         w = getattr(experts, f"{name}_proj")  # [E, N, K]
         e, n, k = w.shape
-        if k % group_size:
-            raise ValueError(
-                f"int4 group_size {group_size} does not divide the {k} inputs of the experts' "
-                f"{name} projection; choose one that divides it (e.g. 32, 64 or 128)"
-            )
+        check_int4_expert_group(group_size, k, f"the experts' {name} projection")
         q, scales, zeros = rtn_quantize(w.reshape(e * n, k), group_size)  # scales [G, E*N]
-        packed = pack_int4_experts(q.view(e, n, k))  # [E, N, K/2]
-        setattr(experts, f"{name}_proj", nn.Parameter(packed, requires_grad=False))
-        setattr(experts, f"{name}_scale", scales.t().reshape(e, n, -1).contiguous())
-        setattr(experts, f"{name}_zero", zeros.t().reshape(e, n, -1).to(torch.uint8).contiguous())
+        stacked = (t.t().reshape(e, n, -1) for t in (scales, zeros))
+        set_int4_experts(experts, name, q.view(e, n, k), *stacked)
 
 
 def experts_weight_bytes(experts: nn.Module) -> int:
