@@ -219,6 +219,22 @@ def test_llama_family_matches_single_process(tmp_path, kind):
     assert_stopped(processes)
 
 
+def test_quantized_kv_cache_with_swapping_matches_single_process(tmp_path):
+    """An int8 KV cache: each rank quantizes its own K/V heads (one scale per token and head,
+    as in one process; with one K/V head both ranks hold a replica), and the scales move with
+    their blocks when a small pool swaps."""
+    path = save_model("llama-kv1", tmp_path)
+    settings = dict(block_size=4, num_gpu_blocks_override=16, max_model_len=64,
+                    preemption_mode="swap", swap_space=0.01, kv_cache_dtype="int8")  # fmt: skip
+    single = LLM(path, **settings)
+    expected = run(single, 12)
+    assert single.llm_engine.scheduler.num_preemptions_total > 0
+    with LLM(path, tensor_parallel_size=2, **settings) as llm:
+        assert run(llm, 12) == expected
+        assert llm.llm_engine.scheduler.num_preemptions_total > 0
+        assert llm.llm_engine.runner.kv_caches[0][0].dtype == torch.int8
+
+
 def _gate_up_shapes(runner) -> list[tuple[int, ...]]:
     """The distinct shapes of one rank's stacked gate/up expert weights (collective_rpc)."""
     from paged_llm.layers.moe import FusedExperts
@@ -371,7 +387,6 @@ def llama_dir(tmp_path_factory):
     "kwargs, match",
     [
         (dict(quantization="int8"), "weight quantization"),
-        (dict(kv_cache_dtype="int8"), "quantized KV cache"),
         (dict(speculative_config={"num_speculative_tokens": 2, "model": "x"}), "draft model"),
         (dict(tensor_parallel_size=3), "not divisible by tensor_parallel_size=3"),
         (dict(device="cuda:1"), "one per rank"),

@@ -50,8 +50,6 @@ def _check_features(config: Any, hf_config: Any) -> None:
         unsupported.append(f"weight quantization (quantization={mc.quantization!r})")
     if prequantized_method(hf_config) is not None:
         unsupported.append("pre-quantized (GPTQ / AWQ) checkpoints")
-    if config.cache.kv_cache_dtype not in ("auto", None):
-        unsupported.append(f"a quantized KV cache (kv_cache_dtype={config.cache.kv_cache_dtype!r})")
     spec = dict(config.speculative_config or {})
     # The same default as spec.registry.build_drafter: a "model" means drafting with a model.
     method = spec.get("method") or ("draft_model" if "model" in spec else "ngram")
