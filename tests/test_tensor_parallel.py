@@ -44,6 +44,7 @@ os.environ.setdefault("PAGED_LLM_TP_TIMEOUT_S", "180")
 PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(4)]  # lengths 5..20
 COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
 LLAMA_LIKE = dict(COMMON, intermediate_size=128, num_hidden_layers=2, initializer_range=0.2)
+INT4_32 = {"_target_": "paged_llm.quant.simple.Int4RTN", "group_size": 32}
 
 
 def hf_config(kind: str):
@@ -235,6 +236,47 @@ def test_quantized_kv_cache_with_swapping_matches_single_process(tmp_path):
         assert llm.llm_engine.runner.kv_caches[0][0].dtype == torch.int8
 
 
+def _dequantized_linears(runner) -> dict[str, tuple[str, torch.Tensor]]:
+    """One rank's quantized block linears, dequantized: name -> ("column" | "row", [N, K])."""
+    from paged_llm.quant.layers import QuantLinear
+    from paged_llm.quant.parallel import RowParallelQuantLinear
+
+    out = {}
+    for name, module in runner.model.named_modules():
+        if isinstance(module, RowParallelQuantLinear):
+            out[name] = ("row", module.quant.dequantize())
+        elif isinstance(module, QuantLinear) and not name.endswith(".quant"):
+            out[name] = ("column", module.dequantize())
+    return out
+
+
+@pytest.mark.parametrize("method", ["int8", "int4_rtn"])
+def test_weight_quantization_of_each_ranks_shard(tmp_path, method):
+    """Each rank quantizes its shard: the 2-rank engine generates what one process generates
+    with the weights the ranks hold (their dequantized shards put together). int4's groups of
+    32 inputs lie inside each rank's slice, so int4 also equals one process's int4 exactly."""
+    path = save_model("llama", tmp_path)
+    spec = INT4_32 if method == "int4_rtn" else method
+    with LLM(path, block_size=8, cpu_kv_cache_gib=0.01, tensor_parallel_size=2,
+             quantization=spec) as llm:  # fmt: skip
+        got = run(llm)
+        ranks = llm.collective_rpc(_dequantized_linears)
+    assert len(ranks[0]) == 2 * 7  # q, k, v, o, gate, up, down of both layers
+    one = LLM(path, block_size=8, cpu_kv_cache_gib=0.01, quantization=spec)
+    weights = []
+    for name, (kind, _) in ranks[0].items():
+        parts = [rank[name][1] for rank in ranks]
+        full = torch.cat(parts, dim=0 if kind == "column" else 1)
+        if kind == "column" or method == "int4_rtn":  # whole rows / groups: as one process
+            assert torch.equal(full, one.llm_engine.model.get_submodule(name).dequantize()), name
+        weights.append((f"{name}.weight", full))
+    single = LLM(path, block_size=8, cpu_kv_cache_gib=0.01)
+    single.load_weights(weights)
+    assert got == run(single)
+    if method == "int4_rtn":
+        assert got == run(one)
+
+
 def _gate_up_shapes(runner) -> list[tuple[int, ...]]:
     """The distinct shapes of one rank's stacked gate/up expert weights (collective_rpc)."""
     from paged_llm.layers.moe import FusedExperts
@@ -244,16 +286,21 @@ def _gate_up_shapes(runner) -> list[tuple[int, ...]]:
     return sorted(found)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2-moe"])
-def test_expert_parallel_matches_single_process(tmp_path, kind):
+@pytest.mark.parametrize(
+    "kind, quantization", [("mixtral", None), ("qwen2-moe", None), ("mixtral", INT4_32)]
+)
+def test_expert_parallel_matches_single_process(tmp_path, kind, quantization):
     """enable_expert_parallel: each rank holds 2 of the 4 experts whole (not half of every
-    expert's intermediate features), and greedy tokens equal one process's."""
+    expert's intermediate features), and greedy tokens equal one process's; with int4 experts
+    too (whole experts, and attention groups inside each rank's slice, quantize as in one
+    process)."""
     path = save_model(kind, tmp_path)
-    expected = run(LLM(path, block_size=8, cpu_kv_cache_gib=0.01))
-    llm = LLM(path, block_size=8, cpu_kv_cache_gib=0.01, tensor_parallel_size=2,
-              enable_expert_parallel=True)  # fmt: skip
+    settings = dict(block_size=8, cpu_kv_cache_gib=0.01, quantization=quantization)
+    expected = run(LLM(path, **settings))
+    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **settings)
     inter = 128 if kind == "mixtral" else 32
-    assert llm.collective_rpc(_gate_up_shapes) == [[(2, 2 * inter, 64)]] * 2
+    packed = 2 if quantization else 1  # int4 experts: two inputs a byte
+    assert llm.collective_rpc(_gate_up_shapes) == [[(2, 2 * inter, 64 // packed)]] * 2
     assert run(llm) == expected
     llm.shutdown()
 
@@ -386,7 +433,7 @@ def llama_dir(tmp_path_factory):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(quantization="int8"), "weight quantization"),
+        (dict(quantization="int4_gptq"), "weight quantization with calibration"),
         (dict(speculative_config={"num_speculative_tokens": 2, "model": "x"}), "draft model"),
         (dict(tensor_parallel_size=3), "not divisible by tensor_parallel_size=3"),
         (dict(device="cuda:1"), "one per rank"),

@@ -42,12 +42,18 @@ def check_tensor_parallel(config: Any, hf_config: Any) -> None:
 
 def _check_features(config: Any, hf_config: Any) -> None:
     """Features that do not run split across ranks yet."""
-    from paged_llm.quant.checkpoint import prequantized_method
+    from paged_llm.quant.checkpoint import PREQUANTIZED_METHODS, prequantized_method
+    from paged_llm.quant.registry import NO_QUANTIZATION, build_method
 
     mc = config.model
     unsupported = []
-    if mc.quantization not in (None, "none"):
-        unsupported.append(f"weight quantization (quantization={mc.quantization!r})")
+    if mc.quantization not in NO_QUANTIZATION:
+        method = None if mc.quantization in PREQUANTIZED_METHODS else build_method(mc.quantization)
+        if method is None or not method.supports_tensor_parallel:
+            unsupported.append(
+                f"weight quantization with calibration (quantization={mc.quantization!r}; "
+                "int8, fp8 and int4_rtn quantize each rank's shard)"
+            )
     if prequantized_method(hf_config) is not None:
         unsupported.append("pre-quantized (GPTQ / AWQ) checkpoints")
     spec = dict(config.speculative_config or {})

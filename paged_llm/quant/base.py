@@ -25,11 +25,14 @@ def block_of(name: str) -> str | None:
 
 
 def linears_by_block(model: nn.Module) -> OrderedDict[str, list[str]]:
-    """Names of the plain ``nn.Linear`` layers of each numbered block, in forward order."""
+    """Names of the plain ``nn.Linear`` layers (or their tensor-parallel forms) of each numbered
+    block, in forward order (routers, a subclass of their own, are not among them)."""
+    from paged_llm.quant.parallel import PARALLEL_LINEARS
+
     blocks: OrderedDict[str, list[str]] = OrderedDict()
     for name, module in model.named_modules():
         block = block_of(name)
-        if type(module) is nn.Linear and block is not None:
+        if (type(module) is nn.Linear or type(module) in PARALLEL_LINEARS) and block is not None:
             blocks.setdefault(block, []).append(name)
     if not blocks:
         raise ValueError(
@@ -57,6 +60,8 @@ class QuantMethod(ABC):
     name: str = "base"
     needs_calibration: bool = False  # GPTQ / AWQ need activations from calibration text
     supports_experts: bool = False  # can quantize mixture-of-experts weights (quantize_experts)
+    # can quantize each rank's shard of a tensor-parallel model (quant/parallel.py)
+    supports_tensor_parallel: bool = False
 
     def check_device(self, device: torch.device) -> None:
         """Raise a clear error when this method cannot run on ``device``."""
@@ -72,6 +77,8 @@ class QuantMethod(ABC):
 
 class PerLayerMethod(QuantMethod):
     """A method that quantizes each linear layer on its own, from its weight alone."""
+
+    supports_tensor_parallel = True  # a rank's shard is quantized like a layer of its own
 
     @abstractmethod
     def quantize_linear(self, linear: nn.Linear) -> nn.Module:
@@ -89,7 +96,11 @@ class PerLayerMethod(QuantMethod):
 
 def quantize_named(method: PerLayerMethod, name: str, linear: nn.Linear) -> nn.Module:
     """``method.quantize_linear(linear)``, with the layer's name in any error."""
+    from paged_llm.quant.parallel import PARALLEL_LINEARS, quantize_parallel_linear
+
     try:
+        if isinstance(linear, PARALLEL_LINEARS):
+            return quantize_parallel_linear(method.quantize_linear, linear)
         return method.quantize_linear(linear)
     except ValueError as err:
         raise ValueError(f"{method.name}: layer '{name}': {err}") from None
