@@ -277,6 +277,30 @@ def test_weight_quantization_of_each_ranks_shard(tmp_path, method):
         assert got == run(one)
 
 
+def test_draft_model_speculation_matches_single_process():
+    """A draft model (plain, on every rank, drafting on rank 0) beside a 2-rank target: the
+    same greedy tokens, drafts and acceptances as one process, sampling with a seed too."""
+    from paged_llm.models import trained
+
+    target = str(trained.trained_model_dir("test-target"))
+    spec = {"method": "draft_model", "num_speculative_tokens": 3,
+            "model": str(trained.trained_model_dir("test-draft"))}  # fmt: skip
+    settings = dict(speculative_config=spec, cpu_kv_cache_gib=0.01, max_model_len=128)
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True)
+
+    def both(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sampled, use_tqdm=False)
+        return run(llm, 16), [o.outputs[0].token_ids for o in outs]
+
+    single = LLM(target, **settings)
+    expected = both(single)
+    with LLM(target, tensor_parallel_size=2, **settings) as llm:
+        assert both(llm) == expected
+        stats = llm.llm_engine.spec_stats
+    assert stats.num_accepted_tokens > 0
+    assert stats == single.llm_engine.spec_stats
+
+
 def _gate_up_shapes(runner) -> list[tuple[int, ...]]:
     """The distinct shapes of one rank's stacked gate/up expert weights (collective_rpc)."""
     from paged_llm.layers.moe import FusedExperts
@@ -434,7 +458,10 @@ def llama_dir(tmp_path_factory):
     "kwargs, match",
     [
         (dict(quantization="int4_gptq"), "weight quantization with calibration"),
-        (dict(speculative_config={"num_speculative_tokens": 2, "model": "x"}), "draft model"),
+        (
+            dict(speculative_config={"num_speculative_tokens": 2, "method": "eagle", "model": "x"}),
+            "speculative method 'eagle'",
+        ),
         (dict(tensor_parallel_size=3), "not divisible by tensor_parallel_size=3"),
         (dict(device="cuda:1"), "one per rank"),
     ],
