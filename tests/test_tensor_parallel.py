@@ -71,8 +71,15 @@ def hf_config(kind: str):
             mlp_only_layers=[0],
         ),  # fmt: skip
         # fused q/k/v checkpoints split at load, then by heads: GPT-2 (Conv1D), Pythia (per head)
+        # (initializer_range as LLAMA_LIKE's: at GPT-2's 0.02 the tokens barely depend on
+        # attention and MLP weights, so a mis-sliced layer could go unnoticed)
         "gpt2": lambda: t.GPT2Config(
-            vocab_size=256, n_embd=64, n_head=4, n_layer=2, n_positions=256
+            vocab_size=256,
+            n_embd=64,
+            n_head=4,
+            n_layer=2,
+            n_positions=256,
+            initializer_range=0.2,
         ),  # fmt: skip
         "gpt-neox": lambda: t.GPTNeoXConfig(**LLAMA_LIKE, rotary_pct=0.25),
         # OPT-350m's layout: post-LN, 32-wide embeddings projected in and out (replicated).
@@ -299,6 +306,33 @@ def test_draft_model_speculation_matches_single_process():
         stats = llm.llm_engine.spec_stats
     assert stats.num_accepted_tokens > 0
     assert stats == single.llm_engine.spec_stats
+
+
+@pytest.mark.parametrize("kind, fmt", [("gpt2", "gptq"), ("llama", "awq")])
+def test_prequantized_checkpoints_split_across_ranks(tmp_path, kind, fmt):
+    """A GPTQ / AWQ checkpoint: each rank takes its output columns (column-parallel; GPT-2's
+    fused c_attn split first) or its whole groups of input rows (row-parallel) of the packed
+    tensors, and generates what one process generates from the same directory."""
+    from paged_llm.models.loader import load_model
+    from paged_llm.quant import apply_quantization
+    from paged_llm.quant.checkpoint import save_quantized
+
+    model, _ = load_model(save_model(kind, tmp_path / "float"), torch.float32)
+    out = save_quantized(apply_quantization(model, INT4_32), tmp_path / fmt, fmt)
+    expected = run(LLM(str(out), block_size=8, cpu_kv_cache_gib=0.01))
+    with LLM(str(out), block_size=8, cpu_kv_cache_gib=0.01, tensor_parallel_size=2) as llm:
+        assert run(llm) == expected
+
+
+def test_prequantized_experts_under_tensor_parallelism_are_refused(tmp_path):
+    from paged_llm.models.loader import load_model
+    from paged_llm.quant import apply_quantization
+    from paged_llm.quant.checkpoint import save_quantized
+
+    model, _ = load_model(save_model("mixtral", tmp_path / "float"), torch.float32)
+    out = save_quantized(apply_quantization(model, INT4_32), tmp_path / "gptq", "gptq")
+    with pytest.raises(ValueError, match="mlp.experts: a pre-quantized mixture-of-experts"):
+        LLM(str(out), cpu_kv_cache_gib=0.01, tensor_parallel_size=2)
 
 
 def _gate_up_shapes(runner) -> list[tuple[int, ...]]:

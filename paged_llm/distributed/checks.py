@@ -42,20 +42,19 @@ def check_tensor_parallel(config: Any, hf_config: Any) -> None:
 
 def _check_features(config: Any, hf_config: Any) -> None:
     """Features that do not run split across ranks yet."""
-    from paged_llm.quant.checkpoint import PREQUANTIZED_METHODS, prequantized_method
+    from paged_llm.quant.checkpoint import PREQUANTIZED_METHODS
     from paged_llm.quant.registry import NO_QUANTIZATION, build_method
 
     mc = config.model
     unsupported = []
     if mc.quantization not in NO_QUANTIZATION:
-        method = None if mc.quantization in PREQUANTIZED_METHODS else build_method(mc.quantization)
-        if method is None or not method.supports_tensor_parallel:
+        prequantized = mc.quantization in PREQUANTIZED_METHODS  # names the checkpoint's own
+        method = None if prequantized else build_method(mc.quantization)
+        if not prequantized and not method.supports_tensor_parallel:
             unsupported.append(
                 f"weight quantization with calibration (quantization={mc.quantization!r}; "
                 "int8, fp8 and int4_rtn quantize each rank's shard)"
             )
-    if prequantized_method(hf_config) is not None:
-        unsupported.append("pre-quantized (GPTQ / AWQ) checkpoints")
     spec = dict(config.speculative_config or {})
     # The same default as spec.registry.build_drafter: a "model" means drafting with a model.
     method = spec.get("method") or ("draft_model" if "model" in spec else "ngram")

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from paged_llm.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from paged_llm.layers.moe import FusedExperts
 from paged_llm.models.checkpoint import find_weight_files, iter_weight_files
 from paged_llm.models.loader import instantiate_model, load_config, load_model
@@ -33,7 +34,9 @@ from paged_llm.quant.checkpoint_format import (
     QUANT_SUFFIXES,
     CheckpointFormat,
     CheckpointLayer,
+    LayerPart,
     gptq_layout,
+    input_cols,
     output_rows,
     parse_format,
     prequantized_method,
@@ -42,6 +45,7 @@ from paged_llm.quant.checkpoint_format import (
 from paged_llm.quant.expert_checkpoint import Int4ExpertLoader, expert_int4_layers, expert_parts
 from paged_llm.quant.layers import Int4Linear
 from paged_llm.quant.packing import AWQ_ORDER, pack_int4, unpack_int4
+from paged_llm.quant.parallel import RowParallelQuantLinear, rank_local
 
 __all__ = [
     "PREQUANTIZED_METHODS",
@@ -81,18 +85,65 @@ def translate(
             continue
         prefix, _, suffix = name.rpartition(".")
         layer = layers.get(prefix)
-        if layer is None or suffix not in QUANT_SUFFIXES:
+        if layer is None or suffix not in (*QUANT_SUFFIXES, "bias"):
             yield name, tensor
             continue
+        if suffix == "bias":  # [N]: each part's rows (a row-parallel rank adds all of it)
+            for part in layer.parts:
+                yield part.bias, tensor if part.rows is None else tensor[part.rows]
+            continue
         tensor = gptq_layout(name, suffix, tensor, layer, fmt)
-        for part, rows in layer.parts:
-            has_g_idx.update([part] if suffix == "g_idx" else [])
-            yield f"{part}.{suffix}", tensor if rows is None else output_rows(suffix, tensor, rows)
+        group = fmt.layer_group_size(layer.in_features)
+        for part in layer.parts:
+            has_g_idx.update([part.prefix] if suffix == "g_idx" else [])
+            local = tensor if part.rows is None else output_rows(suffix, tensor, part.rows)
+            local = local if part.cols is None else input_cols(suffix, local, part.cols, group)
+            yield f"{part.prefix}.{suffix}", local
     for part, shell in shells.items():
         if part not in has_g_idx:
             yield f"{part}.g_idx", shell.g_idx.detach().clone()  # plain k // group_size
     if experts is not None:
         yield from experts.finish()
+
+
+def _full_inputs(linear: nn.Linear) -> int:
+    """Input features of the whole layer (a row-parallel rank holds 1/N of them)."""
+    return linear.in_features * (linear.tp.size if isinstance(linear, RowParallelLinear) else 1)
+
+
+def _int4_shell(
+    part: str, rows: torch.Tensor | None, linear: nn.Linear, fmt: CheckpointFormat
+) -> tuple[nn.Module, Int4Linear, LayerPart, int]:
+    """An empty int4 layer in place of our float ``linear`` (``part``; ``rows``: the output
+    rows of the checkpoint's layer it holds), wrapped for tensor parallelism where ``linear``
+    is split: (module to install, its Int4Linear, where the tensors go, the checkpoint rows
+    this part covers on all ranks)."""
+    k, n = linear.in_features, linear.out_features
+    group = fmt.layer_group_size(_full_inputs(linear))
+    row_parallel = isinstance(linear, RowParallelLinear)
+    try:
+        if row_parallel and k % group:
+            raise ValueError(f"a rank's {k} inputs are not whole groups of {group}")
+        shell = Int4Linear.shell(
+            k, n, group, linear.bias is not None and not row_parallel, fmt.zero_offset
+        )
+    except ValueError as err:
+        raise ValueError(
+            f"{part}: {err} (quantization_config group_size={fmt.group_size})"
+        ) from None
+    if row_parallel:  # inputs split: all-reduce, then the whole bias once
+        cols = (linear.col_start, k)
+        return (
+            RowParallelQuantLinear(shell, linear.bias),
+            shell,
+            LayerPart(f"{part}.quant", f"{part}.bias", rows, cols),
+            n if rows is None else len(rows),
+        )
+    if isinstance(linear, ColumnParallelLinear):  # this rank's rows of the part's outputs
+        every = rows if rows is not None else torch.arange(n * linear.tp.size)
+        mine = every[linear.row_start : linear.row_start + n]
+        return rank_local(shell), shell, LayerPart(part, f"{part}.bias", mine), len(every)
+    return shell, shell, LayerPart(part, f"{part}.bias", rows), n if rows is None else len(rows)
 
 
 def _linear(model: nn.Module, name: str, checkpoint_layer: str) -> nn.Linear:
@@ -136,20 +187,15 @@ def load_checkpoint(
     for name in (n for n in quantized if n not in of_experts):
         parts = fused.get(name, [(name, None)])
         linears = [_linear(model, part, name) for part, _ in parts]
-        for (part, _), linear in zip(parts, linears):
-            k, n = linear.in_features, linear.out_features
-            try:
-                shell = Int4Linear.shell(
-                    k, n, fmt.layer_group_size(k), linear.bias is not None, fmt.zero_offset
-                )
-            except ValueError as err:
-                raise ValueError(
-                    f"{part}: {err} (quantization_config group_size={fmt.group_size})"
-                ) from None
-            shells[part] = shell.to(device)
-            set_module(model, part, shells[part])
-        out_features = sum(linear.out_features for linear in linears)
-        layers[name] = CheckpointLayer(linears[0].in_features, out_features, tuple(parts))
+        layer_parts, full_n = [], 0
+        for (part, rows), linear in zip(parts, linears):
+            module, shell, layer_part, part_n = _int4_shell(part, rows, linear, fmt)
+            shells[layer_part.prefix] = shell
+            set_module(model, part, module.to(device))
+            layer_parts.append(layer_part)
+            full_n += part_n
+        full_k = _full_inputs(linears[0])
+        layers[name] = CheckpointLayer(full_k, full_n, tuple(layer_parts))
     model.load_weights(translate(iter_weight_files(files), shells, layers, fmt, experts))
     for shell in shells.values():
         shell.plain_groups = shell._plain_groups()  # g_idx came from the checkpoint

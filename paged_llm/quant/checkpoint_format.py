@@ -81,13 +81,24 @@ def expect_shape(
 
 
 @dataclass(frozen=True)
+class LayerPart:
+    """Where (a part of) a checkpoint's int4 layer goes in this rank's model."""
+
+    prefix: str  # our module that takes the int4 tensors
+    bias: str  # the name its bias takes
+    rows: torch.Tensor | None = None  # the checkpoint layer's output rows it holds (None: all)
+    cols: tuple[int, int] | None = None  # (start, size) of its inputs on a row-parallel rank
+
+
+@dataclass(frozen=True)
 class CheckpointLayer:
-    """One int4 layer as the checkpoint stores it, and the layers of ours that hold its output
-    rows: itself (rows None), or the parts of a layer the checkpoint fuses (GPT-2's c_attn)."""
+    """One int4 layer as the checkpoint stores it (full sizes), and the layers of ours that
+    hold it: itself, the parts of a layer the checkpoint fuses (GPT-2's c_attn), and under
+    tensor parallelism only this rank's rows or input columns of those."""
 
     in_features: int
     out_features: int
-    parts: tuple[tuple[str, torch.Tensor | None], ...]
+    parts: tuple[LayerPart, ...]
 
 
 def gptq_layout(
@@ -116,6 +127,25 @@ def gptq_layout(
         expect_shape(name, tensor, (groups, n // 8), fmt)
         tensor = pack_int4(unpack_int4(tensor, dim=1, order=AWQ_ORDER), dim=1)
     return tensor
+
+
+def input_cols(
+    suffix: str, tensor: torch.Tensor, cols: tuple[int, int], group: int
+) -> torch.Tensor:
+    """The part of a GPTQ-layout tensor for input features [start, start + size), whole groups
+    (a row-parallel rank's slice)."""
+    start, size = cols
+    if suffix == "qweight":  # eight inputs per int32 row
+        return tensor.narrow(0, start // 8, size // 8)
+    if suffix == "g_idx":
+        local = tensor.narrow(0, start, size) - start // group
+        if int(local.min()) < 0 or int(local.max()) >= size // group:
+            raise ValueError(
+                "an act-order g_idx that mixes groups across tensor-parallel ranks' inputs "
+                "is not supported"
+            )
+        return local
+    return tensor.narrow(0, start // group, size // group)  # scales, qzeros: one row a group
 
 
 def output_rows(suffix: str, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,11 @@ class Int4ExpertLoader:
         self.sizes: dict[str, tuple[int, int, int]] = {}  # module -> (E, I, H)
         for module_name in {module for module, _, _ in parts.values()}:
             experts = model.get_submodule(module_name)
+            if experts.tp.size > 1:  # its slices (or whole experts) of packed tensors: not yet
+                raise ValueError(
+                    f"{module_name}: a pre-quantized mixture-of-experts checkpoint does not "
+                    "load under tensor parallelism yet; use tensor_parallel_size=1"
+                )
             e, two_i, h = experts.gate_up_proj.shape
             device = experts.gate_up_proj.device
             self.sizes[module_name] = (e, two_i // 2, h)
