@@ -324,15 +324,23 @@ def test_prequantized_checkpoints_split_across_ranks(tmp_path, kind, fmt):
         assert run(llm) == expected
 
 
-def test_prequantized_experts_under_tensor_parallelism_are_refused(tmp_path):
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_prequantized_experts_split_across_ranks(tmp_path, expert_parallel):
+    """A GPTQ Mixtral (one int4 layer per expert and projection): each rank stacks its slice
+    of every expert (gate/up rows, down's whole groups of inputs) or, with expert parallelism,
+    its own experts whole; the same tokens as one process loading the directory."""
     from paged_llm.models.loader import load_model
     from paged_llm.quant import apply_quantization
     from paged_llm.quant.checkpoint import save_quantized
 
     model, _ = load_model(save_model("mixtral", tmp_path / "float"), torch.float32)
     out = save_quantized(apply_quantization(model, INT4_32), tmp_path / "gptq", "gptq")
-    with pytest.raises(ValueError, match="mlp.experts: a pre-quantized mixture-of-experts"):
-        LLM(str(out), cpu_kv_cache_gib=0.01, tensor_parallel_size=2)
+    expected = run(LLM(str(out), block_size=8, cpu_kv_cache_gib=0.01))
+    with LLM(str(out), block_size=8, cpu_kv_cache_gib=0.01, tensor_parallel_size=2,
+             enable_expert_parallel=expert_parallel) as llm:  # fmt: skip
+        assert run(llm) == expected
+        shapes = llm.collective_rpc(_gate_up_shapes)
+    assert shapes == [[(2, 256, 32) if expert_parallel else (4, 128, 32)]] * 2
 
 
 def _gate_up_shapes(runner) -> list[tuple[int, ...]]:

@@ -79,8 +79,8 @@ class FusedExperts(nn.Module):
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full [E, 2I, H] gate_up or [E, H, I] down: its experts (expert
         parallel), or its intermediate slice of every expert."""
-        if self.tp.size == 1:
-            return full  # also int4 experts, packed two inputs a byte (pre-quantized loading)
+        if full.shape == getattr(self, name).shape:
+            return full  # one rank, or already this rank's (int4 experts stacked from slices)
         if self.expert_parallel:
             return full.narrow(0, self.expert_start, self.gate_up_proj.shape[0])
         inter = self.down_proj.shape[2]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,54 +25,74 @@ _EXPERT_LAYER = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj
 _PROJECTIONS = {"gate": "gate_up", "up": "gate_up", "down": "down"}  # ours, stacked
 
 
+@dataclass(frozen=True)
+class _ExpertSlice:
+    """What of a checkpoint's experts one FusedExperts (this rank's) holds."""
+
+    first_expert: int  # expert parallelism: this rank's first expert; else 0
+    num_experts: int  # local
+    inter_start: int  # tensor parallelism: this rank's first intermediate feature; else 0
+    inter: int  # local intermediate features
+    full_inter: int
+    hidden: int
+
+
 class Int4ExpertLoader:
     """Collects a checkpoint's per-expert int4 layers (``...experts.<e>.{gate,up,down}_proj``
-    under our names) and stacks them into each FusedExperts at the end of the stream."""
+    under our names) and stacks them into each FusedExperts at the end of the stream. Under
+    tensor parallelism a rank keeps its experts (expert parallelism) or its slice of every
+    expert's intermediate features: gate/up rows and down's groups of input columns."""
 
     def __init__(self, model: nn.Module, parts: dict[str, tuple[str, int, str]], fmt: Any):
         self.parts, self.fmt = parts, fmt  # checkpoint layer -> (our module, expert, proj)
-        self.sizes: dict[str, tuple[int, int, int]] = {}  # module -> (E, I, H)
+        self.slices: dict[str, _ExpertSlice] = {}
         for module_name in {module for module, _, _ in parts.values()}:
             experts = model.get_submodule(module_name)
-            if experts.tp.size > 1:  # its slices (or whole experts) of packed tensors: not yet
-                raise ValueError(
-                    f"{module_name}: a pre-quantized mixture-of-experts checkpoint does not "
-                    "load under tensor parallelism yet; use tensor_parallel_size=1"
-                )
             e, two_i, h = experts.gate_up_proj.shape
+            ep = experts.expert_parallel
+            self.slices[module_name] = _ExpertSlice(
+                experts.expert_start if ep else 0, e, experts.inter_start, two_i // 2,
+                experts.full_intermediate_size, h,
+            )  # fmt: skip
             device = experts.gate_up_proj.device
-            self.sizes[module_name] = (e, two_i // 2, h)
-            for name, n, k in (("gate_up", two_i, h), ("down", h, two_i // 2)):
-                group = fmt.layer_group_size(k)
-                check_int4_expert_group(group, k, f"{module_name}'s {name} projection")
+            full_i = experts.full_intermediate_size
+            for name, n, k, full_k in (("gate_up", two_i, h, h), ("down", h, two_i // 2, full_i)):
+                group = fmt.layer_group_size(full_k)
+                what = f"{module_name}'s {name} projection"
+                check_int4_expert_group(group, k, what + (" on this rank" if k != full_k else ""))
                 zero = torch.zeros(e, n, k // group, device=device)  # a shell the checkpoint fills
                 codes = torch.zeros(e, n, k, dtype=torch.uint8, device=device)
                 set_int4_experts(experts, name, codes, zero, zero)
         self.tensors: dict[tuple[str, int, str, str], torch.Tensor] = {}
-        self.modules = {name: model.get_submodule(name) for name in self.sizes}
+        self.modules = {name: model.get_submodule(name) for name in self.slices}
 
     def layer(self, prefix: str) -> CheckpointLayer:
-        """The sizes of one expert's projection."""
+        """The (full) sizes of one expert's projection in the checkpoint."""
         module, _, proj = self.parts[prefix]
-        _, inter, hidden = self.sizes[module]
-        k, n = (inter, hidden) if proj == "down" else (hidden, inter)
+        piece = self.slices[module]
+        k, n = (
+            (piece.full_inter, piece.hidden) if proj == "down" else (piece.hidden, piece.full_inter)
+        )
         return CheckpointLayer(k, n, ())
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
-        """Keep ``name`` if it is an expert's int4 tensor (in the GPTQ layout); else False."""
+        """Keep ``name`` if it is an expert's int4 tensor (in the GPTQ layout); else False.
+        Another rank's expert is taken and dropped."""
         prefix, _, suffix = name.rpartition(".")
         if prefix not in self.parts or suffix not in QUANT_SUFFIXES:
             return False
         module, expert, proj = self.parts[prefix]
         tensor = gptq_layout(name, suffix, tensor, self.layer(prefix), self.fmt)
-        self.tensors[module, expert, proj, suffix] = tensor
+        local = expert - self.slices[module].first_expert
+        if 0 <= local < self.slices[module].num_experts:
+            self.tensors[module, local, proj, suffix] = tensor
         return True
 
     def finish(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each FusedExperts' stacked int4 weights (its scales and zeros set in place)."""
-        for module, (num_experts, _, _) in self.sizes.items():
+        for module, piece in self.slices.items():
             stacked: dict[str, list[list[torch.Tensor]]] = {"gate_up": [], "down": []}
-            for expert in range(num_experts):
+            for expert in range(piece.num_experts):
                 rows = {"gate_up": [], "down": []}
                 for proj in ("gate", "up", "down"):
                     rows[_PROJECTIONS[proj]].append(self._codes(module, expert, proj))
@@ -86,25 +107,34 @@ class Int4ExpertLoader:
                 yield f"{module}.{name}_proj", pack_int4_experts(codes)
 
     def _codes(self, module: str, expert: int, proj: str) -> tuple[torch.Tensor, ...]:
-        """(codes [N, K], scales [N, G], zeros [N, G]) of one expert's projection."""
+        """(codes [N, K], scales [N, G], zeros [N, G]) of this rank's part of one expert's
+        projection (``expert`` is the local index)."""
+        piece = self.slices[module]
+        name = f"{module}.{piece.first_expert + expert}.{proj}_proj"
         got = {s: self.tensors.get((module, expert, proj, s)) for s in QUANT_SUFFIXES}
         missing = [s for s in ("qweight", "qzeros", "scales") if got[s] is None]
         if missing:
-            raise ValueError(
-                f"checkpoint lacks {module}.{expert}.{proj}_proj.{missing[0]} (int4 experts)"
-            )
+            raise ValueError(f"checkpoint lacks {name}.{missing[0]} (int4 experts)")
         k = got["qweight"].shape[0] * 8
+        group = self.fmt.layer_group_size(k)
         g_idx = got["g_idx"]
-        if g_idx is not None and not torch.equal(
-            g_idx.long(), torch.arange(k) // self.fmt.layer_group_size(k)
-        ):
+        if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
             raise ValueError(
-                f"{module}.{expert}.{proj}_proj has an act-order g_idx: int4 experts need the "
-                "plain group order (desc_act=False)"
+                f"{name} has an act-order g_idx: int4 experts need the plain group order "
+                "(desc_act=False)"
             )
         codes = unpack_int4(got["qweight"], dim=0).t()  # [N, K]
         zeros = (unpack_int4(got["qzeros"], dim=1) + self.fmt.zero_offset).t()  # [N, G]
-        return codes, got["scales"].float().t(), zeros
+        scales = got["scales"].float().t()  # [N, G]
+        start, size = piece.inter_start, piece.inter  # this rank's intermediate features
+        if proj != "down":  # gate / up: output rows
+            return (
+                codes[start : start + size],
+                scales[start : start + size],
+                zeros[start : start + size],
+            )
+        groups = slice(start // group, (start + size) // group)  # down: whole groups of inputs
+        return codes[:, start : start + size], scales[:, groups], zeros[:, groups]
 
 
 def expert_parts(model: nn.Module, layers: list[str]) -> dict[str, tuple[str, int, str]]:
