@@ -284,14 +284,18 @@ def test_weight_quantization_of_each_ranks_shard(tmp_path, method):
         assert got == run(one)
 
 
-def test_draft_model_speculation_matches_single_process():
-    """A draft model (plain, on every rank, drafting on rank 0) beside a 2-rank target: the
-    same greedy tokens, drafts and acceptances as one process, sampling with a seed too."""
+@pytest.mark.parametrize(
+    "method, drafter", [("draft_model", "test-draft"), ("eagle", "test-eagle")]
+)
+def test_model_drafters_match_single_process(method, drafter):
+    """A draft model or an EAGLE head (unsplit, on every rank, drafting on rank 0; EAGLE with
+    the target's embeddings and LM head read whole) beside a 2-rank target: the same greedy
+    tokens, drafts and acceptances as one process, sampling with a seed too."""
     from paged_llm.models import trained
 
     target = str(trained.trained_model_dir("test-target"))
-    spec = {"method": "draft_model", "num_speculative_tokens": 3,
-            "model": str(trained.trained_model_dir("test-draft"))}  # fmt: skip
+    spec = {"method": method, "num_speculative_tokens": 3,
+            "model": str(trained.trained_model_dir(drafter))}  # fmt: skip
     settings = dict(speculative_config=spec, cpu_kv_cache_gib=0.01, max_model_len=128)
     sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True)
 
@@ -501,8 +505,8 @@ def llama_dir(tmp_path_factory):
     [
         (dict(quantization="int4_gptq"), "weight quantization with calibration"),
         (
-            dict(speculative_config={"num_speculative_tokens": 2, "method": "eagle", "model": "x"}),
-            "speculative method 'eagle'",
+            dict(speculative_config={"num_speculative_tokens": 2, "_target_": "x.Drafter"}),
+            "custom speculative drafter",
         ),
         (dict(tensor_parallel_size=3), "not divisible by tensor_parallel_size=3"),
         (dict(device="cuda:1"), "one per rank"),

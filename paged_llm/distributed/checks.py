@@ -58,9 +58,10 @@ def _check_features(config: Any, hf_config: Any) -> None:
     spec = dict(config.speculative_config or {})
     # The same default as spec.registry.build_drafter: a "model" means drafting with a model.
     method = spec.get("method") or ("draft_model" if "model" in spec else "ngram")
-    if spec and (method not in ("ngram", "draft_model") or "_target_" in spec):
-        # an EAGLE head reads the target's embeddings and LM head, which the ranks split
-        unsupported.append(f"speculative method {method!r} (ngram and draft_model run)")
+    if spec and "_target_" in spec:
+        unsupported.append("a custom speculative drafter (_target_)")
+    elif spec and method not in ("ngram", "draft_model", "eagle"):
+        unsupported.append(f"speculative method {method!r} (ngram, draft_model and eagle run)")
     if unsupported:
         raise ValueError(
             f"tensor_parallel_size={mc.tensor_parallel_size} does not support "

@@ -307,13 +307,10 @@ class LLMEngine:
 
     def _check_drafter_fits(self) -> None:
         """Refuse what a drafter with block-shared pools (an EAGLE head) cannot follow: the
-        CPU tier and KV connectors move the target's pools only, and under tensor parallelism
-        the target's embeddings and LM head, which the head reads, are split across ranks."""
+        CPU tier and KV connectors move the target's pools only."""
         if not hasattr(self.drafter, "block_pools"):
             return
         name = self.config.speculative_config.get("method", "this")
-        if self.config.model.tensor_parallel_size > 1:
-            raise ValueError(f"speculative method '{name}' needs tensor_parallel_size=1")
         if self.config.cache.kv_offloading_size:
             raise ValueError(f"speculative method '{name}' cannot be combined with "
                              "kv_offloading_size")  # fmt: skip

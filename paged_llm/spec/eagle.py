@@ -46,6 +46,27 @@ from paged_llm.runner.sleep import RankMemory
 from paged_llm.spec.draft_model import choose_draft_tokens
 
 
+def whole_embedding_and_head(engine: Any) -> tuple[nn.Embedding, Any]:
+    """The target's token embedding and LM head, unsplit, read again from its checkpoint (under
+    tensor parallelism each rank holds a slice of them): (embedding, hidden [N, H] -> float32
+    logits [N, V])."""
+    from paged_llm.engine.loading import checkpoint_path
+    from paged_llm.models.checkpoint import find_weight_files, iter_weight_files
+
+    model = engine.model
+    embed_name = next(n for n, p in model.named_parameters()
+                      if p is model.get_input_embeddings().weight)  # fmt: skip
+    wanted = {embed_name, "lm_head.weight"}
+    files = find_weight_files(checkpoint_path(str(engine.config.model.model)))
+    found = {n: t for n, t in model.checkpoint_tensors(iter_weight_files(files)) if n in wanted}
+    if embed_name not in found:
+        raise ValueError(f"the target's checkpoint has no {embed_name} for the EAGLE head")
+    embed = nn.Embedding.from_pretrained(found[embed_name].to(engine.device, engine.dtype))
+    tied = model.tie_word_embeddings or "lm_head.weight" not in found
+    head = embed.weight if tied else found["lm_head.weight"].to(engine.device, engine.dtype)
+    return embed, lambda hidden: torch.nn.functional.linear(hidden, head).float()
+
+
 class _HeadStep(nn.Module):
     """The head as a CUDA graph captures a model, ``(token ids, positions, ctx) -> [T, H]``:
     the previous features come from a static buffer that the replay fills first."""
@@ -99,8 +120,13 @@ class EagleDrafter:
                 f"EAGLE head (hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) does not "
                 f"fit the target (hidden {target.hidden_size}, vocabulary {engine.vocab_size})"
             )
-        self.target = engine.model
-        self.embed = engine.model.get_input_embeddings()
+        if engine.parallel is None:
+            self.embed, self.logits_of = (
+                engine.model.get_input_embeddings(),
+                engine.model.compute_logits,
+            )
+        else:  # the target's are split across ranks; rank 0 drafts alone, so it needs them whole
+            self.embed, self.logits_of = whole_embedding_and_head(engine)
         _, self.num_kv_heads, self.head_dim = kv_cache_shape_info(cfg)
         self.hidden = cfg.hidden_size
         self.device, self.dtype, self.backend = engine.device, engine.dtype, engine.backend
@@ -196,7 +222,7 @@ class EagleDrafter:
             out = self._run(ids, torch.cat(feats), positions, q_lens, seq_lens, tables)
             if firsts:
                 rows_t = torch.tensor([r for _, r, _ in firsts], device=out.device)
-                logits = self.target.compute_logits(out[rows_t])
+                logits = self.logits_of(out[rows_t])
                 for i, (rid, row, block) in enumerate(firsts):
                     self._first[rid] = _FirstStep(positions[row], block, out[row], logits[i])
 
@@ -275,7 +301,7 @@ class EagleDrafter:
                 h = self._run([tokens[i] for i in run], torch.stack([feats[i] for i in run]),
                               pos, [1] * len(run), [p + 1 for p in pos],
                               [live[i].block_table for i in run])  # fmt: skip
-                lg = self.target.compute_logits(h)
+                lg = self.logits_of(h)
                 for row, i in enumerate(run):
                     out[i], logits[i] = h[row], lg[row]
             for i in idx:
