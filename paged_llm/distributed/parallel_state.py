@@ -60,6 +60,16 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x`` [R, ...] concatenated in rank order, on every rank: [size * R, ...]."""
+    import torch.distributed as dist
+
+    x = x.detach().contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts)
+
+
 def gather_to_driver(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """Concatenate every rank's ``x`` [N, V/size] along the last dim on rank 0: [N, V].
 

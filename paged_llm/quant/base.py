@@ -14,6 +14,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from paged_llm.quant.parallel import PARALLEL_LINEARS, quantize_parallel_linear
+
 
 def block_of(name: str) -> str | None:
     """The numbered block of a module: ``model.layers.3.mlp.up_proj`` -> ``model.layers.3``."""
@@ -27,8 +29,6 @@ def block_of(name: str) -> str | None:
 def linears_by_block(model: nn.Module) -> OrderedDict[str, list[str]]:
     """Names of the plain ``nn.Linear`` layers (or their tensor-parallel forms) of each numbered
     block, in forward order (routers, a subclass of their own, are not among them)."""
-    from paged_llm.quant.parallel import PARALLEL_LINEARS
-
     blocks: OrderedDict[str, list[str]] = OrderedDict()
     for name, module in model.named_modules():
         block = block_of(name)
@@ -96,8 +96,6 @@ class PerLayerMethod(QuantMethod):
 
 def quantize_named(method: PerLayerMethod, name: str, linear: nn.Linear) -> nn.Module:
     """``method.quantize_linear(linear)``, with the layer's name in any error."""
-    from paged_llm.quant.parallel import PARALLEL_LINEARS, quantize_parallel_linear
-
     try:
         if isinstance(linear, PARALLEL_LINEARS):
             return quantize_parallel_linear(method.quantize_linear, linear)

@@ -131,19 +131,16 @@ def _int4_shell(
         raise ValueError(
             f"{part}: {err} (quantization_config group_size={fmt.group_size})"
         ) from None
+    covered = n if rows is None else len(rows)
     if row_parallel:  # inputs split: all-reduce, then the whole bias once
         cols = (linear.col_start, k)
-        return (
-            RowParallelQuantLinear(shell, linear.bias),
-            shell,
-            LayerPart(f"{part}.quant", f"{part}.bias", rows, cols),
-            n if rows is None else len(rows),
-        )
+        wrapper = RowParallelQuantLinear(shell, linear.bias)
+        return wrapper, shell, LayerPart(f"{part}.quant", f"{part}.bias", rows, cols), covered
     if isinstance(linear, ColumnParallelLinear):  # this rank's rows of the part's outputs
         every = rows if rows is not None else torch.arange(n * linear.tp.size)
         mine = every[linear.row_start : linear.row_start + n]
         return rank_local(shell), shell, LayerPart(part, f"{part}.bias", mine), len(every)
-    return shell, shell, LayerPart(part, f"{part}.bias", rows), n if rows is None else len(rows)
+    return shell, shell, LayerPart(part, f"{part}.bias", rows), covered
 
 
 def _linear(model: nn.Module, name: str, checkpoint_layer: str) -> nn.Linear:
@@ -221,9 +218,10 @@ def save_quantized(
     sizes = {m.group_size for m in int4_layers.values()}
     if len(sizes) != 1:
         raise ValueError(f"int4 layers use different group sizes {sorted(sizes)}")
+    int4_modules = layers.keys() | experts.keys()
     tensors: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        if name.rpartition(".")[0] in layers | experts:
+        if name.rpartition(".")[0] in int4_modules:
             continue  # an int4 layer's tensors (its bias too) are written below
         if model.checkpoint_name(name) is not None:
             tensors[model.export_name(name)] = param.detach().cpu().contiguous()

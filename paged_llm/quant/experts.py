@@ -16,7 +16,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from paged_llm.ops.moe.reference import pack_int4_experts, unpack_int4_experts
+from paged_llm.ops.moe.reference import (
+    int4_group_tiles,
+    pack_int4_experts,
+    unpack_int4_experts,
+)
 from paged_llm.quant.int4 import rtn_quantize
 from paged_llm.quant.layers import fp8_per_channel, int8_per_channel
 
@@ -46,7 +50,7 @@ def quantize_experts_fp8(experts: nn.Module) -> None:
 
 def check_int4_expert_group(group_size: int, inputs: int, what: str) -> None:
     """Raise unless the fused kernel can tile ``inputs`` in groups of ``group_size``."""
-    if group_size < 16 or group_size & (group_size - 1):
+    if not int4_group_tiles(group_size):
         raise ValueError(
             f"int4 experts need a group_size that is a power of two >= 16 (the fused kernel's "
             f"K tiles divide it), got {group_size} for {what}"

@@ -46,24 +46,14 @@ from paged_llm.runner.sleep import RankMemory
 from paged_llm.spec.draft_model import choose_draft_tokens
 
 
-def whole_embedding_and_head(engine: Any) -> tuple[nn.Embedding, Any]:
-    """The target's token embedding and LM head, unsplit, read again from its checkpoint (under
-    tensor parallelism each rank holds a slice of them): (embedding, hidden [N, H] -> float32
-    logits [N, V])."""
-    from paged_llm.engine.loading import checkpoint_path
-    from paged_llm.models.checkpoint import find_weight_files, iter_weight_files
+def whole_embedding_and_head(model: Any) -> tuple[nn.Embedding, Any]:
+    """The target's token embedding and LM head, unsplit, gathered from the ranks' vocabulary
+    slices (a collective: every rank calls it): (embedding, hidden [N, H] -> float32 logits
+    [N, V])."""
+    from paged_llm.distributed.parallel_state import all_gather_rows
 
-    model = engine.model
-    embed_name = next(n for n, p in model.named_parameters()
-                      if p is model.get_input_embeddings().weight)  # fmt: skip
-    wanted = {embed_name, "lm_head.weight"}
-    files = find_weight_files(checkpoint_path(str(engine.config.model.model)))
-    found = {n: t for n, t in model.checkpoint_tensors(iter_weight_files(files)) if n in wanted}
-    if embed_name not in found:
-        raise ValueError(f"the target's checkpoint has no {embed_name} for the EAGLE head")
-    embed = nn.Embedding.from_pretrained(found[embed_name].to(engine.device, engine.dtype))
-    tied = model.tie_word_embeddings or "lm_head.weight" not in found
-    head = embed.weight if tied else found["lm_head.weight"].to(engine.device, engine.dtype)
+    embed = nn.Embedding.from_pretrained(all_gather_rows(model.get_input_embeddings().weight))
+    head = embed.weight if model.tie_word_embeddings else all_gather_rows(model.lm_head.weight)
     return embed, lambda hidden: torch.nn.functional.linear(hidden, head).float()
 
 
@@ -126,7 +116,7 @@ class EagleDrafter:
                 engine.model.compute_logits,
             )
         else:  # the target's are split across ranks; rank 0 drafts alone, so it needs them whole
-            self.embed, self.logits_of = whole_embedding_and_head(engine)
+            self.embed, self.logits_of = whole_embedding_and_head(engine.model)
         _, self.num_kv_heads, self.head_dim = kv_cache_shape_info(cfg)
         self.hidden = cfg.hidden_size
         self.device, self.dtype, self.backend = engine.device, engine.dtype, engine.backend

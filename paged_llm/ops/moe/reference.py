@@ -24,6 +24,12 @@ def select_experts(
     return weights, ids
 
 
+def int4_group_tiles(group_size: int) -> bool:
+    """Whether the fused kernel's K tiles can divide int4 groups of this size: a power of two
+    of at least 16 (``tl.dot``'s smallest tile)."""
+    return group_size >= 16 and not group_size & (group_size - 1)
+
+
 def pack_int4_experts(q: torch.Tensor) -> torch.Tensor:  # [..., K] codes 0..15 -> [..., K/2]
     """Two int4 codes per byte along K: input k's code in the low nibble when k is even."""
     q = q.to(torch.uint8)

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from paged_llm.ops.elementwise import silu_mul
+from paged_llm.ops.moe.reference import int4_group_tiles
 from paged_llm.ops.tuning import KernelConfig, kernel_config
 
 SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # expert weights that come with scales
@@ -75,9 +76,9 @@ def moe_align_block_size(
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E + 1]
     padded_counts = (counts + block_m - 1) // block_m * block_m  # [E + 1]
     padded_counts[num_experts] = 0
-    padded_ends = padded_counts.cumsum(0)  # [E] inclusive
-    padded_starts = padded_ends - padded_counts  # [E] where each expert's run begins
-    starts = counts.cumsum(0) - counts  # [E] the same without padding
+    padded_ends = padded_counts.cumsum(0)  # [E + 1] inclusive
+    padded_starts = padded_ends - padded_counts  # [E + 1] where each expert's run begins
+    starts = counts.cumsum(0) - counts  # [E + 1] the same without padding
 
     # Stable: within an expert, pairs keep token order (consecutive A rows of x).
     order = torch.argsort(flat, stable=True)  # [P] pair ids by expert
@@ -305,8 +306,7 @@ def _check_int4(
         or zero.dtype != torch.uint8
         or scale.shape != zero.shape
         or scale.shape[:2] != (experts, rows)
-        or group < 16
-        or group & (group - 1)
+        or not int4_group_tiles(group)
     ):
         raise ValueError(
             f"fused_experts: an int4 {name} must be [{experts}, {rows}, {k // 2}] uint8 with "
