@@ -166,6 +166,7 @@ def _speed(dirs, prompts, max_tokens, dtype, device, deadline: Deadline) -> dict
                     acceptance_rate=stats.conditional_acceptance_rate,
                     tokens_per_target_step=stats.mean_acceptance_length,
                     predicted_tokens_per_step=stats.predicted_tokens_per_step,
+                    predicted_tokens_per_step_by_source=stats.predicted_tokens_per_step_by_source,
                 )
             rows.append(row)
         _free(llm, device)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged_llm import LLM, SamplingParams
-from paged_llm.spec.metrics import SpecDecodeStats
+from paged_llm.spec.metrics import ALL_DRAFTS, SpecDecodeStats
 from paged_llm.spec.ngram import NgramDrafter
 from paged_llm.spec.rejection import expected_tokens_per_step, verify_greedy, verify_sampled
 
@@ -139,6 +139,35 @@ def test_acceptance_rate_and_prediction_with_variable_draft_lengths():
     assert fixed.conditional_acceptance_rate == pytest.approx(5 / (1 + 2 + 2 + 2))
 
 
+def test_prediction_by_draft_source_fits_a_mixture_of_rates():
+    """A drafter mixing sources of different acceptance rates (n-gram matches of different
+    lengths) breaks the formula's one-rate assumption for the pooled a; with each source at its
+    own measured a, the prediction fits again. Drafts here are accepted independently: 4-gram
+    matches at 0.95, 1-gram matches at 0.3, half of the verifications each, k = 5."""
+    rng = random.Random(0)
+    s = SpecDecodeStats()
+    for step in range(20_000):
+        source, a = ("4-gram", 0.95) if step % 2 else ("1-gram", 0.3)
+        accepted = 0
+        while accepted < 5 and rng.random() < a:
+            accepted += 1
+        s.record(5, accepted, source)
+    measured = s.mean_acceptance_length
+    expected = (expected_tokens_per_step(0.95, 5) + expected_tokens_per_step(0.3, 5)) / 2
+    assert measured == pytest.approx(expected, rel=0.01)
+    assert s.predicted_tokens_per_step_by_source == pytest.approx(measured, rel=0.01)
+    assert s.predicted_tokens_per_step > 1.06 * measured  # the pooled a overestimates
+    d = s.as_dict()
+    assert d["sources"]["4-gram"]["conditional_acceptance_rate"] == pytest.approx(0.95, abs=0.01)
+    assert d["sources"]["1-gram"]["num_spec_steps"] == 10_000
+    # one source: both predictions are the same
+    one = SpecDecodeStats()
+    for accepted in (0, 3, 5, 2):
+        one.record(5, accepted)
+    assert list(one.by_source) == [ALL_DRAFTS]
+    assert one.predicted_tokens_per_step_by_source == one.predicted_tokens_per_step
+
+
 # ---- the engine -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
@@ -159,6 +188,10 @@ def test_greedy_speculation_is_exact(tiny_llama, draft_dir, reference, method, k
     stats = llm.llm_engine.spec_stats
     assert stats.num_draft_tokens > 0
     assert llm.llm_engine.kv_usage() == 0
+    # n-gram drafts are counted by the length of the match they continue
+    sources = {ALL_DRAFTS} if method == "draft_model" else {"1-gram", "2-gram", "3-gram", "4-gram"}
+    assert set(stats.by_source) <= sources
+    assert sum(c.num_accepted_tokens for c in stats.by_source.values()) == stats.num_accepted_tokens
 
 
 def test_self_draft_accepts_everything(tiny_llama, reference):

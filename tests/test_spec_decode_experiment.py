@@ -30,7 +30,11 @@ def test_sweep_writes_speedups_and_formula_gaps(tmp_path):
     assert set(summary["best_speedup"]) == {
         f"{m}/batch_{b}" for m in ("draft_model", "eagle", "ngram") for b in (1, 2)
     }
-    assert summary["max_formula_gap"] >= 0.0
+    for gaps in (summary["max_formula_gap"], summary["max_formula_gap_by_source"]):
+        assert set(gaps) == {"draft_model", "eagle", "ngram"} and min(gaps.values()) >= 0.0
+    # a model drafter has one draft source: both predictions agree
+    for m in ("draft_model", "eagle"):
+        assert summary["max_formula_gap_by_source"][m] == summary["max_formula_gap"][m]
     assert results["mode"] == "real"
 
 

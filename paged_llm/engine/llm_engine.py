@@ -54,7 +54,7 @@ from paged_llm.runner.logits_processors import bad_words_token_ids
 from paged_llm.runner.model_runner import ModelRunner
 from paged_llm.runner.sleep import HeldFreeSpace, pinned_cache_bytes
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
-from paged_llm.spec.metrics import SpecDecodeStats
+from paged_llm.spec.metrics import ALL_DRAFTS, SpecDecodeStats
 from paged_llm.spec.registry import build_drafter
 from paged_llm.utils.checks import is_int
 from paged_llm.utils.registry import build
@@ -661,7 +661,7 @@ class LLMEngine:
         if self.runner.block_companions:  # the drafter reads the blocks this step copies or swaps
             self.runner.apply_block_ops(out.block_ops)
             out.block_ops = []
-        draft_probs = self._propose_drafts(out)
+        draft_probs, draft_sources = self._propose_drafts(out)
         starts = {s.request.request_id: s.request.num_computed_tokens for s in out.scheduled}
         results, prompt_lps, pooled = self.runner.execute(out, draft_probs)
         for rid, (first, entries) in prompt_lps.items():
@@ -671,8 +671,8 @@ class LLMEngine:
             group.prompt_logprobs[first : first + len(entries)] = entries
         now = self.clock()
         sampled = {rid: r.token_ids for rid, r in results.items()}
-        for r in results.values():
-            self.spec_stats.record(r.num_drafts, r.num_accepted)
+        for rid, r in results.items():
+            self.spec_stats.record(r.num_drafts, r.num_accepted, draft_sources.get(rid, ALL_DRAFTS))
         self.scheduler.update_from_output(out, sampled, now)
         if self.runner.last_hidden is not None:  # an EAGLE head follows the target's features
             self.drafter.observe(out.scheduled, starts, self.runner.last_hidden)
@@ -706,17 +706,19 @@ class LLMEngine:
                 self._release(group)
         return outputs
 
-    def _propose_drafts(self, out: Any) -> dict[str, Any]:
-        """Fill the lookahead slots of this step's decodes with draft tokens to verify."""
+    def _propose_drafts(self, out: Any) -> tuple[dict[str, Any], dict[str, str]]:
+        """Fill the lookahead slots of this step's decodes with draft tokens to verify; return
+        the draft distributions and, from a drafter that tells them apart, each request's
+        draft source (for ``spec_stats``)."""
         if self.drafter is None:
-            return {}
+            return {}, {}
         # logprobs are reported one token per step, so those requests decode plainly
         entries = [
             s for s in out.scheduled
             if s.num_lookahead and s.samples and not s.request.sampling_params.tracks_logprobs
         ]  # fmt: skip
         if not entries:
-            return {}
+            return {}, {}
         drafts, probs = self.drafter.propose(entries, self.runner.sampler)
         for s in entries:
             d = drafts.get(s.request.request_id, [])[: s.num_lookahead]
@@ -724,7 +726,7 @@ class LLMEngine:
                 d = d[: s.request.guide.valid_prefix(d)]
             s.request.spec_token_ids = d
             s.num_new_tokens = 1 + len(d)
-        return probs
+        return probs, getattr(self.drafter, "draft_sources", {})
 
     def _release(self, group: _Group) -> None:
         del self._groups[group.request_id]

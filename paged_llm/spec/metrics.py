@@ -6,6 +6,34 @@ from dataclasses import dataclass, field
 
 from paged_llm.spec.rejection import expected_tokens_per_step
 
+# The source label of drafts from a drafter that does not tell them apart (a draft model).
+ALL_DRAFTS = "all"
+
+
+@dataclass
+class SourceCounts:
+    """Counts of the verifications whose drafts came from one source (e.g. one n-gram length)."""
+
+    num_accepted_tokens: int = 0
+    num_reached_tokens: int = 0  # positions judged: up to and including the first rejection
+    steps_by_num_drafts: dict[int, int] = field(default_factory=dict)  # k -> verifications
+
+    @property
+    def conditional_acceptance_rate(self) -> float:
+        """Acceptances over judged positions: this source's estimate of the per-token rate a."""
+        reached = self.num_reached_tokens
+        return self.num_accepted_tokens / reached if reached else 0.0
+
+    def predicted_tokens(self, a: float) -> float:
+        """Sum over these verifications of (1 - a^(k+1)) / (1 - a), each at its own k."""
+        return sum(n * expected_tokens_per_step(a, k) for k, n in self.steps_by_num_drafts.items())
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        """Count one verification."""
+        self.num_accepted_tokens += num_accepted
+        self.num_reached_tokens += min(num_accepted + 1, num_drafts)
+        self.steps_by_num_drafts[num_drafts] = self.steps_by_num_drafts.get(num_drafts, 0) + 1
+
 
 @dataclass
 class SpecDecodeStats:
@@ -16,19 +44,21 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
-    # draft positions the verifier actually judged: up to and including the first rejection
-    num_reached_tokens: int = 0
-    steps_by_num_drafts: dict[int, int] = field(default_factory=dict)  # k -> verifications
+    total: SourceCounts = field(default_factory=SourceCounts)
+    # The same counts split by where the drafts came from (the drafter's ``draft_sources``):
+    # an n-gram drafter's 4-gram matches are accepted far more often than its 1-gram ones.
+    by_source: dict[str, SourceCounts] = field(default_factory=dict)
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        """Add one verification of ``num_drafts`` drafts, ``num_accepted`` of them accepted."""
+    def record(self, num_drafts: int, num_accepted: int, source: str = ALL_DRAFTS) -> None:
+        """Add one verification of ``num_drafts`` drafts from ``source``, ``num_accepted`` of
+        them accepted."""
         if num_drafts == 0:
             return
         self.num_spec_steps += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
-        self.num_reached_tokens += min(num_accepted + 1, num_drafts)
-        self.steps_by_num_drafts[num_drafts] = self.steps_by_num_drafts.get(num_drafts, 0) + 1
+        self.total.add(num_drafts, num_accepted)
+        self.by_source.setdefault(source, SourceCounts()).add(num_drafts, num_accepted)
         grow = num_drafts - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow
@@ -43,22 +73,42 @@ class SpecDecodeStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
+    def num_reached_tokens(self) -> int:
+        """Draft positions the verifier actually judged (a draft after a rejection never is)."""
+        return self.total.num_reached_tokens
+
+    @property
+    def steps_by_num_drafts(self) -> dict[int, int]:
+        """Verifications by their number of drafts."""
+        return self.total.steps_by_num_drafts
+
+    @property
     def conditional_acceptance_rate(self) -> float:
-        """Acceptances over draft positions actually reached (a draft after a rejection is
-        never evaluated): the estimate of the per-token rate a in (1 - a^(k+1)) / (1 - a).
-        Counted per verification, so steps with fewer than k drafts (an n-gram drafter that
-        found a short match, a request near its end) are weighed right."""
-        reached = self.num_reached_tokens
-        return self.num_accepted_tokens / reached if reached else 0.0
+        """Acceptances over draft positions actually reached: the estimate of the per-token rate
+        a in (1 - a^(k+1)) / (1 - a). Counted per verification, so steps with fewer than k
+        drafts (an n-gram drafter that found a short match, a request near its end) are weighed
+        right."""
+        return self.total.conditional_acceptance_rate
 
     @property
     def predicted_tokens_per_step(self) -> float:
-        """(1 - a^(k+1)) / (1 - a) at the measured a, averaged over the verifications by their
-        own number of drafts k (all equal to num_speculative_tokens for a draft model)."""
+        """(1 - a^(k+1)) / (1 - a) at the one measured a of all drafts, averaged over the
+        verifications by their own number of drafts k (all equal to num_speculative_tokens for
+        a draft model)."""
         if not self.num_spec_steps:
             return 0.0
-        a = self.conditional_acceptance_rate
-        total = sum(n * expected_tokens_per_step(a, k) for k, n in self.steps_by_num_drafts.items())
+        return self.total.predicted_tokens(self.conditional_acceptance_rate) / self.num_spec_steps
+
+    @property
+    def predicted_tokens_per_step_by_source(self) -> float:
+        """The same prediction with each draft source at its own measured a: the formula assumes
+        one rate for every draft, and a drafter mixing sources of different rates (n-gram
+        matches of different lengths) breaks that assumption for the pooled a. Equal to
+        ``predicted_tokens_per_step`` for a drafter with one source."""
+        if not self.num_spec_steps:
+            return 0.0
+        total = sum(c.predicted_tokens(c.conditional_acceptance_rate)
+                    for c in self.by_source.values())  # fmt: skip
         return total / self.num_spec_steps
 
     @property
@@ -76,7 +126,15 @@ class SpecDecodeStats:
             "conditional_acceptance_rate": self.conditional_acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "predicted_tokens_per_step": self.predicted_tokens_per_step,
+            "predicted_tokens_per_step_by_source": self.predicted_tokens_per_step_by_source,
             "steps_by_num_drafts": dict(sorted(self.steps_by_num_drafts.items())),
+            "sources": {
+                name: {
+                    "num_spec_steps": sum(c.steps_by_num_drafts.values()),
+                    "conditional_acceptance_rate": c.conditional_acceptance_rate,
+                }
+                for name, c in sorted(self.by_source.items())
+            },
             "acceptance_rate_per_position": [
                 a / d if d else 0.0
                 for a, d in zip(self.accepted_per_position, self.drafted_per_position)

@@ -55,16 +55,22 @@ class NgramDrafter:
         self.k = num_speculative_tokens
         self.max_n = prompt_lookup_max
         self.min_n = prompt_lookup_min
+        self.draft_sources: dict[str, str] = {}  # request id -> "<n>-gram" of the last propose
 
-    def propose_one(self, tokens: list[int], k: int | None = None) -> list[int]:
-        """Drafts for one sequence (possibly fewer than k, or none)."""
+    def find_match(self, tokens: list[int], k: int | None = None) -> tuple[list[int], int]:
+        """Drafts for one sequence (possibly fewer than k, or none) and the length n of the
+        suffix n-gram they continue (0 when nothing matched)."""
         k = self.k if k is None else k
         find = match_finder(tokens)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = find(n)
             if start is not None:  # start + n < len(tokens): the continuation is never empty
-                return tokens[start + n : start + n + k]
-        return []
+                return tokens[start + n : start + n + k], n
+        return [], 0
+
+    def propose_one(self, tokens: list[int], k: int | None = None) -> list[int]:
+        """Drafts for one sequence (possibly fewer than k, or none)."""
+        return self.find_match(tokens, k)[0]
 
     # ---- the drafter interface the engine uses (a deterministic drafter needs no KV) --------
     def load(self, engine: object) -> None:
@@ -81,8 +87,12 @@ class NgramDrafter:
         """No per-request state."""
 
     def propose(self, entries: list, sampler: object) -> tuple[dict[str, list[int]], dict]:
-        """Drafts per scheduled decode (up to its lookahead); no distributions (one-hot q)."""
-        return {
-            s.request.request_id: self.propose_one(s.request.all_token_ids, s.num_lookahead)
-            for s in entries
-        }, {}
+        """Drafts per scheduled decode (up to its lookahead); no distributions (one-hot q).
+        ``draft_sources`` then names each request's match length, for the stats."""
+        drafts: dict[str, list[int]] = {}
+        self.draft_sources = {}
+        for s in entries:
+            rid = s.request.request_id
+            drafts[rid], n = self.find_match(s.request.all_token_ids, s.num_lookahead)
+            self.draft_sources[rid] = f"{n}-gram"
+        return drafts, {}
