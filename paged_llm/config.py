@@ -180,6 +180,8 @@ class EngineConfig:
         for key, value in kwargs.items():
             if key in ("attention_backend", "log_stats", "speculative_config"):
                 setattr(cfg, key, value)
+            elif key == "disable_log_stats":  # vLLM's name, inverted
+                cfg.log_stats = not value
             elif key == "kv_transfer_config":
                 cfg.kv_transfer_config = as_kv_transfer_config(value)
             elif key in owner:

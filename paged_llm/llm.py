@@ -13,6 +13,7 @@ from paged_llm.config import EngineConfig
 from paged_llm.engine.chat import render_chat
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.lora.request import LoRARequest
+from paged_llm.metrics.reader import Metric, parse_metrics_text
 from paged_llm.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -29,6 +30,7 @@ from paged_llm.pooling.scoring import (
 )
 from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
+from paged_llm.serve.metrics import ServerMetrics, engine_gauges
 
 
 def as_prompt_list(prompts: Any) -> list[Any]:
@@ -53,14 +55,24 @@ class LLM:
     """Offline batched generation over the paged engine."""
 
     def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._start(LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs)))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         """Build from an EngineConfig (e.g. composed by Hydra)."""
         llm = cls.__new__(cls)
-        llm.llm_engine = LLMEngine(config)
+        llm._start(LLMEngine(config))
         return llm
+
+    def _start(self, engine: LLMEngine) -> None:
+        self.llm_engine = engine
+        # the server's counters and histograms, fed with finished outputs, for get_metrics
+        self._metrics = ServerMetrics(engine.config.model.model)
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the server's metrics for this engine (vLLM's ``LLM.get_metrics``):
+        Counter, Gauge, Histogram and, for accepted drafts by position, Vector objects."""
+        return parse_metrics_text(self._metrics.render(engine_gauges(self.llm_engine)))
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (also done on garbage collection and at exit)."""
@@ -331,8 +343,20 @@ class LLM:
                     for out in engine.step():
                         if out.finished and out.request_id in index:
                             results[index[out.request_id]] = out
+                            self._count_finished(out)
                             bar.update(1)
         except BaseException:  # (a bug, or Ctrl-C): leave the engine empty for the next call
             engine.abort_request([g.request_id for g in groups])
             raise
         return [r for r in results if r is not None]
+
+    def _count_finished(self, out: RequestOutput | PoolingRequestOutput) -> None:
+        """Add a finished request to the counters behind ``get_metrics`` (as the server
+        counts it: the prompt once, every sample's tokens and finish reason)."""
+        generated = [] if isinstance(out, PoolingRequestOutput) else out.outputs
+        self._metrics.record_tokens(
+            len(out.prompt_token_ids), sum(len(c.token_ids) for c in generated)
+        )
+        for c in generated:
+            self._metrics.record_finish_reason(c.finish_reason)
+        self._metrics.record_latencies(out.metrics)

@@ -717,7 +717,7 @@ def test_speculative_decoding_keeps_greedy_output_and_counts_drafts(server, clie
     draft_tokens = m[f"vllm:spec_decode_num_draft_tokens_total{LABEL}"]
     accepted = m[f"vllm:spec_decode_num_accepted_tokens_total{LABEL}"]
     assert 0 < drafts <= draft_tokens <= 3 * drafts and 0 < accepted <= draft_tokens
-    name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
     per_pos = [m[f'{name}{{{LABEL[1:-1]},position="{i}"}}'] for i in range(3)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     # a server without speculation (or prefix caching) exports no zero-valued placeholders

@@ -173,7 +173,8 @@ def _label(value: str) -> str:
 
 
 class ServerMetrics:
-    """Token counters, finished-request counters and latency histograms of one server."""
+    """Token counters, finished-request counters and latency histograms of one server (or of
+    one offline ``LLM``, for ``LLM.get_metrics``)."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name
@@ -258,7 +259,7 @@ class ServerMetrics:
             value = int(gauges.sleep_level == level)
             lines.append(f'{name}{{{lbl},sleep_state="{state}"}} {value}')
         if gauges.spec_decode is not None:
-            name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+            name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # a counter: _total
             header(name, "counter", "Accepted draft tokens, by position in the draft.")
             for pos, n in enumerate(gauges.spec_decode.accepted_per_position):
                 lines.append(f'{name}{{{lbl},position="{pos}"}} {_num(n)}')
