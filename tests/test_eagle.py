@@ -8,7 +8,7 @@ import pytest
 import torch
 from graph_replay import replay_graphs_eagerly
 from safetensors.torch import load_file
-from test_spec import PROMPTS, greedy, ids_of, save_llama
+from test_spec import PROMPTS, assert_same_logprobs, greedy, ids_of, save_llama
 
 from paged_llm import LLM, SamplingParams
 from paged_llm.models.eagle import random_eagle_head
@@ -92,7 +92,9 @@ def test_drafts_equal_the_transformers_reference(pair, kw):
     seen = recorded_proposals(llm)
     logging.getLogger("paged_llm.core.scheduler").setLevel(logging.ERROR)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS + PREFIXED]
-    llm.generate(prompts, greedy(10))
+    # every other request also wants logprobs: those draft (and keep the head's cache) too
+    with_logprobs = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    llm.generate(prompts, [with_logprobs if i % 2 else greedy(10) for i in range(len(prompts))])
     llm.generate(prompts[len(PROMPTS) :], greedy(10))  # hits on the first call's blocks
     _, _, hf, ref = pair
     assert len(seen) > 40
@@ -130,6 +132,14 @@ def test_greedy_outputs_equal_the_target_alone(pair, k):
     assert ids_of(llm.generate(prompts, greedy(12))) == want
     assert llm.llm_engine.spec_stats.num_draft_tokens > 0
     assert llm.llm_engine.kv_usage() == 0
+    # with logprobs: still speculating, the same tokens and each token's logprobs
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    drafted = llm.llm_engine.spec_stats.num_draft_tokens  # (the random head's are rejected)
+    a, b = plain.generate(prompts, sp), llm.generate(prompts, sp)
+    assert llm.llm_engine.spec_stats.num_draft_tokens > drafted
+    assert ids_of(b) == want
+    for oa, ob in zip(a, b):
+        assert_same_logprobs(oa.outputs[0].logprobs, ob.outputs[0].logprobs)
 
 
 def test_observe_runs_the_first_draft_step_where_the_block_allows(pair):

@@ -712,6 +712,17 @@ def test_speculative_decoding_keeps_greedy_output_and_counts_drafts(server, clie
         assert spec.completions.create(**kw).choices[0].text == want
         chunks = list(spec.completions.create(stream=True, **kw))
         assert "".join(c.choices[0].text for c in chunks) == want
+    # logprobs under speculation: one entry per token, as the plain server gives them
+    kw = dict(model=MODEL, prompt=REPETITIVE, max_tokens=20, logprobs=2, **greedy())
+    want = client.completions.create(**kw).choices[0].logprobs
+    accepted_before = metrics(spec_server)[f"vllm:spec_decode_num_accepted_tokens_total{LABEL}"]
+    got = spec.completions.create(**kw).choices[0].logprobs
+    assert metrics(spec_server)[f"vllm:spec_decode_num_accepted_tokens_total{LABEL}"] > (
+        accepted_before
+    )
+    assert got.tokens == want.tokens
+    assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-4)
+    assert [d.keys() for d in got.top_logprobs] == [d.keys() for d in want.top_logprobs]
     m = metrics(spec_server)
     drafts = m[f"vllm:spec_decode_num_drafts_total{LABEL}"]
     draft_tokens = m[f"vllm:spec_decode_num_draft_tokens_total{LABEL}"]

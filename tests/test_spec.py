@@ -414,9 +414,18 @@ _greedy_settings = st.fixed_dictionaries(
         "logit_bias": st.dictionaries(st.integers(0, 255), st.floats(-5, 5), max_size=3),
         "min_tokens": st.integers(0, 4),
         "prompt_logprobs": st.integers(0, 2),
+        "logprobs": st.integers(0, 3),
         "ignore_eos": st.booleans(),
     },
 )
+
+
+def assert_same_logprobs(want, got):
+    """Two lists of logprob entries: the same tokens with the same ranks, values within 1e-4."""
+    assert len(want) == len(got)
+    for ea, eb in zip(want, got):
+        assert ea.keys() == eb.keys()
+        assert all(abs(ea[t] - eb[t]) < 1e-4 and ea[t].rank == eb[t].rank for t in ea)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
@@ -438,10 +447,65 @@ def test_each_request_of_a_mixed_batch_gets_what_it_gets_alone(mixed_engines, re
     mixed = mixed_engines[engine].generate(prompts, params, use_tqdm=False)
     for a, m in zip(alone, mixed):
         assert m.outputs[0].token_ids == a.outputs[0].token_ids
+        if a.outputs[0].logprobs is not None:
+            assert_same_logprobs(a.outputs[0].logprobs, m.outputs[0].logprobs)
         if a.prompt_logprobs is not None:
             for ea, em in zip(a.prompt_logprobs[1:], m.prompt_logprobs[1:]):
                 assert ea.keys() == em.keys()
                 assert all(abs(ea[t] - em[t]) < 1e-4 for t in ea)
+
+
+@pytest.fixture(scope="module")
+def self_draft(tiny_llama):
+    """The target as its own draft model: every draft is accepted, so steps have k + 1 tokens."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_llama[0])}
+    return LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01,
+               speculative_config=spec)  # fmt: skip
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_requests_with_logprobs_speculate_and_get_every_tokens_logprobs(engines, self_draft, stop):
+    """Requests asking for logprobs (or ranking best_of) speculate too: a step's accepted
+    drafts and its last token each get the logprobs a plain decode gives them, also when a stop
+    token ends the step early; cumulative logprobs agree."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    if stop:  # a token the plain run generates mid-way, so some step stops among its drafts
+        plain = engines[0].generate(prompts, base, use_tqdm=False)
+        base = SamplingParams(temperature=0, max_tokens=12, logprobs=2,
+                              stop_token_ids=[plain[3].outputs[0].token_ids[5]])  # fmt: skip
+    speculating = [engines[2], self_draft]  # n-grams, and a draft accepted in full
+    plain, *specd = (llm.generate(prompts, base, use_tqdm=False)
+                     for llm in [engines[0], *speculating])  # fmt: skip
+    for llm in speculating:
+        assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+    for outs in specd:
+        for a, b in zip(plain, outs):
+            ca, cb = a.outputs[0], b.outputs[0]
+            assert cb.token_ids == ca.token_ids and len(cb.logprobs) == len(cb.token_ids)
+            assert_same_logprobs(ca.logprobs, cb.logprobs)
+            assert cb.cumulative_logprob == pytest.approx(ca.cumulative_logprob, abs=1e-3)
+    if stop:
+        assert any(o.outputs[0].finish_reason == "stop" for o in plain)
+
+
+def test_sampled_logprobs_under_speculation_are_the_models(tiny_llama, self_draft):
+    """With sampling, each returned logprob of a chosen token is the target's log-softmax at
+    that position (transformers on prompt + output), for accepted drafts and bonus tokens."""
+    llm = self_draft
+    sp = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True, logprobs=0, seed=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+    for prompt, out in zip(PROMPTS, outs):
+        ids = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = tiny_llama[1](torch.tensor([prompt + ids])).logits[0].float()
+        want = logits[len(prompt) - 1 : -1].log_softmax(-1)  # [len(ids), V]
+        got = out.outputs[0].logprobs
+        assert [list(e) for e in got] == [[t] for t in ids]  # logprobs=0: the chosen token only
+        assert [e[t] for e, t in zip(got, ids)] == pytest.approx(
+            [float(want[i, t]) for i, t in enumerate(ids)], abs=1e-4
+        )
 
 
 def test_greedy_speculation_is_exact_with_user_logits_processors(engines):

@@ -73,6 +73,7 @@ class _Tracked:
     text: str = ""
     logprobs: list[LogprobEntry] | None = None
     cumulative_logprob: float = 0.0
+    num_scored: int = 0  # output tokens whose logprobs have been recorded
     sent: DeltaCursor = field(default_factory=DeltaCursor)  # RequestOutputKind.DELTA's progress
     finish_sent: bool = False  # DELTA: its finish reason has been reported
     detokenizer: IncrementalDetokenizer | None = None  # None: no text (no tokenizer or asked)
@@ -712,11 +713,7 @@ class LLMEngine:
         draft source (for ``spec_stats``)."""
         if self.drafter is None:
             return {}, {}
-        # logprobs are reported one token per step, so those requests decode plainly
-        entries = [
-            s for s in out.scheduled
-            if s.num_lookahead and s.samples and not s.request.sampling_params.tracks_logprobs
-        ]  # fmt: skip
+        entries = [s for s in out.scheduled if s.num_lookahead and s.samples]
         if not entries:
             return {}, {}
         drafts, probs = self.drafter.propose(entries, self.runner.sampler)
@@ -755,12 +752,17 @@ class LLMEngine:
         )  # fmt: skip
 
     def _record_logprobs(self, tracked: _Tracked, result: Any) -> None:
+        """Add the logprobs of the step's tokens that joined the output: a speculative step
+        has several, and a stop (or an abort) may have ended the step early."""
         if result.logprobs is None:  # the sampler computes them when the request tracks them
             return
-        if tracked.logprobs is not None:
-            self._name_tokens(result.logprobs, tracked.request.sampling_params)
-            tracked.logprobs.append(result.logprobs)
-        tracked.cumulative_logprob += result.logprobs[result.token_id]
+        kept = len(tracked.request.output_token_ids) - tracked.num_scored
+        for token, entry in zip(result.token_ids[:kept], result.logprobs[:kept]):
+            if tracked.logprobs is not None:
+                self._name_tokens(entry, tracked.request.sampling_params)
+                tracked.logprobs.append(entry)
+            tracked.cumulative_logprob += entry[token]
+        tracked.num_scored += min(kept, len(result.token_ids))
 
     def _name_tokens(self, entry: LogprobEntry, params: SamplingParams) -> None:
         """Fill each Logprob's ``decoded_token`` (the token's own text), as vLLM does."""

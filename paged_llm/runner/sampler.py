@@ -26,7 +26,8 @@ class SampleResult:
     """The token(s) chosen for one request and, if asked, their logprobs."""
 
     token_id: int  # the (last) new token
-    logprobs: LogprobEntry | None = None  # of token_id: it + top-k alternatives
+    # if asked: per token of token_ids, its logprob + the top-k alternatives at its position
+    logprobs: list[LogprobEntry] | None = None
     # speculative decoding: every token of the step, accepted drafts first (else [token_id])
     token_ids: list[int] | None = None
     num_drafts: int = 0
@@ -186,11 +187,11 @@ class Sampler:
         else:
             gen = self._generator(request.request_id, params)
             tokens = verify_sampled(self.probs(logits, params), draft_probs, drafts, gen)
-        lp = None
-        if params.tracks_logprobs:
-            row = logits[len(tokens) - 1].log_softmax(-1)
-            lp = self._logprobs(row[None], 0, tokens[-1], params)
-        return SampleResult(tokens[-1], lp, tokens, len(drafts), len(tokens) - 1)
+        lps = None
+        if params.tracks_logprobs:  # row i is the distribution token i was chosen from
+            rows = logits[: len(tokens)].log_softmax(-1)
+            lps = logprob_entries(rows, tokens, params.logprobs or 0)
+        return SampleResult(tokens[-1], lps, tokens, len(drafts), len(tokens) - 1)
 
     @staticmethod
     def verifies_plainly(request: Request) -> bool:
@@ -251,15 +252,10 @@ class Sampler:
             top_k = [params[row].logprobs or 0 for row in rows]
             for row, entry in zip(rows, logprob_entries(logprobs[rows], chosen, top_k)):
                 entries[row] = entry
-        return [SampleResult(token, entry) for token, entry in zip(tokens, entries)]
-
-    @staticmethod
-    def _logprobs(
-        logprobs: torch.Tensor | None, row: int, token: int, p: SamplingParams
-    ) -> LogprobEntry | None:
-        if logprobs is None or not p.tracks_logprobs:
-            return None
-        return logprob_entries(logprobs[row : row + 1], [token], p.logprobs or 0)[0]
+        return [
+            SampleResult(token, None if entry is None else [entry])
+            for token, entry in zip(tokens, entries)
+        ]
 
 
 def logprob_entries(

@@ -219,12 +219,7 @@ class EagleDrafter:
     def _drafts_next(self, request: Any, b: int) -> bool:
         """Whether observe should run the request's first draft step: it has sampled x_b (its
         only uncomputed token) and may draft, and position b shares b-1's block."""
-        return (
-            b % self.block_size != 0
-            and request.num_tokens == b + 1
-            and not request.is_finished
-            and not request.sampling_params.tracks_logprobs
-        )
+        return b % self.block_size != 0 and request.num_tokens == b + 1 and not request.is_finished
 
     def feature_at(self, table: list[int], position: int) -> torch.Tensor:  # [H]
         """The target's stored feature at ``position`` of a sequence with this block table."""
