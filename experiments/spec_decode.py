@@ -48,7 +48,7 @@ def run(cfg: dict, out_dir: Path) -> dict:
     measure_baseline(base, pool, cfg, results["baseline"])
     for method in cfg["methods"]:
         for k in cfg["ks"]:
-            spec = {"method": method, "num_speculative_tokens": k}
+            spec = {"method": method, "num_speculative_tokens": k, **cfg.get("spec_extra", {})}
             if method in drafters:
                 spec["model"] = model_dir(drafters[method])
             llm = LLM(target, speculative_config=spec, **common)
@@ -64,7 +64,8 @@ def run(cfg: dict, out_dir: Path) -> dict:
                     "method": method, "k": k, "batch_size": bs, "seconds": secs,
                     "output_tokens_per_s": tps,
                       "speedup": None,  # filled in below, against the final baseline
-                    "tokens_per_target_step": stats.mean_acceptance_length,
+                    # per verifying step (1 when no step verified drafts)
+                    "tokens_per_target_step": stats.mean_acceptance_length or 1.0,
                     # at the measured a, per verification's own number of drafts; and with
                     # each draft source (an n-gram length) at its own a
                     "predicted_tokens_per_step": stats.predicted_tokens_per_step,
@@ -101,6 +102,8 @@ def summarize(results: dict) -> dict:
         best = summary.setdefault("best_speedup", {}).get(key)
         if best is None or r["speedup"] > best["speedup"]:
             summary["best_speedup"][key] = {"k": r["k"], "speedup": r["speedup"]}
+        if not r["num_spec_steps"]:  # no step drafted (e.g. disable_by_batch_size)
+            continue
         for name, predicted in (("max_formula_gap", r["predicted_tokens_per_step"]),
                                 ("max_formula_gap_by_source",
                                  r["predicted_tokens_per_step_by_source"])):  # fmt: skip

@@ -66,9 +66,14 @@ def recorded_proposals(llm):
     return seen
 
 
-def eagle_llm(pair, k=3, **kw):
+def eagle_llm(pair, k=3, spec_extra=None, **kw):
     target, head, *_ = pair
-    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": k}
+    spec = {
+        "method": "eagle",
+        "model": str(head),
+        "num_speculative_tokens": k,
+        **(spec_extra or {}),
+    }
     kw = {"block_size": 4, "max_model_len": 64, "cpu_kv_cache_gib": 0.01, **kw}
     return LLM(str(target), speculative_config=spec, **kw)
 
@@ -105,6 +110,32 @@ def test_drafts_equal_the_transformers_reference(pair, kw):
         assert engine.scheduler.num_preemptions_total > 0
     if kw.get("enable_prefix_caching"):
         assert engine.scheduler.kv.prefix_hits > 0
+
+
+def test_drafts_after_a_pause_equal_the_reference(pair):
+    """disable_by_batch_size=3: no drafts while the batch is large, and observe skips its first
+    draft step then; when the batch shrinks, propose runs that step itself and every draft
+    still equals the whole-sequence reference."""
+    llm = eagle_llm(pair, spec_extra={"disable_by_batch_size": 3})
+    seen = recorded_proposals(llm)
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]  # fmt: skip
+    engine, firsts = llm.llm_engine, []
+    step = engine.step
+
+    def step_and_count():  # first draft steps observe kept, and whether drafting was paused
+        outs = step()
+        firsts.append((len(engine.drafter._first), engine.scheduler.drafts_next_step()))
+        return outs
+
+    engine.step = step_and_count
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(n == 0 for n, drafting in firsts if not drafting)
+    assert any(n > 0 for n, drafting in firsts if drafting)
+    _, _, hf, ref = pair
+    assert len(seen) > 5
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(hf, ref, tokens, len(drafts)), tokens
 
 
 def test_drafts_through_replayed_graphs_equal_the_reference(pair, monkeypatch):

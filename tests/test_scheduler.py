@@ -426,16 +426,23 @@ def test_overhead_microbenchmark_runs():
 @given(
     lens=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30)), min_size=1, max_size=10),
     accept=st.lists(st.integers(0, 3), min_size=1, max_size=20),
+    cap=st.one_of(st.none(), st.integers(1, 6)),
 )
-def test_lookahead_slots_roll_back(policy, lens, accept):
+def test_lookahead_slots_roll_back(policy, lens, accept, cap):
+    """Draft slots are freed after rejections; with ``spec_disable_batch_size`` a step that
+    starts with that many running requests reserves none."""
     kv = import_target(POLICIES[policy])(num_blocks=40, block_size=4, max_model_len=MAX_LEN)
     s = Scheduler(kv, SchedulerLimits(max_num_seqs=6, max_num_batched_tokens=64,
-                                      num_lookahead_slots=3), track_memory=True)  # fmt: skip
+                                      num_lookahead_slots=3, spec_disable_batch_size=cap),
+                  track_memory=True)  # fmt: skip
     for i, (p, o) in enumerate(lens):
         s.add_request(make_request(i, p, o))
     step = 0
     while s.has_unfinished():
+        running = len(s.running)
         out = s.schedule(step)
+        if cap is not None and running >= cap:
+            assert not any(x.num_lookahead for x in out.scheduled)
         sampled = {}
         for j, x in enumerate(out.scheduled):
             if x.num_lookahead:  # a drafter proposed some tokens; some were accepted

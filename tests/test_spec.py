@@ -194,6 +194,45 @@ def test_greedy_speculation_is_exact(tiny_llama, draft_dir, reference, method, k
     assert sum(c.num_accepted_tokens for c in stats.by_source.values()) == stats.num_accepted_tokens
 
 
+@pytest.mark.parametrize("draft", ["random", "self"])
+def test_speculation_pauses_while_the_batch_is_large(tiny_llama, draft_dir, reference, draft):
+    """disable_by_batch_size=3: while 3 or more requests run no step drafts; as they finish,
+    drafting resumes, the draft model catching up on the tokens it skipped (a random draft,
+    and the target as its own draft, whose drafts are all accepted). Same tokens."""
+    model = str(draft_dir if draft == "random" else tiny_llama[0])
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3,
+            "disable_by_batch_size": 3}  # fmt: skip
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01,
+              speculative_config=spec)  # fmt: skip
+    drafted_at = []  # number of running requests at each step that drafted
+    step = llm.llm_engine.step
+
+    def counting_step():
+        running = len(llm.llm_engine.scheduler.running)
+        before = llm.llm_engine.spec_stats.num_spec_steps
+        outs = step()
+        if llm.llm_engine.spec_stats.num_spec_steps > before:
+            drafted_at.append(running)
+        return outs
+
+    llm.llm_engine.step = counting_step
+    # different lengths, so the batch shrinks while it runs
+    params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert ids_of(outs) == [r[: 4 + 2 * i] for i, r in enumerate(reference)]
+    assert drafted_at and max(drafted_at) < 3
+    if draft == "self":
+        assert llm.llm_engine.spec_stats.acceptance_rate == 1.0
+
+
+def test_bad_disable_by_batch_size(tiny_llama):
+    for bad in (0, -1, 2.5, True, "4"):
+        spec = {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": bad}
+        with pytest.raises(ValueError, match="disable_by_batch_size must be an integer"):
+            LLM(str(tiny_llama[0]), speculative_config=spec)
+
+
 def test_self_draft_accepts_everything(tiny_llama, reference):
     spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_llama[0])}
     llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01,

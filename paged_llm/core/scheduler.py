@@ -30,6 +30,9 @@ class SchedulerLimits:
     preemption_mode: str = "recompute"  # "recompute" or "swap"
     # speculative decoding: slots reserved after each decode for draft tokens to verify
     num_lookahead_slots: int = 0
+    # ... but none in a step that starts with at least this many running requests, where
+    # verifying k + 1 positions costs nearly k + 1 decodes (vLLM's disable_by_batch_size)
+    spec_disable_batch_size: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (a key of QUEUE_POLICIES)
     # multi-LoRA: at most this many distinct adapters among running requests (0 = no limit)
     max_loras: int = 0
@@ -258,7 +261,15 @@ class Scheduler:
             n = min(n, budget)
         return n if n <= budget else 0
 
+    def drafts_next_step(self) -> bool:
+        """Whether the next schedule reserves draft slots (given lookahead slots at all): not
+        while at least ``spec_disable_batch_size`` requests run. The running set changes only
+        inside schedule and update_from_output (and by aborts), so this predicts the next step."""
+        cap = self.limits.spec_disable_batch_size
+        return cap is None or len(self.running) < cap
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        drafting = self.drafts_next_step()
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop together with its group
@@ -267,7 +278,7 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n == 0:
                 break  # token budget exhausted; the rest wait a step
-            look = self._lookahead(req, n, budget)
+            look = self._lookahead(req, n, budget) if drafting else 0
             while not self.kv.allocate_slots(req, n + look):
                 group = self._group_of(self.queue.victim(self.running))
                 self._preempt(group, out)

@@ -55,7 +55,7 @@ from paged_llm.runner.model_runner import ModelRunner
 from paged_llm.runner.sleep import HeldFreeSpace, pinned_cache_bytes
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 from paged_llm.spec.metrics import ALL_DRAFTS, SpecDecodeStats
-from paged_llm.spec.registry import build_drafter
+from paged_llm.spec.registry import build_drafter, disable_by_batch_size
 from paged_llm.utils.checks import is_int
 from paged_llm.utils.registry import build
 
@@ -218,6 +218,7 @@ class LLMEngine:
             enable_chunked_prefill=sc.enable_chunked_prefill,
             preemption_mode=sc.preemption_mode,
             num_lookahead_slots=self.drafter.k if self.drafter is not None else 0,
+            spec_disable_batch_size=disable_by_batch_size(config.speculative_config),
             scheduling_policy=sc.scheduling_policy,
             max_loras=config.lora.max_loras if self.lora is not None else 0,
         )
@@ -676,7 +677,8 @@ class LLMEngine:
             self.spec_stats.record(r.num_drafts, r.num_accepted, draft_sources.get(rid, ALL_DRAFTS))
         self.scheduler.update_from_output(out, sampled, now)
         if self.runner.last_hidden is not None:  # an EAGLE head follows the target's features
-            self.drafter.observe(out.scheduled, starts, self.runner.last_hidden)
+            self.drafter.observe(out.scheduled, starts, self.runner.last_hidden,
+                                 will_draft=self.scheduler.drafts_next_step())  # fmt: skip
         if out.stats is not None:
             if len(self.iteration_stats) >= MAX_ITERATION_STATS:
                 del self.iteration_stats[: MAX_ITERATION_STATS // 2]

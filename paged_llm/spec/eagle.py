@@ -177,8 +177,10 @@ class EagleDrafter:
         scheduled: list[Any],
         starts: dict[str, int],  # request -> its first position in this step
         hidden: torch.Tensor,  # [T, H] the target's final hidden states, in the runner's order
+        will_draft: bool = True,  # False: the next step drafts nothing (disable_by_batch_size)
     ) -> None:
-        """Store the target's new features and write the head's KV at the same positions."""
+        """Store the target's new features and write the head's KV at the same positions (and,
+        if the next step drafts, run its first draft step where the block allows)."""
         spans = []  # (entry, a, b, rows [b - a, H]) per request with newly computed positions
         row = 0
         for s in order_for_backend(scheduled):  # the row order of the runner's flat batch
@@ -198,7 +200,7 @@ class EagleDrafter:
             feats.append(torch.cat([prev[None].to(rows.dtype), rows[:-1]]))
             ids.extend(s.request.all_token_ids[a:b])
             positions.extend(range(a, b))
-            if self._drafts_next(s.request, b):  # + position b: (x_b, f_{b-1})
+            if will_draft and self._drafts_next(s.request, b):  # + position b: (x_b, f_{b-1})
                 feats.append(rows[-1:])
                 ids.append(s.request.all_token_ids[b])
                 positions.append(b)

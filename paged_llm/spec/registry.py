@@ -13,11 +13,25 @@ SPEC_METHODS = {
 }
 
 
+# Keys of speculative_config that the engine reads; the drafter never sees them.
+ENGINE_KEYS = ("disable_by_batch_size",)
+
+
+def disable_by_batch_size(spec: dict[str, Any] | None) -> int | None:
+    """vLLM's ``disable_by_batch_size``: no drafts in a step that starts with at least this
+    many running requests (None: always draft)."""
+    value = (spec or {}).get("disable_by_batch_size")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"disable_by_batch_size must be an integer >= 1, got {value!r}")
+    return value
+
+
 def build_drafter(spec: dict[str, Any] | None) -> Any | None:
     """A drafter from vLLM-style ``{"method": ..., "num_speculative_tokens": k, ...}``."""
     if not spec:
         return None
-    spec = dict(spec)
+    disable_by_batch_size(spec)  # checked here too, so a bad value fails before any loading
+    spec = {k: v for k, v in spec.items() if k not in ENGINE_KEYS}
     if "_target_" in spec:
         return build("speculative method", spec, SPEC_METHODS)
     method = spec.pop("method", None)
