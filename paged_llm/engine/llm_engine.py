@@ -758,13 +758,14 @@ class LLMEngine:
         has several, and a stop (or an abort) may have ended the step early."""
         if result.logprobs is None:  # the sampler computes them when the request tracks them
             return
-        kept = len(tracked.request.output_token_ids) - tracked.num_scored
+        kept = min(len(tracked.request.output_token_ids) - tracked.num_scored,
+                   len(result.token_ids))  # fmt: skip
         for token, entry in zip(result.token_ids[:kept], result.logprobs[:kept]):
             if tracked.logprobs is not None:
                 self._name_tokens(entry, tracked.request.sampling_params)
                 tracked.logprobs.append(entry)
             tracked.cumulative_logprob += entry[token]
-        tracked.num_scored += min(kept, len(result.token_ids))
+        tracked.num_scored += kept
 
     def _name_tokens(self, entry: LogprobEntry, params: SamplingParams) -> None:
         """Fill each Logprob's ``decoded_token`` (the token's own text), as vLLM does."""
