@@ -95,7 +95,8 @@ def translate(
         tensor = gptq_layout(name, suffix, tensor, layer, fmt)
         group = fmt.layer_group_size(layer.in_features)
         for part in layer.parts:
-            has_g_idx.update([part.prefix] if suffix == "g_idx" else [])
+            if suffix == "g_idx":
+                has_g_idx.add(part.prefix)
             local = tensor if part.rows is None else output_rows(suffix, tensor, part.rows)
             local = local if part.cols is None else input_cols(suffix, local, part.cols, group)
             yield f"{part.prefix}.{suffix}", local

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from paged_llm.metrics.reader import PER_POSITION
 from paged_llm.outputs import RequestMetrics
 
 # vLLM's bucket boundaries (seconds), so dashboards built for vLLM read these unchanged.
@@ -259,7 +260,7 @@ class ServerMetrics:
             value = int(gauges.sleep_level == level)
             lines.append(f'{name}{{{lbl},sleep_state="{state}"}} {value}')
         if gauges.spec_decode is not None:
-            name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # a counter: _total
+            name = PER_POSITION + "_total"  # a counter's samples end in _total
             header(name, "counter", "Accepted draft tokens, by position in the draft.")
             for pos, n in enumerate(gauges.spec_decode.accepted_per_position):
                 lines.append(f'{name}{{{lbl},position="{pos}"}} {_num(n)}')

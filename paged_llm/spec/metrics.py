@@ -41,7 +41,6 @@ class SpecDecodeStats:
 
     num_spec_steps: int = 0  # (sequence, step) pairs that verified drafts
     num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     total: SourceCounts = field(default_factory=SourceCounts)
@@ -56,7 +55,6 @@ class SpecDecodeStats:
             return
         self.num_spec_steps += 1
         self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
         self.total.add(num_drafts, num_accepted)
         self.by_source.setdefault(source, SourceCounts()).add(num_drafts, num_accepted)
         grow = num_drafts - len(self.drafted_per_position)
@@ -66,6 +64,11 @@ class SpecDecodeStats:
         for i in range(num_drafts):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < num_accepted
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Accepted draft tokens."""
+        return self.total.num_accepted_tokens
 
     @property
     def acceptance_rate(self) -> float:
