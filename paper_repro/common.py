@@ -31,6 +31,7 @@ class Experiment:
     executor: Any
     logger: Any
     out_dir: Path
+    seed: int | None = None  # the workload seed of the current run (seeds.over_seeds sets it)
 
     @property
     def mode(self) -> str:
@@ -43,8 +44,10 @@ class Experiment:
         return ServingSettings(**{**self.cfg["engine"], **per_policy, **overrides})
 
     def workload(self, base: dict[str, Any] | None = None, **overrides: Any) -> Workload:
-        """The configured workload (or ``base``), with overrides such as request_rate."""
-        spec = {**(base if base is not None else self.cfg["workload"]), **overrides}
+        """The configured workload (or ``base``), at the current seed, with overrides such as
+        request_rate."""
+        seed = {} if self.seed is None else {"seed": self.seed}
+        spec = {**(base if base is not None else self.cfg["workload"]), **seed, **overrides}
         return build_workload(WorkloadSpec(**spec))
 
     def run(

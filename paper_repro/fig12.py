@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from paged_llm.metrics.serving import max_sustained_rate, mean_batched_requests, serving_metrics
 from paper_repro.common import Experiment, figure, hydra_output_dir, setup, write_results
 from paper_repro.paper_numbers import FIG12_RATIO_MIN, FIG12_RATIO_RANGE
+from paper_repro.seeds import error_bars, over_seeds, stat
 
 # How "the highest rate a policy sustains" is read off its points (config: sustained_rate_from).
 SUSTAINED_RATE = {
@@ -111,7 +112,9 @@ def plot(result: dict[str, Any], policies: list[str], threshold: float, title: s
         pts = result[p]["points"]
         xs = [q["request_rate"] for q in pts]
         ys = [q["normalized_latency"] for q in pts]
-        ax.plot(xs, ys, marker="o", label=f"{p} (sustains {result[p]['max_sustained_rate']:.2f})")
+        yerr = error_bars(result, [f"{p}/points/{i}/normalized_latency" for i in range(len(pts))])
+        label = f"{p} (sustains {result[p]['max_sustained_rate']:.2f})"
+        ax.errorbar(xs, ys, yerr=yerr, marker="o", capsize=2, label=label)
         ymax = max([ymax] + [y for y in ys if y is not None and y <= 5 * threshold])
     ax.axhline(threshold, color="gray", ls="--", lw=0.8, label=f"threshold {threshold:g} s/token")
     ax.set_ylim(0, max(2 * threshold, ymax * 1.1))
@@ -122,18 +125,15 @@ def plot(result: dict[str, Any], policies: list[str], threshold: float, title: s
     return fig
 
 
-def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """Sweep request rates for every policy; write fig12.json / .csv / .png into ``out_dir``."""
-    exp = setup(cfg, out_dir)
+def measure(exp: Experiment) -> tuple[dict[str, Any], list[dict[str, Any]], list[Any]]:
+    """One seed: every policy's rate sweep, sustained rate and capacity, and the paged policy's
+    ratios over the others (a quantity per seed, so it gets an interval too)."""
     c = exp.cfg
     threshold = float(c["latency_threshold_s"])
     how = c.get("sustained_rate_from", "latency_threshold")
-    if how not in SUSTAINED_RATE:
-        raise ValueError(f"sustained_rate_from must be one of {list(SUSTAINED_RATE)}, got '{how}'")
-    policies = [p for p in c["policies"] if p in c["rates"]]
     result: dict[str, Any] = {}
     rows = []
-    for policy in policies:
+    for policy in [p for p in c["policies"] if p in c["rates"]]:
         points = sweep(exp, policy, list(c["rates"][policy]))
         result[policy] = {
             "points": points,
@@ -141,8 +141,23 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
             "saturation_throughput": SUSTAINED_RATE["capacity"](points, threshold),
         }
         rows += [{"policy": policy, **q} for q in points]
-    rat = ratios(result)
-    result["ratios_vs_paged"] = rat
+    result["ratios_vs_paged"] = ratios(result)
+    return result, rows, [exp.workload(request_rate=1.0)]
+
+
+def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Sweep request rates for every policy, once per seed; write fig12.json / .csv / .png
+    (means and 95% intervals over the seeds) into ``out_dir``."""
+    exp = setup(cfg, out_dir)
+    c = exp.cfg
+    threshold = float(c["latency_threshold_s"])
+    how = c.get("sustained_rate_from", "latency_threshold")
+    if how not in SUSTAINED_RATE:
+        raise ValueError(f"sustained_rate_from must be one of {list(SUSTAINED_RATE)}, got '{how}'")
+    policies = [p for p in c["policies"] if p in c["rates"]]
+    result, rows, used = over_seeds(exp, measure)
+    rat = result["ratios_vs_paged"]
+    # Orderings and checks read the means (the per-seed orderings are in the stats' per_seed).
     result["ordering_paged_oracle_pow2_max"] = ordering_ok(result)
     # Capacity: completed requests per second at the most overloaded rate. Short real runs on a
     # shared CPU make latency crossings noisy; the capacity is the robust estimate of the
@@ -154,21 +169,27 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     result["latency_threshold_s"] = threshold
     result["sustained_rate_from"] = how
     result["paper"] = {"ratio_ranges": FIG12_RATIO_RANGE}
-    workload = exp.workload(request_rate=1.0)
-    result["run_info"] = exp.provenance([workload])
-    title = f"Fig. 12, {exp.label([workload])}"
+    result["run_info"] = exp.provenance(used)
+    n = result["seeds"]["n"]
+    title = f"Fig. 12, {exp.label(used[:1])}, mean of {n} seed{'s' * (n > 1)}"
     paths = write_results(exp, "fig12", result, rows, plot(result, policies, threshold, title))
     exp.logger.finish()
     for p in policies:
         r = result[p]
         print(
-            f"{p:12s} sustains {r['max_sustained_rate']:.2f} req/s "
+            f"{p:12s} sustains {r['max_sustained_rate']:.2f}{interval(result, p)} req/s "
             f"(capacity {r['saturation_throughput']:.2f} req/s)"
         )
     for p, r in rat.items():
         print(f"paged / {p}: {r:.2f}x (paper range {FIG12_RATIO_RANGE.get(p, '-')})")
-    print(f"fig12 ({exp.executor.describe()}): {', '.join(str(p) for p in paths)}")
+    print(f"fig12 ({exp.executor.describe()}, {n} seeds): {', '.join(str(p) for p in paths)}")
     return paths
+
+
+def interval(result: dict[str, Any], policy: str) -> str:
+    """' [lo, hi]' of a policy's sustained rate over the seeds ('' with one seed)."""
+    s = stat(result, f"{policy}/max_sustained_rate") or {}
+    return "" if s.get("ci95_low") is None else f" [{s['ci95_low']:.2f}, {s['ci95_high']:.2f}]"
 
 
 @hydra.main(config_path="../configs", config_name="fig12", version_base="1.3")

@@ -10,8 +10,9 @@ import hydra
 from omegaconf import DictConfig
 
 from paged_llm.metrics.serving import mean_batched_requests, serving_metrics
-from paper_repro.common import figure, hydra_output_dir, setup, write_results
+from paper_repro.common import Experiment, figure, hydra_output_dir, setup, write_results
 from paper_repro.paper_numbers import FIG13, FIG13_TOLERANCE
+from paper_repro.seeds import error_bars, over_seeds, stat
 
 
 def acceptance(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -38,7 +39,8 @@ def plot(result: dict[str, Any], workloads: list[str], policies: list[str], titl
         xs = range(len(policies))
         ours = [result[w][p]["mean_batched_requests"] for p in policies]
         paper = [FIG13.get(w, {}).get(p, 0) for p in policies]
-        ax.bar([x - 0.2 for x in xs], ours, width=0.4, label="ours")
+        yerr = error_bars(result, [f"{w}/{p}/mean_batched_requests" for p in policies])
+        ax.bar([x - 0.2 for x in xs], ours, width=0.4, yerr=yerr, capsize=3, label="ours (95% CI)")
         ax.bar([x + 0.2 for x in xs], paper, width=0.4, label="paper", alpha=0.6)
         for x, v in zip(xs, ours):
             ax.text(x - 0.2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=7)
@@ -50,9 +52,8 @@ def plot(result: dict[str, Any], workloads: list[str], policies: list[str], titl
     return fig
 
 
-def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """Run every policy on every workload; write fig13.json / .csv / .png into ``out_dir``."""
-    exp = setup(cfg, out_dir)
+def measure(exp: Experiment) -> tuple[dict[str, Any], list[dict[str, Any]], list[Any]]:
+    """One seed: every policy on every workload; mean batched requests per policy, CSV rows."""
     c = exp.cfg
     result: dict[str, Any] = {}
     rows = []
@@ -83,22 +84,36 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
                 }
             )
             exp.logger.log({f"{wname}/{policy}/mean_batched_requests": batched})
-    result["acceptance"] = acceptance(result)
+    return result, rows, used
+
+
+def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Run every policy on every workload, once per seed; write fig13.json / .csv / .png
+    (means and 95% intervals over the seeds) into ``out_dir``."""
+    exp = setup(cfg, out_dir)
+    c = exp.cfg
+    result, rows, used = over_seeds(exp, measure)
+    result["acceptance"] = acceptance(result)  # on the means
     result["paper"] = FIG13
     result["run_info"] = exp.provenance(used)
     policies = list(c["policies"])
-    title = f"Fig. 13, {exp.label(used)}"
-    paths = write_results(
-        exp, "fig13", result, rows, plot(result, list(c["workloads"]), policies, title)
-    )
+    workloads = list(c["workloads"])
+    n = result["seeds"]["n"]
+    title = f"Fig. 13, {exp.label(used)}, mean of {n} seed{'s' * (n > 1)}"
+    paths = write_results(exp, "fig13", result, rows, plot(result, workloads, policies, title))
     exp.logger.finish()
-    for r in rows:
-        paper = r["paper"]
-        print(
-            f"{r['workload']:9s} {r['policy']:12s} {r['mean_batched_requests']:7.2f} "
-            f"(paper {paper if paper is not None else '-'})"
-        )
-    print(f"fig13 ({exp.executor.describe()}): {', '.join(str(p) for p in paths)}")
+    for w in workloads:
+        for p in policies:
+            s = stat(result, f"{w}/{p}/mean_batched_requests") or {}
+            ci = (
+                "" if s.get("ci95_low") is None else f" [{s['ci95_low']:.2f}, {s['ci95_high']:.2f}]"
+            )
+            paper = FIG13.get(w, {}).get(p)
+            print(
+                f"{w:9s} {p:12s} {result[w][p]['mean_batched_requests']:7.2f}{ci} "
+                f"(paper {paper if paper is not None else '-'})"
+            )
+    print(f"fig13 ({exp.executor.describe()}, {n} seeds): {', '.join(str(p) for p in paths)}")
     return paths
 
 

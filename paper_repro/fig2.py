@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from paged_llm.metrics.serving import SHARE_KEYS, mean_batched_requests, memory_shares
 from paper_repro.common import Experiment, figure, hydra_output_dir, setup, write_results
 from paper_repro.paper_numbers import FIG2, FIG2_PAGED_MIN, FIG2_TOLERANCE_PP
+from paper_repro.seeds import error_bars, over_seeds, stat
 
 LABELS = {
     "token_states": "token states",
@@ -69,6 +70,11 @@ def plot(exp: Experiment, result: dict[str, Any], title: str) -> Any:
         left = [a + w for a, w in zip(left, widths)]
     for i, b in enumerate(bars):
         ax.text(1, i, f"{100 * b['token_states']:.1f}%", va="center", fontsize=8, color="white")
+    # the token-state share's 95% interval over seeds, at the end of our green segments
+    ours = [2 * i for i in range(len(policies))]
+    xs = [100 * result[p]["token_states"] for p in policies]
+    xerr = error_bars(result, [f"{p}/token_states" for p in policies], scale=100)
+    ax.errorbar(xs, ours, xerr=xerr, fmt="none", ecolor="black", capsize=3, lw=1)
     ax.invert_yaxis()
     ax.set_xlabel("share of the KV pool (%)")
     ax.set_xlim(0, 100)
@@ -77,9 +83,8 @@ def plot(exp: Experiment, result: dict[str, Any], title: str) -> Any:
     return fig
 
 
-def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """Run every policy on one workload; write fig2.json / .csv / .png into ``out_dir``."""
-    exp = setup(cfg, out_dir)
+def measure(exp: Experiment) -> tuple[dict[str, Any], list[dict[str, Any]], list[Any]]:
+    """One seed: every policy on one workload; the shares and details per policy, CSV rows."""
     c = exp.cfg
     window = tuple(c["window"])
     workload = exp.workload()
@@ -113,19 +118,39 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     if "paged" in result:
         free = result["paged"]["external_fragmentation"]  # the paged policy's only "external"
         result["paged_artifact_presentation"] = artifact_presentation(result["paged"], free)
-        result["acceptance"] = acceptance(result)
     result["details"] = details
+    return result, rows, [workload]
+
+
+def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Run every policy on one workload per seed; write fig2.json / .csv / .png (means and
+    95% intervals over the seeds) into ``out_dir``."""
+    exp = setup(cfg, out_dir)
+    window = tuple(exp.cfg["window"])
+    result, rows, used = over_seeds(exp, measure)
+    if "paged" in result:
+        result["acceptance"] = acceptance(result)  # on the means
     result["window_s"] = list(window)
     result["paper"] = FIG2
-    result["run_info"] = exp.provenance([workload])
-    title = f"Fig. 2, {exp.label([workload])}, {workload.request_rate:g} req/s, window {window}"
+    result["run_info"] = exp.provenance(used)
+    workload = used[0]
+    n = result["seeds"]["n"]
+    title = (
+        f"Fig. 2, {exp.label([workload])}, {workload.request_rate:g} req/s, window {window}, "
+        f"mean of {n} seed{'s' * (n > 1)}"
+    )
     paths = write_results(exp, "fig2", result, rows, plot(exp, result, title))
     exp.logger.finish()
-    for r in rows:
-        ts = r["token_states"]
-        paper = r["paper_token_states"]
-        print(f"{r['policy']:12s} token states {100 * ts:5.1f}%  (paper {100 * paper:.1f}%)")
-    print(f"fig2 ({exp.executor.describe()}): {', '.join(str(p) for p in paths)}")
+    for policy in (p for p in FIG2 if p in result):
+        s = stat(result, f"{policy}/token_states") or {}
+        interval = (
+            f" [{100 * s['ci95_low']:.1f}, {100 * s['ci95_high']:.1f}]"
+            if s.get("ci95_low") is not None
+            else ""
+        )
+        ts, paper = result[policy]["token_states"], FIG2[policy]["token_states"]
+        print(f"{policy:12s} token states {100 * ts:5.1f}%{interval}  (paper {100 * paper:.1f}%)")
+    print(f"fig2 ({exp.executor.describe()}, {n} seeds): {', '.join(str(p) for p in paths)}")
     return paths
 
 

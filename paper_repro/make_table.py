@@ -3,11 +3,15 @@
 ``python -m paper_repro.make_table [RESULT_DIR ...]``: each directory holds a figN.json (a
 figure run's Hydra directory); without arguments the newest run of every figure under
 ``outputs/paper_repro/`` (and ``multirun/paper_repro/`` for sweeps) is used. The table goes
-between the ``results:start`` / ``results:end`` markers of the README."""
+between the ``results:start`` / ``results:end`` markers of the README, replacing the blocks of
+the figures (and modes) found and keeping the others as they are (each names its date and
+command). With several seeds a cell is the mean and its Student-t 95% interval over the seeds,
+"mean [low, high]", and the check compares the mean."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -24,6 +28,7 @@ from paper_repro.paper_numbers import (
     FIG19_RECOMPUTE_MS,
     FIG19_SWAP_MS,
 )
+from paper_repro.seeds import stat
 
 ROOT = Path(__file__).resolve().parents[1]
 README = Path(__file__).resolve().parent / "README.md"
@@ -37,6 +42,22 @@ def _pct(x: float | None) -> str:
 
 def _num(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _at(d: dict[str, Any], path: str) -> Any:
+    """The value at a stats path ("paged/points/3/normalized_latency")."""
+    for key in path.split("/"):
+        d = d[int(key)] if isinstance(d, list) else d[key]
+    return d
+
+
+def _ci(d: dict[str, Any], path: str, show: Callable[[Any], str] = _num) -> str:
+    """'mean [low, high]' of the quantity at ``path`` over the seeds; the plain value for one
+    seed or a result file from before seeds."""
+    s = stat(d, path)
+    if s is None or s["ci95_low"] is None:
+        return show(_at(d, path))
+    return f"{show(s['mean'])} [{show(s['ci95_low'])}, {show(s['ci95_high'])}]"
 
 
 def _check(acc: dict[str, Any], key: str) -> str:
@@ -53,7 +74,7 @@ def fig2_rows(d: dict[str, Any]) -> list[Row]:
             rows.append(
                 (
                     f"Fig. 2 token states, {p}",
-                    _pct(d[p]["token_states"]),
+                    _ci(d, f"{p}/token_states", _pct),
                     _pct(FIG2[p]["token_states"]),
                     _check(acc, f"{p}_token_states"),
                 )
@@ -67,15 +88,15 @@ def fig12_rows(d: dict[str, Any]) -> list[Row]:
     rows = []
     for p in ("paged", "orca_oracle", "orca_pow2", "orca_max", "static"):
         if p in d:
-            r = d[p]
-            ours = f"{_num(r['max_sustained_rate'])} (capacity {_num(r['saturation_throughput'])})"
+            rate, cap = _ci(d, f"{p}/max_sustained_rate"), _ci(d, f"{p}/saturation_throughput")
+            ours = f"{rate} (capacity {cap})"
             rows.append((f"Fig. 12 max sustained rate, {p} (req/s)", ours, "-", "-"))
     paper = {"orca_oracle": "1.7-2.7x", "orca_max": "2.7-8x", "static": "up to 22x"}
-    for p, r in d.get("ratios_vs_paged", {}).items():
+    for p in d.get("ratios_vs_paged", {}):
         rows.append(
             (
                 f"Fig. 12 paged / {p}",
-                _num(r) + "x",
+                _ci(d, f"ratios_vs_paged/{p}", lambda x: _num(x) + "x"),
                 paper.get(p, "-"),
                 _check(acc, f"paged_over_{p}"),
             )
@@ -106,12 +127,11 @@ def fig13_rows(d: dict[str, Any]) -> list[Row]:
     for w in ("sharegpt", "alpaca"):
         for p in ("orca_max", "orca_pow2", "orca_oracle", "paged"):
             if p in d.get(w, {}):
-                ours = d[w][p]["mean_batched_requests"]
                 rate = d[w].get("request_rate")
                 rows.append(
                     (
                         f"Fig. 13 batched requests, {w} @ {rate:g} req/s, {p}",
-                        _num(ours),
+                        _ci(d, f"{w}/{p}/mean_batched_requests"),
                         _num(FIG13[w][p]),
                         _check(acc, f"{w}_{p}"),
                     )
@@ -360,7 +380,20 @@ def source(d: dict[str, Any]) -> str:
     lengths = "lengths: " + ", ".join(dict.fromkeys(kinds)) if kinds else ""
     date = str(info.get("date", ""))[:10]
     cmd = info.get("command")
-    return f"{info.get('mode', '?')}: {hw}{', ' + lengths if lengths else ''}; {date}; `{cmd}`"
+    return (
+        f"{info.get('mode', '?')}: {hw}{', ' + lengths if lengths else ''}; {date}; `{cmd}`"
+        f"{_seeds_note(d)}"
+    )
+
+
+def _seeds_note(d: dict[str, Any]) -> str:
+    """How many seeds the cells summarize ('' for a result file from before seeds)."""
+    seeds = d.get("seeds")
+    if not seeds:
+        return ""
+    if seeds["n"] == 1:
+        return f"; 1 seed ({seeds['seeds'][0]}), no interval"
+    return f"; {seeds['n']} seeds, mean [95% Student-t interval]"
 
 
 def latest(pattern_dirs: Iterable[Path], name: str) -> Path | None:
@@ -395,14 +428,35 @@ def table(results: list[tuple[str, Path]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+BLOCK = re.compile(r"^\*\*(\w+)\*\* — (\w+):", re.MULTILINE)  # "**fig12** — real: ..."
+
+
+def blocks(text: str) -> dict[tuple[str, str], str]:
+    """The table's blocks by (figure, mode), in order."""
+    starts = [m.start() for m in BLOCK.finditer(text)] + [len(text)]
+    out = {}
+    for a, b in zip(starts, starts[1:]):
+        m = BLOCK.match(text, a)
+        out[(m.group(1), m.group(2))] = text[a:b].strip("\n")
+    return out
+
+
+def merge(old: str, new: str) -> str:
+    """The old table with the new blocks in place of those of the same figure and mode (new
+    figures appended): a figure that was not rerun keeps its dated block."""
+    merged = {**blocks(old), **blocks(new)}
+    return "".join(f"\n{block}\n" for block in merged.values())
+
+
 def update_readme(text: str, readme: Path = README) -> None:
-    """Replace the table between the markers (append the markers if missing)."""
+    """Merge the new blocks into the table between the markers (append the markers if
+    missing)."""
     body = readme.read_text() if readme.exists() else f"# Paper reproduction\n\n{START}\n{END}\n"
     if START not in body:
         body += f"\n{START}\n{END}\n"
     head, rest = body.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{text}{END}{tail}")
+    old, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{merge(old, text)}{END}{tail}")
 
 
 def main(argv: list[str]) -> None:

@@ -13,9 +13,10 @@ from pathlib import Path
 from paper_repro import fig2, fig12, fig13
 from paper_repro.common import compose
 
-# (module, config name, overrides): the paper's settings with shorter traces and fewer rates.
+# (module, config name, overrides): the paper's settings with shorter traces, fewer rates and
+# one seed (a demo in minutes; the figure modules run five seeds and report intervals).
 QUICK = (
-    (fig2, "fig2", ["workload.duration_s=300", "window=[100,300]", "progress=false"]),
+    (fig2, "fig2", ["workload.duration_s=300", "window=[100,300]", "progress=false", "seeds=[0]"]),
     (
         fig12,
         "fig12",
@@ -27,6 +28,7 @@ QUICK = (
             "rates.orca_max=[0.4,0.6,0.8,1.0]",
             "~rates.static",
             "progress=false",
+            "seeds=[0]",
         ],
     ),
     (
@@ -38,6 +40,7 @@ QUICK = (
             "workloads.alpaca.duration_s=120",
             "windows.alpaca=[60,120]",
             "progress=false",
+            "seeds=[0]",
         ],
     ),
 )

@@ -34,7 +34,8 @@ def test_fig2_acceptance_guard(tmp_path):
     """Fig. 2 on a 300 s ShareGPT trace (the shared one when present): the paged policy keeps
     >= 95% of the pool in token states, each Orca variant within 6 pp of the paper."""
     trace = [f"workload.path={SHARED_TRACE}"] if SHARED_TRACE.is_file() else []
-    cfg = compose("fig2", ["workload.duration_s=300", "window=[100,300]", "progress=false", *trace])
+    over = ["workload.duration_s=300", "window=[100,300]", "progress=false", "seeds=[0]"]
+    cfg = compose("fig2", [*over, *trace])
     d = check_files(fig2.run(cfg, tmp_path), tmp_path, "fig2")
     for p in POLICIES:
         assert set(d[p]) == SHARE_KEYS and sum(d[p].values()) == pytest.approx(1.0)
@@ -55,6 +56,7 @@ def test_fig12_and_fig13_small(tmp_path):
             "~rates.orca_oracle",
             "~rates.static",
             "progress=false",
+            "seeds=[0]",
         ],
     )
     d = check_files(fig12.run(cfg, tmp_path / "12"), tmp_path / "12", "fig12")
@@ -70,6 +72,7 @@ def test_fig12_and_fig13_small(tmp_path):
             "workloads.alpaca.duration_s=10",
             "windows.alpaca=[5,10]",
             "progress=false",
+            "seeds=[0]",
         ],
     )
     d = check_files(fig13.run(cfg, tmp_path / "13"), tmp_path / "13", "fig13")
@@ -127,6 +130,7 @@ def test_wandb_logger_offline_never_touches_network(tmp_path, monkeypatch):
             "window=[5,20]",
             "policies.orca_pow2=null",
             "progress=false",
+            "seeds=[0]",
         ],
     )
     cfg.policies = {k: v for k, v in cfg.policies.items() if v is not None}
