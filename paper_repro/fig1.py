@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from paper_repro.common import Experiment, figure, hydra_output_dir, setup, write_results
 from paper_repro.paper_numbers import FIG1_MEMORY_GB, FIG1_THROUGHPUT
+from paper_repro.seeds import error_bars, over_seeds
 
 
 def point(exp: Experiment, policy: str, batch: int) -> dict[str, Any]:
@@ -61,8 +62,12 @@ def plot(result: dict[str, Any], policies: list[str], capacity_gb: float, title:
     for p in policies:
         pts = result[p]
         xs = [q["batch_size"] for q in pts]
-        mem.plot(xs, [q["memory_gb"] for q in pts], "o-", label=p)
-        thr.plot(xs, [q["throughput_tokens_per_s"] for q in pts], "o-", label=f"{p} (ours)")
+        idx = range(len(pts))
+        mem_err = error_bars(result, [f"{p}/{i}/memory_gb" for i in idx])
+        thr_err = error_bars(result, [f"{p}/{i}/throughput_tokens_per_s" for i in idx])
+        mem.errorbar(xs, [q["memory_gb"] for q in pts], yerr=mem_err, fmt="o-", capsize=2, label=p)
+        ys = [q["throughput_tokens_per_s"] for q in pts]
+        thr.errorbar(xs, ys, yerr=thr_err, fmt="o-", capsize=2, label=f"{p} (ours)")
     mem.axhline(capacity_gb, color="gray", ls="--", lw=0.8, label=f"{capacity_gb:.1f} GB usable")
     mem.set_xlabel("batch size (requests)")
     mem.set_ylabel("memory: weights + KV (GB)")
@@ -81,6 +86,19 @@ def plot(result: dict[str, Any], policies: list[str], capacity_gb: float, title:
     return fig
 
 
+def measure(
+    exp: Experiment, policies: list[str], capacity_gb: float
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[Any]]:
+    """One seed: every batch size for each policy, and the batch that fits the GPU."""
+    result: dict[str, Any] = {}
+    rows = []
+    for p in policies:
+        result[p] = [point(exp, p, int(b)) for b in exp.cfg["batch_sizes"]]
+        rows += [{"policy": p, **q} for q in result[p]]
+    result["max_batch_in_memory"] = {p: max_batch(result[p], capacity_gb) for p in policies}
+    return result, rows, [exp.workload(request_rate=float("inf"), num_requests=1)]
+
+
 def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     """Sweep batch sizes for each policy; write fig1.json / .csv / .png into ``out_dir``."""
     exp = setup(cfg, out_dir)
@@ -89,17 +107,11 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     # What the engine may use: gpu_memory_utilization of the device (0.9 leaves 38.7 of 42.9 GB).
     util = float(c["engine"]["gpu_memory_utilization"])
     capacity_gb = util * exp.executor.hardware.memory_bytes * exp.executor.num_gpus / 1e9
-    result: dict[str, Any] = {}
-    rows = []
-    for p in policies:
-        result[p] = [point(exp, p, int(b)) for b in c["batch_sizes"]]
-        rows += [{"policy": p, **q} for q in result[p]]
-    result["max_batch_in_memory"] = {p: max_batch(result[p], capacity_gb) for p in policies}
+    result, rows, used = over_seeds(exp, lambda e: measure(e, policies, capacity_gb))
     result["gpu_memory_gb"] = capacity_gb
     result["paper"] = {"throughput_tokens_per_s": FIG1_THROUGHPUT, "memory": FIG1_MEMORY_GB}
-    workload = exp.workload(request_rate=float("inf"), num_requests=1)
-    result["run_info"] = exp.provenance([workload])
-    title = f"Fig. 1 (right), {exp.label([workload])}"
+    result["run_info"] = exp.provenance(used)
+    title = f"Fig. 1 (right), {exp.label(used[:1])}, mean of {result['seeds']['n']} seed(s)"
     paths = write_results(exp, "fig1", result, rows, plot(result, policies, capacity_gb, title))
     exp.logger.finish()
     for p in policies:

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from paper_repro.common import Experiment, figure, hydra_output_dir, setup, write_results
 from paper_repro.paper_numbers import FIG15, FIG15_SHAREGPT_RANGE, FIG15_TOLERANCE_PP
+from paper_repro.seeds import error_bars, over_seeds
 
 
 def measure(exp: Experiment, spec: dict[str, Any], policy: str) -> dict[str, Any]:
@@ -87,7 +88,8 @@ def plot(result: dict[str, Any], workloads: list[str], title: str) -> Any:
         settings = [s for s in result[w] if isinstance(result[w][s], dict)]
         xs = list(range(len(settings)))
         ours = [100 * result[w][s]["saving"] for s in settings]
-        ax.bar([x - 0.2 for x in xs], ours, width=0.4, color="tab:blue")
+        yerr = error_bars(result, [f"{w}/{s}/saving" for s in settings], scale=100)
+        ax.bar([x - 0.2 for x in xs], ours, width=0.4, yerr=yerr, capsize=3, color="tab:blue")
         for x, s, v in zip(xs, settings, ours):
             ax.text(x - 0.2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=7)
             b = result[w][s].get("bounds")
@@ -117,16 +119,14 @@ def plot(result: dict[str, Any], workloads: list[str], title: str) -> Any:
     return fig
 
 
-def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """Measure the saving for every workload and setting; write fig15.json / .csv / .png."""
-    exp = setup(cfg, out_dir)
+def measure_all(exp: Experiment) -> tuple[dict[str, Any], list[dict[str, Any]], list[Any]]:
+    """One seed: the saving for every workload and setting (and the beam-parent bounds)."""
     c = exp.cfg
     policy = c.get("policy", "paged")
     result: dict[str, Any] = {}
     rows = []
     used = []
-    workloads = [w for w, base in c["workloads"].items() if base is not None]
-    for wname in workloads:
+    for wname in [w for w, base in c["workloads"].items() if base is not None]:
         base = c["workloads"][wname]
         used.append(exp.workload(base=base))
         result[wname] = {"request_rate": float(base["request_rate"])}
@@ -148,7 +148,18 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
             result[wname][name] = r
             rows.append({"workload": wname, "setting": name, **r})
             exp.logger.log({f"{wname}/{name}/saving": r["saving"]})
-    result["acceptance"] = acceptance(result)
+    return result, rows, used
+
+
+def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Measure the saving for every workload and setting, once per seed; write fig15.json /
+    .csv / .png (means and 95% intervals over the seeds)."""
+    exp = setup(cfg, out_dir)
+    c = exp.cfg
+    policy = c.get("policy", "paged")
+    workloads = [w for w, base in c["workloads"].items() if base is not None]
+    result, rows, used = over_seeds(exp, measure_all)
+    result["acceptance"] = acceptance(result)  # on the means
     result["paper"] = {"alpaca": FIG15["alpaca"], "sharegpt_range": FIG15_SHAREGPT_RANGE}
     result["tolerance_pp"] = FIG15_TOLERANCE_PP
     result["beam_parents"] = c.get("beam_parents", "uniform")
@@ -157,16 +168,16 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     paths = write_results(exp, "fig15", result, rows, plot(result, workloads, title))
     exp.logger.finish()
     print(f"{'workload':9s} {'setting':11s} {'ours %':>7s} {'paper %':>12s}  bounds (own..best)")
-    for r in rows:
-        ref = r["paper"]
-        ref_s = (
-            f"{100 * ref:.2f}" if isinstance(ref, float)
-            else f"{100 * ref[0]:.1f}-{100 * ref[1]:.1f}" if ref else "-"
-        )  # fmt: skip
-        b = r.get("bounds")
-        bounds = f"{100 * b['own']:.1f}..{100 * b['best']:.1f}" if b else ""
-        ours = 100 * r["saving"]
-        print(f"{r['workload']:9s} {r['setting']:11s} {ours:7.2f} {ref_s:>12s}  {bounds}")
+    for w in workloads:
+        for name, r in ((k, v) for k, v in result[w].items() if isinstance(v, dict)):
+            ref = r["paper"]
+            ref_s = (
+                f"{100 * ref:.2f}" if isinstance(ref, float)
+                else f"{100 * ref[0]:.1f}-{100 * ref[1]:.1f}" if ref else "-"
+            )  # fmt: skip
+            b = r.get("bounds")
+            bounds = f"{100 * b['own']:.1f}..{100 * b['best']:.1f}" if b else ""
+            print(f"{w:9s} {name:11s} {100 * r['saving']:7.2f} {ref_s:>12s}  {bounds}")
     for k, a in result["acceptance"].items():
         print(f"check {k}: {'pass' if a['pass'] else 'FAIL'}")
     print(f"fig15 ({exp.executor.describe()}): {', '.join(str(p) for p in paths)}")

@@ -143,22 +143,22 @@ def fig1_rows(d: dict[str, Any]) -> list[Row]:
     """Batch that fits the GPU and throughput at batch 40."""
     rows = []
     paper_fit = {"orca_max": "8", "paged": "~38"}
-    for p, b in d.get("max_batch_in_memory", {}).items():
+    for p in d.get("max_batch_in_memory", {}):
         rows.append(
             (
                 f"Fig. 1 requests fitting the GPU, {p}",
-                _num(b, ".1f"),
+                _ci(d, f"max_batch_in_memory/{p}", lambda x: _num(x, ".1f")),
                 paper_fit.get(p, "-"),
                 "-",
             )
         )
-    pts = {q["batch_size"]: q for q in d.get("paged", [])}
+    index = {q["batch_size"]: i for i, q in enumerate(d.get("paged", []))}
     for b in (8, 40):
-        if b in pts:
+        if b in index:
             rows.append(
                 (
                     f"Fig. 1 throughput at batch {b} (tokens/s; calibrated on it)",
-                    _num(pts[b]["throughput_tokens_per_s"], ".0f"),
+                    _ci(d, f"paged/{index[b]}/throughput_tokens_per_s", lambda x: _num(x, ".0f")),
                     _num(FIG1_THROUGHPUT[b], ".0f"),
                     "-",
                 )
@@ -228,7 +228,7 @@ def _sweep_rows(
             continue
         pols = [p for p in _SWEEP_ORDER if p in res]
         ours = " / ".join(
-            _num(res[p]["max_sustained_rate"]) + ("+" if _capped(res[p]) else "") for p in pols
+            _ci(d, f"{s}/{p}/max_sustained_rate") + ("+" if _capped(res[p]) else "") for p in pols
         )
         rows.append(
             (
@@ -238,12 +238,12 @@ def _sweep_rows(
                 check(s),
             )
         )
-        for p, g in res["ratios_vs_paged"].items():
+        for p in res["ratios_vs_paged"]:
             # a policy that never crossed the threshold has a lower bound for a sustained rate
             bound = {(True, False): ">= ", (False, True): "<= "}.get(
                 (_capped(res["paged"]), _capped(res[p])), ""
             )
-            ours = f"{bound}{_num(g)}x"
+            ours = bound + _ci(d, f"{s}/ratios_vs_paged/{p}", lambda x: _num(x) + "x")
             if _capped(res["paged"]) and _capped(res[p]):
                 ours += " (neither saturated)"
             rows.append((f"{fig} {s}: paged / {p}", ours, paper_gain(s, p), check(s, p)))
@@ -284,7 +284,7 @@ def fig15_rows(d: dict[str, Any]) -> list[Row]:
                 else f"{_pct(ref[0])}-{_pct(ref[1])} (n/width 2-6)" if ref else "-"
             )  # fmt: skip
             b = r.get("bounds")
-            ours = _pct(r["saving"])
+            ours = _ci(d, f"{w}/{s}/saving", _pct)
             if b:
                 ours += f" (bounds {_pct(b['own'])}-{_pct(b['best'])})"
             rows.append(

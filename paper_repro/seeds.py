@@ -93,7 +93,8 @@ def aggregate(trees: list[Any], path: str = "", stats: dict | None = None) -> An
                 for i in range(len(first))]  # fmt: skip
     if all(_is_number(t) for t in trees):
         stats[path] = summarize([float(t) for t in trees])
-        return stats[path]["mean"]
+        # a value every seed shares (a rate, a size) stays as given (an int stays an int)
+        return first if all(t == first for t in trees) else stats[path]["mean"]
     return first if all(t == first for t in trees) else list(trees)
 
 
