@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from paged_llm.metrics.serving import mean_batched_requests, serving_metrics
 from paper_repro.common import Experiment, figure, hydra_output_dir, setup, write_results
 from paper_repro.paper_numbers import FIG18B
+from paper_repro.seeds import over_seeds
 
 
 def point(exp: Experiment, workload: Any, block_size: int) -> dict[str, Any]:
@@ -40,12 +41,11 @@ def plot(curves: dict[str, list[dict[str, Any]]], title: str) -> Any:
     """Normalized latency vs block size (log-log), ours and the paper's, per workload."""
     fig, axes = figure(ncols=len(curves), width=4.8, height=3.8)
     for ax, (w, pts) in zip(axes[0], curves.items()):
-        ax.plot(
-            [p["block_size"] for p in pts],
-            [p["normalized_latency"] for p in pts],
-            "o-",
-            label="ours",
-        )
+        ys = [p["normalized_latency"] for p in pts]
+        ends = [p.get("ci95", {}).get("normalized_latency") or [y, y] for p, y in zip(pts, ys)]
+        yerr = [[y - lo for y, (lo, _) in zip(ys, ends)], [hi - y for y, (_, hi) in zip(ys, ends)]]
+        xs = [p["block_size"] for p in pts]
+        ax.errorbar(xs, ys, yerr=yerr, fmt="o-", capsize=2, label="ours (95% CI)")
         paper = FIG18B.get(w, {})
         ax.plot(list(paper), list(paper.values()), "s--", alpha=0.6, label="paper")
         ax.set_xscale("log", base=2)
@@ -59,21 +59,28 @@ def plot(curves: dict[str, list[dict[str, Any]]], title: str) -> Any:
     return fig
 
 
+def point_row(p: dict[str, Any]) -> dict[str, Any]:
+    """A CSV row: the point's means, then each quantity's interval ends as columns."""
+    row = {k: v for k, v in p.items() if k != "ci95"}
+    for k, (lo, hi) in p.get("ci95", {}).items():
+        row[f"{k}_ci95_low"], row[f"{k}_ci95_high"] = lo, hi
+    return row
+
+
 def finish(
     exp: Experiment, curves: dict[str, list[dict[str, Any]]], info: dict[str, Any]
 ) -> list[Path]:
     """Write fig18b.json / .csv / .png for the given curves."""
     for pts in curves.values():
         pts.sort(key=lambda p: p["block_size"])
-    result = {**curves, "paper": FIG18B, "run_info": info}
-    rows = [{"workload": w, **p} for w, pts in curves.items() for p in pts]
+    result = {**curves, "paper": FIG18B, "run_info": info, "seeds": info.get("seeds")}
+    rows = [{"workload": w, **point_row(p)} for w, pts in curves.items() for p in pts]
     fig = plot(curves, f"Fig. 18b, {info.get('hardware', '')}")
     return write_results(exp, "fig18b", result, rows, fig)
 
 
-def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """Run the configured block size(s) for every workload; write the results into ``out_dir``."""
-    exp = setup(cfg, out_dir)
+def measure(exp: Experiment) -> tuple[dict[str, Any], list[dict[str, Any]], list[Any]]:
+    """One seed: the configured block size(s) for every workload."""
     c = exp.cfg
     sizes = [int(c["block_size"])] if c.get("block_size") else [int(b) for b in c["block_sizes"]]
     curves: dict[str, list[dict[str, Any]]] = {}
@@ -81,14 +88,32 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     for wname, spec in c["workloads"].items():
         workload = exp.workload(base=spec)
         used.append(workload)
-        curves[wname] = []
-        for b in sizes:
-            p = point(exp, workload, b)
-            curves[wname].append(p)
-            exp.logger.log(
-                {f"{wname}/normalized_latency": p["normalized_latency"], "block_size": b}
-            )
-    paths = finish(exp, curves, exp.provenance(used))
+        curves[wname] = [point(exp, workload, b) for b in sizes]
+    rows = [{"workload": w, **p} for w, pts in curves.items() for p in pts]
+    return curves, rows, used
+
+
+def with_intervals(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The mean curves, each point carrying its quantities' intervals (``ci95``: key -> [low,
+    high]), so that a sweep's jobs can be merged by block size."""
+    stats = result["seeds"]["stats"]
+    curves = {w: pts for w, pts in result.items() if w != "seeds"}
+    for w, pts in curves.items():
+        for i, p in enumerate(pts):
+            own = {k: stats.get(f"{w}/{i}/{k}") for k in p}
+            p["ci95"] = {k: [s["ci95_low"], s["ci95_high"]] for k, s in own.items() if s}
+    return curves
+
+
+def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Run the configured block size(s) for every workload, once per seed; write the results
+    (means, with each point's 95% interval over the seeds) into ``out_dir``."""
+    exp = setup(cfg, out_dir)
+    result, _, used = over_seeds(exp, measure)
+    seeds = {k: v for k, v in result["seeds"].items() if k != "stats"}
+    curves = with_intervals(result)
+    info = {**exp.provenance(used), "seeds": seeds}
+    paths = finish(exp, curves, info)
     exp.logger.finish()
     for w, pts in curves.items():
         text = ", ".join(f"{p['block_size']}: {p['normalized_latency']:.3f}" for p in pts)
@@ -109,7 +134,7 @@ class CollectSweep(Callback):
             data = json.loads(path.read_text())
             info = data.get("run_info", info)
             for w, pts in data.items():
-                if w not in ("paper", "run_info", "config") and isinstance(pts, list):
+                if w not in ("paper", "run_info", "config", "seeds") and isinstance(pts, list):
                     curves.setdefault(w, []).extend(pts)
         if not curves:
             return

@@ -175,12 +175,19 @@ def fig18b_rows(d: dict[str, Any]) -> list[Row]:
             rows.append(
                 (
                     f"Fig. 18b {w} @ {p['request_rate']:g} req/s, block {b} (s/token)",
-                    _num(p["normalized_latency"], ".3f"),
+                    _point_ci(p, "normalized_latency", ".3f"),
                     _num(FIG18B[w].get(b), ".3f"),
                     "-",
                 )
             )
     return rows
+
+
+def _point_ci(p: dict[str, Any], key: str, fmt: str) -> str:
+    """'mean [low, high]' from a point's own ``ci95`` (Fig. 18b's merged sweep points)."""
+    lo, hi = (p.get("ci95") or {}).get(key) or (None, None)
+    ours = _num(p[key], fmt)
+    return ours if lo is None else f"{ours} [{_num(lo, fmt)}, {_num(hi, fmt)}]"
 
 
 def fig19_rows(d: dict[str, Any]) -> list[Row]:

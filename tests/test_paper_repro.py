@@ -110,11 +110,18 @@ def test_fig18b_multirun_merges_jobs(tmp_path):
         "workloads.sharegpt.duration_s=30",
         "workloads.alpaca.duration_s=5",
         "progress=false",
+        "seeds=2",
         f"hydra.sweep.dir={tmp_path}",
     ]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
     d = json.loads((tmp_path / "fig18b.json").read_text())
     assert [p["block_size"] for p in d["sharegpt"]] == [8, 64]
+    assert d["seeds"]["n"] == 2  # each point keeps its interval over the seeds through the merge
+    lo, hi = d["sharegpt"][0]["ci95"]["normalized_latency"]
+    assert lo <= d["sharegpt"][0]["normalized_latency"] <= hi
+    assert "Fig. 18b sharegpt @ 2 req/s, block 8 (s/token) | " in make_table.table(
+        [("fig18b", tmp_path / "fig18b.json")]
+    )
     assert (tmp_path / "fig18b.png").is_file() and (tmp_path / "0" / "fig18b.json").is_file()
 
 
