@@ -60,6 +60,11 @@ def _ci(d: dict[str, Any], path: str, show: Callable[[Any], str] = _num) -> str:
     return f"{show(s['mean'])} [{show(s['ci95_low'])}, {show(s['ci95_high'])}]"
 
 
+def _times(x: float | None) -> str:
+    """A ratio ('3.32x'); '- (unbounded)' where a seed's denominator sustained no rate."""
+    return "- (unbounded)" if x is None else f"{x:.2f}x"
+
+
 def _check(acc: dict[str, Any], key: str) -> str:
     a = acc.get(key)
     return "-" if a is None else ("pass" if a.get("pass") else "**fail**")
@@ -96,7 +101,7 @@ def fig12_rows(d: dict[str, Any]) -> list[Row]:
         rows.append(
             (
                 f"Fig. 12 paged / {p}",
-                _ci(d, f"ratios_vs_paged/{p}", lambda x: _num(x) + "x"),
+                _ci(d, f"ratios_vs_paged/{p}", _times),
                 paper.get(p, "-"),
                 _check(acc, f"paged_over_{p}"),
             )
@@ -250,7 +255,7 @@ def _sweep_rows(
             bound = {(True, False): ">= ", (False, True): "<= "}.get(
                 (_capped(res["paged"]), _capped(res[p])), ""
             )
-            ours = bound + _ci(d, f"{s}/ratios_vs_paged/{p}", lambda x: _num(x) + "x")
+            ours = bound + _ci(d, f"{s}/ratios_vs_paged/{p}", _times)
             if _capped(res["paged"]) and _capped(res[p]):
                 ours += " (neither saturated)"
             rows.append((f"{fig} {s}: paged / {p}", ours, paper_gain(s, p), check(s, p)))
