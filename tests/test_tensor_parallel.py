@@ -34,7 +34,14 @@ from paged_llm.distributed.layers import (
     row_linear,
     vocab_embedding,
 )
-from paged_llm.distributed.sharding import kv_heads_per_rank, shard_checkpoint, shard_heads
+from paged_llm.distributed.sharding import (
+    VOCAB_PADDING,
+    kv_heads_per_rank,
+    shard_checkpoint,
+    shard_heads,
+    shard_vocab,
+)
+from paged_llm.lora.request import LoRARequest
 
 transformers = pytest.importorskip("transformers")
 # A deadlocked collective fails the test after 3 minutes instead of hanging for 30
@@ -95,9 +102,11 @@ def hf_config(kind: str):
     return configs[kind]()
 
 
-def save_model(kind: str, path) -> str:
+def save_model(kind: str, path, vocab_size: int | None = None) -> str:
     """Save a tiny random model; biases and norms get noise too, so slicing mistakes show."""
     config = hf_config(kind)
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -225,6 +234,143 @@ def test_llama_family_matches_single_process(tmp_path, kind):
         del llm  # no explicit shutdown: garbage collection stops the worker
         gc.collect()
     assert_stopped(processes)
+
+
+# ---- any vocabulary size: padded vocabulary shards -------------------------------------------
+# Odd sizes, as real checkpoints have (GPT-2's 50,257); at 4 ranks GPT-2's 97 tokens leave
+# ranks 2 and 3 holding padding rows only.
+ODD_VOCAB = {"llama": 997, "gpt2": 97, "gpt-neox": 331, "opt": 253}
+
+
+def outputs_of(llm: LLM, vocab: int) -> tuple[list, list, list]:
+    """(greedy tokens, seeded sampled tokens, greedy logprobs and prompt logprobs)."""
+    prompts = [{"prompt_token_ids": p} for p in [*PROMPTS, [vocab - 1, 7, vocab - 2, 3]]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=3)  # fmt: skip
+    sampled = [SamplingParams(temperature=1.0, top_k=vocab, seed=i, max_tokens=8, ignore_eos=True)
+               for i in range(len(prompts))]  # fmt: skip
+    g = llm.generate(prompts, greedy, use_tqdm=False)
+    s = llm.generate(prompts, sampled, use_tqdm=False)
+    logprobs = [(o.outputs[0].logprobs, o.prompt_logprobs[1:]) for o in g]
+    return [o.outputs[0].token_ids for o in g], [o.outputs[0].token_ids for o in s], logprobs
+
+
+def assert_same_outputs(got: tuple, expected: tuple) -> None:
+    """Equal tokens; logprob entries with the same token ids, ranks and values (1e-4)."""
+    assert got[:2] == expected[:2]
+    for (out_a, prompt_a), (out_b, prompt_b) in zip(got[2], expected[2]):
+        for a, b in zip(out_a + prompt_a, out_b + prompt_b):
+            assert a.keys() == b.keys()
+            assert all(a[t].rank == b[t].rank for t in a)
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("kind", list(ODD_VOCAB))
+def test_odd_vocabularies_match_single_process(tmp_path, kind, ranks):
+    """Each rank holds a padded slice of the vocabulary (a multiple of 64 rows); the padding
+    is never looked up, rank 0 cuts its logits off, and the engine's vocabulary checks use the
+    real size: the same greedy and seeded tokens and logprobs as one process."""
+    vocab = ODD_VOCAB[kind]
+    path = save_model(kind, tmp_path, vocab_size=vocab)
+    expected = outputs_of(LLM(path, block_size=8, cpu_kv_cache_gib=0.01), vocab)
+    with LLM(path, block_size=8, cpu_kv_cache_gib=0.01, tensor_parallel_size=ranks) as llm:
+        assert_same_outputs(outputs_of(llm, vocab), expected)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate({"prompt_token_ids": [1, vocab]})  # a padding row's id
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate(PROMPTS[0], SamplingParams(allowed_token_ids=[vocab]))
+        rows = llm.collective_rpc(_vocab_rows)
+    padded = -(-vocab // (VOCAB_PADDING * ranks)) * VOCAB_PADDING * ranks
+    assert rows == [padded // ranks] * ranks
+
+
+def _vocab_rows(runner) -> int:
+    """Rows of one rank's token embedding (collective_rpc)."""
+    return runner.model.get_input_embeddings().weight.shape[0]
+
+
+def _write_adapters(base: str, root: Path, targets: dict[str, list[str]]) -> list[LoRARequest]:
+    """PEFT adapters with random A and B (tests/test_lora.py's writer), as LoRARequests."""
+    from test_lora import write_adapter
+
+    requests = []
+    for i, (name, modules) in enumerate(targets.items()):
+        write_adapter(base, root / name, modules, r=4, alpha=8, seed=i)
+        requests.append(LoRARequest(name, i + 1, str(root / name)))
+    return requests
+
+
+LORA_TARGETS = {
+    # Llama: column-parallel q/v/gate/up (B's rows split) and row-parallel o/down (A's columns)
+    "llama": {"a": ["q_proj", "v_proj", "down_proj"], "b": ["k_proj", "o_proj", "up_proj"]},
+    # GPT-2: the fused c_attn adapter split into q/k/v first, then by heads
+    "gpt2": {"a": ["c_attn", "c_proj"], "b": ["c_attn", "c_fc"]},
+}
+
+
+@pytest.mark.parametrize("kind, ranks", [("llama", 2), ("gpt2", 4)])
+def test_lora_adapters_match_single_process(tmp_path, kind, ranks):
+    """Multi-LoRA under tensor parallelism: each rank keeps B's rows of its column-parallel
+    slices and A's columns of its row-parallel ones (whose partial deltas join the partial
+    products before the all-reduce); adapters and the base model in one batch give one
+    process's tokens, and an adapter removed on rank 0 is gone on every rank."""
+    vocab = ODD_VOCAB[kind]
+    path = save_model(kind, tmp_path / "base", vocab_size=vocab)
+    requests = _write_adapters(path, tmp_path, LORA_TARGETS[kind])
+    per_prompt = [requests[0], requests[1], None, requests[0]]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    settings = dict(block_size=8, cpu_kv_cache_gib=0.01, enable_lora=True, max_loras=2)
+
+    def generate(llm):
+        outs = llm.generate(prompts, params, lora_request=per_prompt, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+    single = LLM(path, **settings)
+    expected = generate(single)
+    base = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    assert expected[0][0] != base[0] and expected[0][1] != base[1]  # the adapters matter
+    with LLM(path, tensor_parallel_size=ranks, **settings) as llm:
+        tokens, logprobs = generate(llm)
+        assert tokens == expected[0]
+        for a, b in zip(sum(logprobs, []), sum(expected[1], [])):
+            assert a.keys() == b.keys()
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+        assert llm.llm_engine.remove_lora(1)
+        assert llm.collective_rpc(_registered_loras) == [[2]] * ranks
+
+
+def _registered_loras(runner) -> list[int]:
+    return runner.lora.list()
+
+
+def test_lora_on_quantized_weights_is_refused_before_spawning(llama_dir):
+    with pytest.raises(ValueError, match="LoRA adapters on quantized weights"):
+        LLM(llama_dir, tensor_parallel_size=2, enable_lora=True, quantization="int8")
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_model_drafters_with_an_odd_vocabulary(tmp_path, method):
+    """A draft model (here the target itself, so drafts are accepted) or an EAGLE head beside
+    a 2-rank target of 997 tokens: EAGLE's gathered embedding and head drop the padding rows;
+    the same tokens, logprobs and draft/acceptance counts as one process."""
+    from paged_llm.models.eagle import random_eagle_head
+
+    vocab = ODD_VOCAB["llama"]
+    target = save_model("llama", tmp_path / "target", vocab_size=vocab)
+    draft = target if method == "draft_model" else random_eagle_head(target, tmp_path / "h", 3)
+    spec = {"method": method, "num_speculative_tokens": 3, "model": str(draft)}
+    settings = dict(speculative_config=spec, block_size=8, cpu_kv_cache_gib=0.01)
+    single = LLM(target, **settings)
+    expected = outputs_of(single, vocab)
+    with LLM(target, tensor_parallel_size=2, **settings) as llm:
+        assert_same_outputs(outputs_of(llm, vocab), expected)
+        stats = llm.llm_engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats == single.llm_engine.spec_stats
+    if method == "draft_model":
+        assert stats.num_accepted_tokens > 0
 
 
 def test_quantized_kv_cache_with_swapping_matches_single_process(tmp_path):
@@ -458,7 +604,7 @@ def engine_config(**kwargs) -> EngineConfig:
     [
         (dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=96), None),  # fine
         (dict(num_attention_heads=3, num_key_value_heads=3, hidden_size=48), "num_attention_h"),
-        (dict(vocab_size=255), r"vocab_size \(255\)"),
+        (dict(vocab_size=255), None),  # any vocabulary: its shards are padded
         (dict(intermediate_size=129), r"intermediate size .*\(129\)"),
         (dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96), "num_key_value"),
     ],
@@ -520,6 +666,35 @@ def test_unsupported_combinations_raise_before_spawning(llama_dir, kwargs, match
 
 
 # ---- the pieces, in one process -----------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [1, 63, 97, 256, 997, 50257])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
+def test_vocab_shards_cover_the_vocabulary_once(vocab, size):
+    shards = [shard_vocab(vocab, TPGroup(r, size)) for r in range(size)]
+    padded = shards[0].padded_vocab_size
+    assert padded % (VOCAB_PADDING * size) == 0 and vocab <= padded < vocab + VOCAB_PADDING * size
+    assert all(s.size == padded // size and s.start == r * s.size for r, s in enumerate(shards))
+    real = [i for s in shards for i in range(s.start, s.start + s.num_real)]
+    assert real == list(range(vocab))  # each real row on exactly one rank, in order
+    full = torch.arange(vocab, dtype=torch.float32).unsqueeze(1).expand(vocab, 3)
+    cut = torch.cat([s.cut(full) for s in shards])  # what the ranks load, end to end
+    assert torch.equal(cut[:vocab], full) and not cut[vocab:].any()
+
+
+def test_vocab_parallel_pieces_pad_and_cut():
+    """Rank 1 of 2 of a 97-token embedding / head: rows 64..96 of the checkpoint then zero
+    padding, and the head's slice scores the real ones."""
+    torch.manual_seed(0)
+    full = torch.randn(97, 8)
+    with building_for(TPGroup(1, 2)):
+        embed, head = vocab_embedding(97, 8), lm_head(8, 97)
+    for layer in (embed, head):
+        layer.weight.data.copy_(layer.shard_weight("weight", full))
+        assert layer.weight.shape == (64, 8)
+        assert torch.equal(layer.weight[:33], full[64:]) and not layer.weight[33:].any()
+    x = torch.randn(2, 8)
+    assert torch.allclose(nn.functional.linear(x, head.weight)[:, :33], x @ full[64:].T)
+
+
 def test_factories_are_plain_torch_modules_at_world_size_one():
     # Quantization swaps modules whose type is exactly nn.Linear: keep them so without TP.
     assert type(column_linear(4, 8, True)) is nn.Linear

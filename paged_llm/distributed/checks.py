@@ -55,6 +55,9 @@ def _check_features(config: Any, hf_config: Any) -> None:
                 f"weight quantization with calibration (quantization={mc.quantization!r}; "
                 "int8, fp8 and int4_rtn quantize each rank's shard)"
             )
+    quantized = mc.quantization not in NO_QUANTIZATION or hasattr(hf_config, "quantization_config")
+    if config.lora.enable_lora and quantized:
+        unsupported.append("LoRA adapters on quantized weights (LoRA on float weights runs)")
     spec = dict(config.speculative_config or {})
     # The same default as spec.registry.build_drafter: a "model" means drafting with a model.
     method = spec.get("method") or ("draft_model" if "model" in spec else "ngram")
@@ -88,11 +91,9 @@ def _check_experts(hf_config: Any, n: int) -> None:
 
 
 def _check_shapes(hf_config: Any, n: int) -> None:
-    """Heads, K/V heads, vocabulary and MLP width must split evenly over n ranks."""
-    sizes = {
-        "num_attention_heads": hf_config.num_attention_heads,
-        "vocab_size": hf_config.vocab_size,
-    }
+    """Heads, K/V heads and MLP width must split evenly over n ranks (any vocabulary does:
+    its shards are padded)."""
+    sizes = {"num_attention_heads": hf_config.num_attention_heads}
     inter = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "ffn_dim", None)
     if inter:
         sizes["intermediate size (intermediate_size / ffn_dim)"] = inter

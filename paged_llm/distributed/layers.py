@@ -8,9 +8,11 @@ modules, still finds them). At world size N:
   (q/k/v, gate/up, OPT fc1); bias sliced alike; no communication.
 * ``row_linear``: each rank multiplies its slice of the input features (o_proj, down_proj, OPT
   out_proj/fc2) and the partial sums are all-reduced; the bias is added once, after the sum.
-* ``vocab_embedding``: each rank holds a contiguous slice of the vocabulary; rows of other
+* ``vocab_embedding``: each rank holds a contiguous slice of the vocabulary, padded as vLLM
+  pads it (to a multiple of 64 rows a rank), so any vocabulary size splits; rows of other
   ranks' tokens are zero, and an all-reduce assembles the embeddings.
-* ``lm_head``: each rank scores its vocabulary slice; rank 0 gathers the full logits.
+* ``lm_head``: each rank scores its vocabulary slice; rank 0 gathers the full logits and cuts
+  off the padding.
 
 Each parallel layer knows how to cut its slice from a full checkpoint tensor (``shard_weight``)
 and names its split parameters (``split_params``); every other parameter is replicated.
@@ -28,7 +30,7 @@ from paged_llm.distributed.parallel_state import (
     current_group,
     gather_to_driver,
 )
-from paged_llm.distributed.sharding import even_split
+from paged_llm.distributed.sharding import even_split, shard_vocab
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -46,11 +48,16 @@ class ColumnParallelLinear(nn.Linear):
     ) -> None:
         self.row_start, size = rows or even_split(out_features, group, "output features")
         super().__init__(in_features, size, bias=bias)
+        self.full_features = (in_features, out_features)
         self.tp = group
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """Rows [start, start + size) of the full weight [out, in] or bias [out]."""
         return full.narrow(0, self.row_start, self.out_features)
+
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A LoRA pair for this rank: A [r, in] whole, B's rows [start, start + size)."""
+        return a, b.narrow(0, self.row_start, self.out_features)
 
 
 class RowParallelLinear(nn.Linear):
@@ -61,16 +68,30 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, group: TPGroup) -> None:
         self.col_start, size = even_split(in_features, group, "input features")
         super().__init__(size, out_features, bias=bias)
+        self.full_features = (in_features, out_features)
         self.tp = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in/N] -> [T, out]
         """Multiply this rank's columns, all-reduce, add the (replicated) bias once."""
-        y = all_reduce(F.linear(x, self.weight))
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # [T, in/N] -> [T, out], this rank's
+        """This rank's share of the product, before the sum over ranks."""
+        return F.linear(x, self.weight)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:  # [T, out] partial -> [T, out]
+        """Sum the ranks' partial products; add the bias once."""
+        y = all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """Columns [start, start + size) of the weight [out, in]; the bias [out] stays whole."""
         return full.narrow(1, self.col_start, self.in_features) if name == "weight" else full
+
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A LoRA pair for this rank: A's columns [start, start + size), B [out, r] whole (the
+        ranks' partial deltas then sum to the whole one, as the partial products do)."""
+        return a.narrow(1, self.col_start, self.in_features), b
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -79,8 +100,9 @@ class VocabParallelEmbedding(nn.Embedding):
     split_params = ("weight",)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: TPGroup) -> None:
-        self.vocab_start, size = even_split(num_embeddings, group, "vocab_size")
-        super().__init__(size, embedding_dim)
+        self.shard = shard_vocab(num_embeddings, group)
+        self.vocab_start = self.shard.start
+        super().__init__(self.shard.size, embedding_dim)  # padding rows stay zero, never read
         self.tp = group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
@@ -91,27 +113,32 @@ class VocabParallelEmbedding(nn.Embedding):
         return all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """Rows [start, start + size) of the full [vocab, H] table."""
-        return full.narrow(0, self.vocab_start, self.num_embeddings)
+        """Rows [start, start + size) of the full [vocab, H] table, zeros past the vocabulary."""
+        return self.shard.cut(full)
 
 
 class ParallelLMHead(nn.Linear):
-    """``hidden [N, H] -> logits [N, V]`` on rank 0 (other ranks get their [N, V/size] slice)."""
+    """``hidden [N, H] -> logits [N, V]`` on rank 0 (other ranks get their [N, V_pad/size]
+    slice). The padded vocabulary's extra logits are cut off on rank 0, so no sampler, logprob
+    or logits processor ever sees them."""
 
     split_params = ("weight",)
 
     def __init__(self, in_features: int, vocab_size: int, group: TPGroup) -> None:
-        self.vocab_start, size = even_split(vocab_size, group, "vocab_size")
-        super().__init__(in_features, size, bias=False)
+        self.shard = shard_vocab(vocab_size, group)
+        self.vocab_start = self.shard.start
+        self.vocab_size = vocab_size
+        super().__init__(in_features, self.shard.size, bias=False)
         self.tp = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] on rank 0
         """Score this rank's vocabulary slice; gather the slices, in rank order, on rank 0."""
-        return gather_to_driver(F.linear(x, self.weight), self.tp)
+        logits = gather_to_driver(F.linear(x, self.weight), self.tp)  # [N, V_pad] on rank 0
+        return logits[:, : self.vocab_size] if self.tp.is_driver else logits
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """Rows [start, start + size) of the full [vocab, H] head."""
-        return full.narrow(0, self.vocab_start, self.out_features)
+        """Rows [start, start + size) of the full [vocab, H] head, zeros past the vocabulary."""
+        return self.shard.cut(full)
 
 
 # ---- factories: what model files call -------------------------------------------------------

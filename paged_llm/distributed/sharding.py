@@ -12,6 +12,39 @@ from torch import nn
 
 from paged_llm.distributed.parallel_state import TPGroup, current_group
 
+# vLLM's DEFAULT_VOCAB_PADDING_SIZE: each rank's vocabulary slice is a multiple of 64 rows, so
+# any vocabulary splits (padding rows are never looked up, and their logits are cut off).
+VOCAB_PADDING = 64
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary rows one rank holds: ids [start, start + size) of the vocabulary padded to
+    a multiple of ``VOCAB_PADDING * ranks``; the first ``num_real`` are real tokens' rows."""
+
+    start: int
+    size: int
+    num_real: int
+    padded_vocab_size: int
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [size, ...] of a full [vocab, ...] tensor, zeros past the vocabulary
+        (a view of the checkpoint tensor when the rank holds no padding)."""
+        rows = full.narrow(0, min(self.start, full.shape[0]), self.num_real)
+        if self.num_real == self.size:
+            return rows
+        pad = rows.new_zeros((self.size - self.num_real, *rows.shape[1:]))
+        return torch.cat([rows, pad])
+
+
+def shard_vocab(vocab_size: int, group: TPGroup) -> VocabShard:
+    """This rank's slice of the vocabulary padded as vLLM pads it (VocabParallelEmbedding)."""
+    multiple = VOCAB_PADDING * group.size
+    padded = -(-vocab_size // multiple) * multiple
+    size = padded // group.size
+    start = group.rank * size
+    return VocabShard(start, size, max(0, min(size, vocab_size - start)), padded)
+
 
 def even_split(total: int, group: TPGroup, what: str = "dimension") -> tuple[int, int]:
     """(start, size) of this rank's contiguous 1/size share of ``total`` items."""

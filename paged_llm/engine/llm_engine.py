@@ -282,8 +282,6 @@ class LLMEngine:
         lc = self.config.lora
         if not lc.enable_lora:
             return None
-        if self.config.model.tensor_parallel_size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported")
         if self.config.speculative_config:
             raise ValueError("enable_lora with speculative decoding is not supported")
         return LoRAManager(
@@ -578,7 +576,7 @@ class LLMEngine:
             return 0
         if self.lora is None:
             raise ValueError("got a lora_request, but LoRA is not enabled; use enable_lora=True")
-        self.lora.add(lora_request)
+        self.add_lora(lora_request)
         return lora_request.lora_int_id
 
     # ---- LoRA adapters (vLLM's LLMEngine methods) ---------------------------------------------
@@ -586,7 +584,10 @@ class LLMEngine:
         """Check and load an adapter ahead of its requests; False if it was already loaded."""
         if self.lora is None:
             raise ValueError("LoRA is not enabled; use enable_lora=True")
-        return self.lora.add(lora_request)
+        added = self.lora.add(lora_request)  # checked here first: a bad adapter raises alone
+        if added and self.parallel is not None:  # every rank keeps its part of each layer
+            self.collective_rpc("add_lora", args=(lora_request,))
+        return added
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unload an adapter; refused (ValueError) while requests still use it."""
@@ -594,7 +595,7 @@ class LLMEngine:
             return False
         if any(r.lora_int_id == lora_id for r in self.scheduler.requests.values()):
             raise ValueError(f"LoRA adapter {lora_id} is in use by unfinished requests")
-        return self.lora.remove(lora_id)
+        return self.collective_rpc("remove_lora", args=(lora_id,))[0]
 
     def list_loras(self) -> set[int]:
         """Ids of the loaded adapters."""

@@ -35,6 +35,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.in_features, self.out_features = in_features, out_features
+        self.full_features = (in_features, out_features)  # what an adapter's A and B span
         self.batch = batch
         # Stacked per slot, rank padded with zeros (zero rows of A / columns of B add nothing).
         self.register_buffer(
@@ -52,13 +53,22 @@ class LoRALinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if a is not None and b is not None:
+            a, b = self.shard(a, b)
             r = a.shape[0]
             self.lora_a[slot, :r].copy_(a)
             self.lora_b[slot, :, :r].copy_(b)
 
+    def shard(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The part of an adapter's A [r, K_full] and B [N_full, r] this layer holds (all of
+        it in one process; see lora/parallel.py for tensor-parallel layers)."""
+        return a, b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         """The base layer's output plus each token's adapter delta."""
-        y = self.base(x)
+        return self.add_delta(self.base(x), x)
+
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [T, N], [T, K]
+        """``y`` plus each token's adapter delta (in place)."""
         slots = self.batch.token_slots
         if slots is None:
             return y

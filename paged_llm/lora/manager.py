@@ -12,6 +12,7 @@ from torch import nn
 
 from paged_llm.lora.adapter import LoRAAdapter, load_adapter
 from paged_llm.lora.layers import LoRABatch, LoRALinear
+from paged_llm.lora.parallel import wrap_linear
 from paged_llm.lora.request import LoRARequest
 from paged_llm.lora.slots import LoRASlots
 
@@ -47,13 +48,12 @@ class LoRAManager:
         self.slots = LoRASlots(max_loras)
         self.layers: dict[str, LoRALinear] = {}
         for name, base in adaptable_linears(model).items():
-            layer = LoRALinear(base, base.in_features, base.out_features, max_loras,
-                               max_lora_rank, self.batch, dtype, device)  # fmt: skip
+            layer = wrap_linear(base, max_loras, max_lora_rank, self.batch, dtype, device)
             _set_submodule(model, name, layer)
             self.layers[name] = layer
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no linear layers LoRA could adapt")
-        self.modules = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
+        self.modules = {n: m.full_features for n, m in self.layers.items()}
         # a model whose checkpoint fuses q/k/v says how an adapter of the fused layer splits
         self.split = getattr(model, "lora_tensors", None)
         self.registered: dict[int, LoRARequest] = {}

@@ -372,6 +372,15 @@ class ModelRunner:
         """``func(model)`` on this rank's model (vLLM's ``LLM.apply_model``)."""
         return func(self.model)
 
+    def add_lora(self, lora_request: Any) -> bool:
+        """Register a LoRA adapter on this rank (its part of each layer is taken when a step
+        places the adapter in a slot); False if it was known."""
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget a LoRA adapter on this rank; False if it was unknown."""
+        return self.lora.remove(lora_id)
+
     def _forward(
         self, out: SchedulerOutput
     ) -> tuple[HostBatch | None, list[ScheduledRequest], torch.Tensor | None, torch.Tensor | None]:

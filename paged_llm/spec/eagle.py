@@ -52,8 +52,13 @@ def whole_embedding_and_head(model: Any) -> tuple[nn.Embedding, Any]:
     [N, V])."""
     from paged_llm.distributed.parallel_state import all_gather_rows
 
-    embed = nn.Embedding.from_pretrained(all_gather_rows(model.get_input_embeddings().weight))
-    head = embed.weight if model.tie_word_embeddings else all_gather_rows(model.lm_head.weight)
+    vocab = model.config.vocab_size  # the gathered tables hold the padded vocabulary
+    embed = nn.Embedding.from_pretrained(
+        all_gather_rows(model.get_input_embeddings().weight)[:vocab]
+    )
+    head = (
+        embed.weight if model.tie_word_embeddings else all_gather_rows(model.lm_head.weight)[:vocab]
+    )
     return embed, lambda hidden: torch.nn.functional.linear(hidden, head).float()
 
 
