@@ -8,9 +8,12 @@ File format (see ``configs/calibration/*.json``)::
 
 A point is a decode step (``num_seqs`` requests, one new token each, ``context_tokens_per_seq``
 tokens of context) unless it gives ``num_new_tokens``, ``kv_tokens_read``, ``kv_blocks_read``
-and ``attn_pairs`` explicitly. Memory-bound points fit the per-iteration overhead and the
-achievable bandwidth (a least-squares line, overhead >= 0); compute-bound points, if any, fit
-the achievable FLOP/s.
+and ``attn_pairs`` explicitly. ``"law"`` says what the points fit (``LAWS``): ``roofline`` (the
+default, a GPU): memory-bound points fit the per-iteration overhead and the achievable
+bandwidth (a least-squares line, overhead >= 0); compute-bound points, if any, fit the
+achievable FLOP/s. ``linear`` (a CPU): a non-negative sum of per-step, per-request, per-token
+(piecewise, breaks at the file's ``token_knots``), per-KV-token and per-pair costs
+(``paged_llm/sim/step_law.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_llm.sim.cost_model import RooflineCostModel, StepShape
+from paged_llm.sim.step_law import LinearCostModel, fit_linear_law
 
 
 @dataclass(frozen=True)
@@ -118,15 +122,37 @@ def fit(cm: RooflineCostModel, points: list[MeasuredStep]) -> dict[str, float]:
     return params
 
 
+def _calibrate_roofline(
+    cm: RooflineCostModel, points: list[MeasuredStep], data: dict[str, Any]
+) -> RooflineCostModel:
+    # Fit at the block size the times were measured with; the fitted bandwidth and overhead
+    # then apply at any block size (the per-block cost is modelled separately).
+    block_size = int(data.get("block_size", cm.block_size))
+    return cm.with_params(**fit(cm.with_params(block_size=block_size), points))
+
+
+def _calibrate_linear(
+    cm: RooflineCostModel, points: list[MeasuredStep], data: dict[str, Any]
+) -> RooflineCostModel:
+    knots = tuple(data.get("token_knots", ()))
+    law = fit_linear_law([p.step for p in points], [p.step_time_s for p in points], knots)
+    return LinearCostModel.from_roofline(cm, law)
+
+
+# The step-time laws a calibration file can fit (its "law" field), by name.
+LAWS = {"roofline": _calibrate_roofline, "linear": _calibrate_linear}
+
+
 def calibrate(cm: RooflineCostModel, path: str | Path) -> RooflineCostModel:
     """The cost model with parameters fitted to a calibration file's measured step times."""
     data = load_calibration(path)
     _check_matches(cm, data, str(path))
-    # Fit at the block size the times were measured with; the fitted bandwidth and overhead
-    # then apply at any block size (the per-block cost is modelled separately).
+    law = data.get("law", "roofline")
+    if law not in LAWS:
+        raise ValueError(f"{path}: unknown law '{law}'; choose one of {list(LAWS)}")
     block_size = int(data.get("block_size", cm.block_size))
     points = [_point(p, block_size) for p in data["points"]]
-    return cm.with_params(**fit(cm.with_params(block_size=block_size), points))
+    return LAWS[law](cm, points, data)
 
 
 def fit_report(cm: RooflineCostModel, path: str | Path) -> list[dict[str, float]]:

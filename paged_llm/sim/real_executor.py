@@ -8,6 +8,7 @@ import random
 import time
 import zlib
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +22,10 @@ from paged_llm.beam_search import (
 from paged_llm.metrics.serving import IterationRecord, RequestRecord, RunTrace
 from paged_llm.outputs import RequestMetrics
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.sim.clocks import make_clock
 from paged_llm.sim.groups import SharingStats, check_groups_fit
 from paged_llm.sim.settings import ServingSettings
+from paged_llm.sim.step_recorder import recorded_shapes
 from paged_llm.workloads.arrivals import TimedRequest, Workload, prompt_token_ids
 
 
@@ -39,6 +42,8 @@ class RealExecutor:
         warmup_requests: int = 2,
         num_threads: int | None = 1,
         skip_tokenizer_init: bool = True,
+        clock: str = "wall",
+        record_step_shapes: bool = False,
     ) -> None:
         self.model = dict(model or {"model": "tiny"})
         self.attention = attention
@@ -50,6 +55,13 @@ class RealExecutor:
         # so the engine keeps no text (as the paper's throughput runs; incremental
         # detokenization costs little now, but nothing reads the text here).
         self.skip_tokenizer_init = skip_tokenizer_init
+        # what arrivals, steps and latencies are timed by: wall, process (this process's CPU
+        # seconds, blind to other tenants' load) or auto (process on a CPU, wall on a GPU);
+        # see paged_llm/sim/clocks.py
+        self.clock = clock
+        # keep each step's StepShape in trace.extra["step_shapes"] (to price the real steps
+        # with a simulator's cost model: paper_repro.validate_sim)
+        self.record_step_shapes = record_step_shapes
         self._hardware: str | None = None
 
     def describe(self) -> str:
@@ -119,6 +131,8 @@ class RealExecutor:
         self, workload: Workload, policy: Any, settings: ServingSettings, stop_time: float | None
     ) -> RunTrace:
         engine = self.engine(policy, settings)
+        timer = make_clock(self.clock, engine.device.type)
+        engine.clock = timer.now  # the engine stamps arrivals and token times with it too
         check_groups_fit(workload, engine.scheduler, settings.max_model_len)
         vocab = engine.vocab_size
         kv = engine.scheduler.kv
@@ -129,7 +143,7 @@ class RealExecutor:
         shaped = any(r.n > 1 or r.beam_width > 1 or r.prefix_len for r in workload.requests)
         stats = SharingStats() if kv.supports_sharing and (shaped or distinct) else None
         prefix0 = _prefix_counts(kv)
-        clock = time.monotonic
+        clock = timer.now
         records = {
             r.request_id: RequestRecord(r.request_id, r.input_len, r.output_len, r.arrival_time)
             for r in workload.requests
@@ -137,33 +151,37 @@ class RealExecutor:
         lens: dict[str, list[int]] = {}  # output tokens of every sequence of finished requests
         pending = deque(sorted(workload.requests, key=lambda r: r.arrival_time))
         iterations: list[IterationRecord] = []
+        recording = recorded_shapes(engine) if self.record_step_shapes else nullcontext([])
         wall0 = time.perf_counter()
         cpu0 = time.process_time()  # this process's CPU seconds: blind to other tenants' load
         t0 = clock()
         now = 0.0
-        while pending or driver.has_unfinished():
-            now = clock() - t0
-            if stop_time is not None and now >= stop_time:
-                break
-            while pending and pending[0].arrival_time <= now:
-                tr = pending.popleft()
-                driver.add(tr, _prompt(tr, vocab, distinct), t0 + tr.arrival_time)
-            if not driver.has_unfinished():
-                time.sleep(max(0.0, pending[0].arrival_time - (clock() - t0)))
-                continue
-            start = clock()
-            st, finished = driver.step()
-            end = clock()
-            for rid, metrics, seq_lens in finished:
-                _record(records[rid], metrics, t0)
-                lens[rid] = seq_lens
-            if stats is not None:
-                stats.add(_block_tables(engine), end - start)
-            iterations.append(_iteration(st, start - t0, end - start))
+        with recording as shapes:
+            while pending or driver.has_unfinished():
+                now = clock() - t0
+                if stop_time is not None and now >= stop_time:
+                    break
+                while pending and pending[0].arrival_time <= now:
+                    tr = pending.popleft()
+                    driver.add(tr, _prompt(tr, vocab, distinct), t0 + tr.arrival_time)
+                if not driver.has_unfinished():
+                    timer.wait(pending[0].arrival_time - (clock() - t0))
+                    continue
+                start = clock()
+                st, finished = driver.step()
+                end = clock()
+                for rid, metrics, seq_lens in finished:
+                    _record(records[rid], metrics, t0)
+                    lens[rid] = seq_lens
+                if stats is not None:
+                    stats.add(_block_tables(engine), end - start)
+                iterations.append(_iteration(st, start - t0, end - start))
         extra: dict[str, Any] = {
             "model": self.model,
             "kv_cache_tokens": engine.kv_cache_tokens,
             "cpu_time_s": time.process_time() - cpu0,
+            "clock": timer.name,
+            **({"step_shapes": shapes} if self.record_step_shapes else {}),
             "output_tokens_per_sequence": lens,
         }
         if stats is not None:
