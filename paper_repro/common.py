@@ -18,6 +18,7 @@ from paged_llm.metrics.run_info import cpu_name, run_info
 from paged_llm.metrics.serving import RunTrace
 from paged_llm.sim.settings import ServingSettings
 from paged_llm.workloads.arrivals import Workload, WorkloadSpec, build_workload
+from paper_repro.real_mode import apply_probe, prepare_config
 
 log = logging.getLogger("paper_repro")
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -68,6 +69,9 @@ class Experiment:
         info = run_info(self.mode, hardware=self.executor.describe())
         info["command"] = module_command(info["command"])
         info["computed_on"] = f"{cpu_name()} (CPU)"
+        for key in ("kv_budget", "probe", "budget_s"):  # how a real run was sized
+            if self.cfg.get(key):
+                info[key] = self.cfg[key]
         if workloads:
             info["workloads"] = [w.describe() for w in workloads]
             info["synthetic_lengths"] = any(w.synthetic for w in workloads)
@@ -105,14 +109,18 @@ def module_command(command: str) -> str:
 def setup(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> Experiment:
     """Resolve the config, build the executor and logger, create the output directory."""
     resolved = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+    resolved = prepare_config(resolved)  # policy filter, KV and time budgets (real_mode.py)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     executor = instantiate(resolved["executor"], _convert_="all")
     logger = instantiate(
         resolved.get("logger") or {"_target_": "paged_llm.metrics.loggers.NullLogger"}
     )
+    exp = Experiment(resolved, executor, logger, out)
+    if resolved.get("probe"):
+        apply_probe(exp)  # rates from the engine's measured capacity
     logger.log_config(resolved)
-    return Experiment(resolved, executor, logger, out)
+    return exp
 
 
 def _clean(obj: Any) -> Any:

@@ -49,7 +49,8 @@ def sweep(exp: Experiment, policy: str, rates: list[float]) -> list[dict[str, An
     points = []
     for rate in rates:
         workload = exp.workload(request_rate=float(rate))
-        trace = exp.run(workload, policy, exp.settings(policy), memory_every=0)
+        trace = exp.run(workload, policy, exp.settings(policy), memory_every=0,
+                        stop_time=exp.cfg.get("stop_time_s"))  # fmt: skip
         m = serving_metrics(trace)
         points.append(
             {

@@ -587,6 +587,8 @@ def test_big_preset_shapes_arithmetic():
     # Published sizes; the 7B/13B models are never instantiated in tests.
     expected = {
         "opt-1.3b": 1_315_758_080,
+        "opt-2.7b": 2_651_596_800,
+        "opt-6.7b": 6_658_473_984,
         "opt-13b": 12_853_473_280,
         "llama-7b": 6_738_415_616,
         "llama-13b": 13_015_864_320,

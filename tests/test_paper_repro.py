@@ -162,8 +162,10 @@ def test_quick_runs_all_three(tmp_path):
 
 @pytest.mark.slow
 def test_fig12_real_cpu_ordering(tmp_path):
-    """The real engine (tiny model, 128-block pool) gets more capacity from paged allocation."""
-    over = ["workload.num_requests=60", "rates.paged=[256]", "rates.orca_max=[256]"]
+    """The real engine (tiny model, 64-block pool) gets more capacity from paged allocation;
+    the rate (2x each policy's probed capacity) overloads both."""
+    over = ["workload.num_requests=60", "rates.paged=[2.0]", "rates.orca_max=[2.0]",
+            "probe.num_requests=24"]  # fmt: skip
     cfg = compose("fig12_real", [*over, "~rates.orca_pow2", "~rates.orca_oracle"])
     d = check_files(fig12.run(cfg, tmp_path), tmp_path, "fig12")
     assert d["run_info"]["mode"] == "real"

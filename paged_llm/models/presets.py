@@ -93,6 +93,8 @@ PRESETS: dict[str, Callable[[], Any]] = {
     "tiny": _tiny,
     "opt-125m": lambda: _opt(768, 12, 12),
     "opt-1.3b": lambda: _opt(2048, 24, 32),
+    "opt-2.7b": lambda: _opt(2560, 32, 32),  # OPT-2.7B / 6.7B: real-mode figures on 24 GB cards
+    "opt-6.7b": lambda: _opt(4096, 32, 32),
     "opt-13b": lambda: _opt(5120, 40, 40),
     "llama-7b": lambda: _llama(4096, 11008, 32, 32),
     "llama-13b": lambda: _llama(5120, 13824, 40, 40),

@@ -146,6 +146,8 @@ def _llama(name: str, hidden: int, inter: int, layers: int, heads: int) -> Model
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {
+    "opt-2.7b": _opt("OPT-2.7B", 2560, 32, 32),
+    "opt-6.7b": _opt("OPT-6.7B", 4096, 32, 32),
     "opt-13b": _opt("OPT-13B", 5120, 40, 40),
     "opt-66b": _opt("OPT-66B", 9216, 64, 72),
     "opt-175b": _opt("OPT-175B", 12288, 96, 96),
