@@ -113,6 +113,11 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     seeds = {k: v for k, v in result["seeds"].items() if k != "stats"}
     curves = with_intervals(result)
     info = {**exp.provenance(used), "seeds": seeds}
+    for w, pts in curves.items():  # the mean curves, one logged point per block size
+        for p in pts:
+            exp.logger.log(
+                {f"{w}/normalized_latency": p["normalized_latency"], "block_size": p["block_size"]}
+            )
     paths = finish(exp, curves, info)
     exp.logger.finish()
     for w, pts in curves.items():

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from paper_repro import fig1, fig2, fig12, fig13, fig19, make_table
+from paged_llm.metrics.loggers import NullLogger
+from paper_repro import fig1, fig2, fig12, fig13, fig18b, fig19, make_table
 from paper_repro.common import compose
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,6 +124,27 @@ def test_fig18b_multirun_merges_jobs(tmp_path):
         [("fig18b", tmp_path / "fig18b.json")]
     )
     assert (tmp_path / "fig18b.png").is_file() and (tmp_path / "0" / "fig18b.json").is_file()
+
+
+class RecordingLogger(NullLogger):
+    """Keeps what a figure logs (a logger=... _target_ from outside the package)."""
+
+    logged: list[dict] = []
+
+    def log(self, metrics, step=None):
+        RecordingLogger.logged.append(dict(metrics))
+
+
+def test_fig18b_logs_each_block_sizes_mean_point(tmp_path):
+    over = ["block_size=16", "workloads.sharegpt.duration_s=20", "workloads.alpaca.duration_s=5",
+            "progress=false", "seeds=2", f"logger._target_={__name__}.RecordingLogger"]  # fmt: skip
+    RecordingLogger.logged = []
+    fig18b.run(compose("fig18b", over), tmp_path)
+    d = json.loads((tmp_path / "fig18b.json").read_text())
+    expected = {(w, d[w][0]["normalized_latency"]) for w in ("sharegpt", "alpaca")}
+    got = {(k.split("/")[0], v) for m in RecordingLogger.logged for k, v in m.items()
+           if k.endswith("/normalized_latency") and m["block_size"] == 16}  # fmt: skip
+    assert got == expected  # the mean over the seeds, once per workload and block size
 
 
 def test_wandb_logger_offline_never_touches_network(tmp_path, monkeypatch):
