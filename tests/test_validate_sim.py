@@ -116,3 +116,32 @@ def test_ci_size_run_writes_real_beside_simulated(tmp_path) -> None:
         assert abs(r["error"]) <= limit, r
     cal = json.loads((tmp_path / "calibration.json").read_text())
     assert cal["law"] == "linear" and len(cal["points"]) >= 6
+
+
+def test_process_clock_skips_idle_time_and_auto_follows_the_device() -> None:
+    from paged_llm.sim.clocks import ProcessClock, WallClock, make_clock
+
+    clock = ProcessClock()
+    t = clock.now()
+    clock.wait(5.0)  # an idle server: no CPU time passes, the clock jumps
+    assert 5.0 <= clock.now() - t < 5.5
+    assert isinstance(make_clock("auto", "cpu"), ProcessClock)
+    assert isinstance(make_clock("auto", "cuda"), WallClock)
+    with pytest.raises(ValueError, match="unknown clock"):
+        make_clock("sundial", "cpu")
+
+
+def test_grid_keeps_only_cells_that_fit_the_pool() -> None:
+    from experiments.measure_step_times import grid_cells
+
+    cells = grid_cells([0, 4, 24], [16, 112], [0, 192], steps=5, blocks=64, block_size=16)
+    assert (0, 16, 0) not in cells and (0, 112, 192) not in cells  # batch 0: prefills, once
+    assert (0, 16, 192) in cells and (4, 112, 192) in cells
+    assert (24, 112, 0) not in cells  # 24 x 8 blocks > 64
+
+
+def test_drift_correction_scales_every_coefficient() -> None:
+    from paper_repro.validation.drift import scaled
+
+    step = StepShape(5, 40, 300, 20, 900)
+    assert scaled(KNOWN, 1.1).step_time(step) == pytest.approx(1.1 * KNOWN.step_time(step))
