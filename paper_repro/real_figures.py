@@ -1,7 +1,7 @@
 """Fig. 2, 12 and 13 on the real engine in one command, within one time budget.
 
     python -m paper_repro.real_figures device=cuda model=opt-13b budget_s=360 \\
-        run_policies=[paged,orca_oracle]
+        run_policies=[paged,orca_oracle] [figures=fig2,fig13]
 
 Every override is passed to each figure's ``fig*_real`` config; ``budget_s`` is split between
 the figures by their number of engine runs (each figure then sizes its runs, probes included,
@@ -38,17 +38,23 @@ def split_budget(budget_s: float, configs: dict[str, dict[str, Any]]) -> dict[st
     return {name: budget_s * n / total for name, n in runs.items()}
 
 
-def run_all(overrides: list[str], out_dir: str | Path, budget_s: float | None = None) -> Path:
-    """Run the three real figures with these overrides; return the index file's path."""
+def run_all(
+    overrides: list[str], out_dir: str | Path, budget_s: float | None = None,
+    figures: list[str] | None = None,
+) -> Path:  # fmt: skip
+    """Run the real figures (all three, or ``figures``) with these overrides; return the index
+    file's path."""
     out = Path(out_dir)
-    configs = {
-        name: compose(config, overrides) for name, (_, config) in FIGURES.items()
-    }  # fmt: skip
+    names = figures or list(FIGURES)
+    unknown = sorted(set(names) - set(FIGURES))
+    if unknown:
+        raise ValueError(f"figures {unknown} unknown; choose from {list(FIGURES)}")
+    configs = {name: compose(FIGURES[name][1], overrides) for name in names}
     plain = {n: OmegaConf.to_container(c, resolve=True) for n, c in configs.items()}
     shares = split_budget(budget_s, plain) if budget_s else {}
     index: dict[str, Any] = {"overrides": overrides, "budget_s": budget_s, "figures": {}}
-    for name, (module, _) in FIGURES.items():
-        cfg = plain[name]
+    for name in names:
+        module, cfg = FIGURES[name][0], plain[name]
         if name in shares:
             cfg["budget_s"] = shares[name]
         start = time.perf_counter()
@@ -65,12 +71,14 @@ def run_all(overrides: list[str], out_dir: str | Path, budget_s: float | None = 
 
 
 def main(argv: list[str]) -> None:
-    """``python -m paper_repro.real_figures [budget_s=S] [out=DIR] [overrides...]``."""
-    budget = next((float(a.split("=", 1)[1]) for a in argv if a.startswith("budget_s=")), None)
-    out = next((a.split("=", 1)[1] for a in argv if a.startswith("out=")), None)
-    overrides = [a for a in argv if not a.startswith(("budget_s=", "out="))]
+    """``python -m paper_repro.real_figures [budget_s=S] [out=DIR] [figures=fig2,fig13]
+    [overrides...]``."""
+    own = dict(a.split("=", 1) for a in argv if a.startswith(("budget_s=", "out=", "figures=")))
+    overrides = [a for a in argv if not a.startswith(("budget_s=", "out=", "figures="))]
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    run_all(overrides, out or f"outputs/paper_repro/real_figures/{stamp}", budget)
+    budget = float(own["budget_s"]) if "budget_s" in own else None
+    figures = own["figures"].split(",") if "figures" in own else None
+    run_all(overrides, own.get("out", f"outputs/paper_repro/real_figures/{stamp}"), budget, figures)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from paged_llm.sim.settings import ServingSettings
 from paper_repro import real_figures
 from paper_repro.common import compose
 from paper_repro.real_mode import prepare_config, runs_per_seed, saturated_throughput
+from paper_repro.sim_beside_real import compare
 
 ARTIFACT = ServingSettings(block_size=16, max_num_batched_tokens=2560, max_num_seqs=256)
 
@@ -93,7 +94,8 @@ def test_saturated_throughput_ignores_the_drain():
 
 def test_real_figures_in_one_budget(tmp_path):
     """Fig. 2, 12 and 13 on the real engine (tiny model, CPU) within one budget: each output
-    says real, the hardware, the probed capacities and the rates they gave."""
+    says real, the hardware, the probed capacities and the rates they gave; then the
+    simulator's twin of each, side by side."""
     over = ["run_policies=[paged,orca_max]", "probe.num_requests=24"]
     index = json.loads(real_figures.run_all(over, tmp_path, budget_s=30).read_text())
     assert set(index["figures"]) == {"fig2", "fig12", "fig13"}
@@ -111,3 +113,14 @@ def test_real_figures_in_one_budget(tmp_path):
     fig13 = json.loads((tmp_path / "fig13" / "fig13.json").read_text())
     assert fig13["sharegpt"]["paged"]["mean_batched_requests"] > 0
     assert set(fig13["run_info"]["probe"]["capacity"]) == {"sharegpt", "alpaca"}
+    # the simulator's twin of each run: same pool, rates and windows, priced on an H200
+    compare(tmp_path, "h200", seeds=2)
+    side = json.loads((tmp_path / "sim_beside_real.json").read_text())
+    rows = {r["quantity"]: r for r in side["rows"]}
+    assert rows["Fig. 2 token states, paged"]["real"] == fig2["paged"]["token_states"]
+    assert len(rows) == 2 + 2 + 4 and all(r["simulated_mean"] is not None for r in rows.values())
+    twin = json.loads((tmp_path / "sim_h200" / "fig2" / "fig2.json").read_text())
+    assert twin["run_info"]["mode"] == "simulated" and "H200" in twin["run_info"]["hardware"]
+    assert all(twin["config"][k] == fig2["config"][k] for k in ("engine", "window", "policies"))
+    assert twin["config"]["workload"]["request_rate"] == fig2["config"]["workload"]["request_rate"]
+    assert (tmp_path / "sim_beside_real.md").read_text().count("\n") == 2 + len(rows)

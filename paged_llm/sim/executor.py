@@ -35,6 +35,15 @@ def resolve_config_path(path: str) -> str:
     return str(CONFIG_DIR / p)
 
 
+def shape_of_checkpoint(model: str, name: str | None = None, dtype_bytes: int = 2) -> ModelShape:
+    """The cost model's shape of ``model=`` (a checkpoint directory, "tiny" or a preset), read
+    from its HF config: the simulator's twin of a real run's model."""
+    from paged_llm.distributed.checks import model_hf_config  # imports torch: only here
+    from paged_llm.sim.model_shapes import from_hf_config
+
+    return from_hf_config(model_hf_config(model), name or str(model), dtype_bytes=dtype_bytes)
+
+
 HOST_DEVICE_MOVES = frozenset({"swap_in", "swap_out", "offload", "onload"})
 
 
@@ -84,15 +93,19 @@ class SimulatedExecutor:
     ) -> None:
         """``hardware`` / ``model``: a preset name, an object, or a mapping ``{name: preset,
         **field overrides}`` as the ``hardware`` and ``model_shape`` config groups give it (the
-        hardware mapping may carry ``num_gpus``)."""
+        hardware mapping may carry ``num_gpus``; the model mapping may give ``checkpoint:
+        <model=>`` instead, the shape of a real checkpoint or preset)."""
         hw = dict(hardware) if isinstance(hardware, Mapping) else {"name": hardware}
         gpus = hw.pop("num_gpus", 1)
         self.num_gpus = int(num_gpus if num_gpus is not None else gpus)
         name = hw.pop("name")
         self.hardware = name if isinstance(name, GPUSpec) else get_hardware(name, **hw)
         m = dict(model) if isinstance(model, Mapping) else {"name": model}
-        name = m.pop("name")
-        self.model = name if isinstance(name, ModelShape) else get_model_shape(name, **m)
+        if "checkpoint" in m:  # the shape of a real model: a checkpoint directory or preset
+            self.model = shape_of_checkpoint(m.pop("checkpoint"), **m)
+        else:
+            name = m.pop("name")
+            self.model = name if isinstance(name, ModelShape) else get_model_shape(name, **m)
         self.cost = dict(cost or {})
         self.calibration = resolve_config_path(calibration) if calibration else None
 
