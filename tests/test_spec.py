@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged_llm import LLM, SamplingParams
+from paged_llm.spec.base import Drafter
 from paged_llm.spec.metrics import ALL_DRAFTS, SpecDecodeStats
 from paged_llm.spec.ngram import NgramDrafter
 from paged_llm.spec.rejection import expected_tokens_per_step, verify_greedy, verify_sampled
@@ -231,6 +232,31 @@ def test_bad_disable_by_batch_size(tiny_llama):
         spec = {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": bad}
         with pytest.raises(ValueError, match="disable_by_batch_size must be an integer"):
             LLM(str(tiny_llama[0]), speculative_config=spec)
+
+
+class RepeatLastDrafter(Drafter):
+    """A drafter written outside the package: the last token, num_lookahead times."""
+
+    def propose(self, entries, sampler):
+        """One-hot drafts; each request's source named, as a drafter may."""
+        self.draft_sources = {s.request.request_id: "repeat" for s in entries}
+        return {s.request.request_id: [s.request.all_token_ids[-1]] * s.num_lookahead
+                for s in entries}, {}  # fmt: skip
+
+
+def test_a_drafter_from_outside_the_package(tiny_llama, reference):
+    """speculative_config={"_target_": ...} builds a Drafter subclass the package never names;
+    the outputs stay the target's, and its drafts are counted under the source it names. A
+    _target_ that is no Drafter is refused before loading."""
+    spec = {"_target_": f"{__name__}.RepeatLastDrafter", "num_speculative_tokens": 2}
+    llm = LLM(str(tiny_llama[0]), block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01,
+              speculative_config=spec)  # fmt: skip
+    assert ids_of(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(12))) == reference
+    stats = llm.llm_engine.spec_stats
+    assert stats.num_draft_tokens > 0 and set(stats.by_source) == {"repeat"}
+    with pytest.raises(ValueError, match="must subclass paged_llm.spec.base.Drafter"):
+        LLM(str(tiny_llama[0]), speculative_config={"_target_": "collections.Counter",
+                                                    "num_speculative_tokens": 2})  # fmt: skip
 
 
 def test_self_draft_accepts_everything(tiny_llama, reference):

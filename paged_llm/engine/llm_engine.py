@@ -226,11 +226,11 @@ class LLMEngine:
         self.runner.initialize_cache(num_blocks, num_cpu_blocks, num_offload_blocks)
         if self.drafter is not None:
             self.drafter.allocate(num_blocks, cc.block_size, num_cpu_blocks=num_cpu_blocks)
-            if hasattr(self.drafter, "device_memory"):  # a draft model's weights and KV
+            if self.drafter.runs_model:  # its weights and KV sleep, its graphs are captured
                 self.runner.memory_owners.append(self.drafter)
-            if hasattr(self.drafter, "block_pools"):  # pools that move with the target's blocks
+            if self.drafter.moves_with_blocks:  # pools that move with the target's blocks
                 self.runner.block_companions.append(self.drafter)
-            self.runner.keep_hidden = getattr(self.drafter, "reads_hidden_states", False)
+            self.runner.keep_hidden = self.drafter.reads_hidden_states
         self.sleep_state = SleepState(enabled=mc.enable_sleep_mode)
         graph_sizes = cuda_graph_sizes(
             self.device, mc.enforce_eager, self.backend, mc.tensor_parallel_size, sc.max_num_seqs,
@@ -308,7 +308,7 @@ class LLMEngine:
     def _check_drafter_fits(self) -> None:
         """Refuse what a drafter with block-shared pools (an EAGLE head) cannot follow: the
         CPU tier and KV connectors move the target's pools only."""
-        if not hasattr(self.drafter, "block_pools"):
+        if not self.drafter.moves_with_blocks:
             return
         name = self.config.speculative_config.get("method", "this")
         if self.config.cache.kv_offloading_size:
@@ -726,7 +726,7 @@ class LLMEngine:
                 d = d[: s.request.guide.valid_prefix(d)]
             s.request.spec_token_ids = d
             s.num_new_tokens = 1 + len(d)
-        return probs, getattr(self.drafter, "draft_sources", {})
+        return probs, self.drafter.draft_sources
 
     def _release(self, group: _Group) -> None:
         del self._groups[group.request_id]

@@ -292,9 +292,9 @@ class ModelRunner:
             )
 
     def _graph_owners(self) -> list[Any]:
-        """The memory owners with a model of their own to capture (see a drafter's
-        ``graph_inputs``)."""
-        return [owner for owner in self.memory_owners if hasattr(owner, "graph_inputs")]
+        """The memory owners: drafters that run a model of their own, whose graphs are
+        captured beside the target's (``spec.base.Drafter.runs_model``, ``graph_inputs``)."""
+        return list(self.memory_owners)
 
     @property
     def graph_sizes(self) -> list[int]:

@@ -18,17 +18,17 @@ from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from paged_llm.runner.sampler import is_plain_greedy, process_request_rows
 from paged_llm.runner.sleep import RankMemory
+from paged_llm.spec.base import Drafter
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Proposes k tokens per sequence by running the draft model k times (batched)."""
 
     uses_probs = True
+    runs_model = True
 
     def __init__(self, num_speculative_tokens: int, model: str, **_: Any) -> None:
-        if num_speculative_tokens < 1:
-            raise ValueError("num_speculative_tokens must be >= 1")
-        self.k = num_speculative_tokens
+        super().__init__(num_speculative_tokens)
         self.model_path = model
         # the runner captures graphs of the draft model beside the target's (CUDA only)
         self.cuda_graphs: Any = None

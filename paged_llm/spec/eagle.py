@@ -43,6 +43,7 @@ from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from paged_llm.runner.model_runner import order_for_backend
 from paged_llm.runner.sleep import RankMemory
+from paged_llm.spec.base import Drafter
 from paged_llm.spec.draft_model import choose_draft_tokens
 
 
@@ -85,16 +86,16 @@ class _FirstStep:
     logits: torch.Tensor  # [V] the target's LM head on it
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Proposes k tokens per sequence with an EAGLE head on the target's features."""
 
     uses_probs = True
+    runs_model = True
+    moves_with_blocks = True  # its KV and feature pools are indexed by the target's blocks
     reads_hidden_states = True  # the runner keeps each forward's final hidden states for it
 
     def __init__(self, num_speculative_tokens: int, model: str, **_: Any) -> None:
-        if num_speculative_tokens < 1:
-            raise ValueError("num_speculative_tokens must be >= 1")
-        self.k = num_speculative_tokens
+        super().__init__(num_speculative_tokens)
         self.model_path = model
         self._first: dict[str, _FirstStep] = {}  # request -> draft step 1, run by observe
         # the runner captures graphs of the head (CUDA only; see graph_inputs)

@@ -9,6 +9,8 @@ from functools import partial
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from paged_llm.spec.base import Drafter
+
 # From this many tokens on, the scan is vectorised: below a few hundred tokens, converting the
 # list to an array costs more than the Python scan (`python -m experiments.ngram_scan`,
 # docs/speculative.md).
@@ -41,21 +43,17 @@ def match_finder(tokens: list[int]) -> Callable[[int], int | None]:
     return partial(scan_python, tokens)
 
 
-class NgramDrafter:
-    """Proposes up to k tokens by matching the longest suffix n-gram (max_n down to min_n)."""
-
-    uses_probs = False
+class NgramDrafter(Drafter):
+    """Proposes up to k tokens by matching the longest suffix n-gram (max_n down to min_n);
+    deterministic, so it needs no KV, no model and no distributions (one-hot q)."""
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_max: int = 4,
                  prompt_lookup_min: int = 1) -> None:  # fmt: skip
-        if num_speculative_tokens < 1:
-            raise ValueError("num_speculative_tokens must be >= 1")
+        super().__init__(num_speculative_tokens)
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        self.k = num_speculative_tokens
         self.max_n = prompt_lookup_max
         self.min_n = prompt_lookup_min
-        self.draft_sources: dict[str, str] = {}  # request id -> "<n>-gram" of the last propose
 
     def find_match(self, tokens: list[int], k: int | None = None) -> tuple[list[int], int]:
         """Drafts for one sequence (possibly fewer than k, or none) and the length n of the
@@ -72,23 +70,10 @@ class NgramDrafter:
         """Drafts for one sequence (possibly fewer than k, or none)."""
         return self.find_match(tokens, k)[0]
 
-    # ---- the drafter interface the engine uses (a deterministic drafter needs no KV) --------
-    def load(self, engine: object) -> None:
-        """Nothing to load."""
-
-    def bytes_per_block(self, block_size: int) -> int:
-        """No KV of its own."""
-        return 0
-
-    def allocate(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
-        """No KV of its own."""
-
-    def forget(self, request_id: str) -> None:
-        """No per-request state."""
-
     def propose(self, entries: list, sampler: object) -> tuple[dict[str, list[int]], dict]:
         """Drafts per scheduled decode (up to its lookahead); no distributions (one-hot q).
-        ``draft_sources`` then names each request's match length, for the stats."""
+        ``draft_sources`` then names each request's match length ("<n>-gram"), for the
+        stats."""
         drafts: dict[str, list[int]] = {}
         self.draft_sources = {}
         for s in entries:

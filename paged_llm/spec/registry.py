@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from paged_llm.spec.base import Drafter
 from paged_llm.utils.registry import build
 
 SPEC_METHODS = {
@@ -26,17 +27,25 @@ def disable_by_batch_size(spec: dict[str, Any] | None) -> int | None:
     return value
 
 
-def build_drafter(spec: dict[str, Any] | None) -> Any | None:
-    """A drafter from vLLM-style ``{"method": ..., "num_speculative_tokens": k, ...}``."""
+def build_drafter(spec: dict[str, Any] | None) -> Drafter | None:
+    """A drafter from vLLM-style ``{"method": ..., "num_speculative_tokens": k, ...}``, or
+    ``{"_target_": "pkg.MyDrafter", ...}`` for a ``spec.base.Drafter`` of your own."""
     if not spec:
         return None
     disable_by_batch_size(spec)  # checked here too, so a bad value fails before any loading
     spec = {k: v for k, v in spec.items() if k not in ENGINE_KEYS}
     if "_target_" in spec:
-        return build("speculative method", spec, SPEC_METHODS)
-    method = spec.pop("method", None)
-    if method is None:
-        method = "draft_model" if "model" in spec else "ngram"
-    if "num_speculative_tokens" not in spec:
-        raise ValueError("speculative_config needs num_speculative_tokens")
-    return build("speculative method", method, SPEC_METHODS, **spec)
+        drafter = build("speculative method", spec, SPEC_METHODS)
+    else:
+        method = spec.pop("method", None)
+        if method is None:
+            method = "draft_model" if "model" in spec else "ngram"
+        if "num_speculative_tokens" not in spec:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        drafter = build("speculative method", method, SPEC_METHODS, **spec)
+    if not isinstance(drafter, Drafter):
+        raise ValueError(
+            f"speculative drafter {type(drafter).__name__} must subclass paged_llm.spec.base."
+            "Drafter (the hooks the engine calls: docs/speculative.md)"
+        )
+    return drafter
