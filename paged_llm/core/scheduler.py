@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from paged_llm.core.kv.base import KVCacheManager, MemoryBreakdown
-from paged_llm.core.queue_policy import QUEUE_POLICIES
+from paged_llm.core.queue_policy import queue_policy_class
 from paged_llm.core.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class SchedulerLimits:
     # ... but none in a step that starts with at least this many running requests, where
     # verifying k + 1 positions costs nearly k + 1 decodes (vLLM's disable_by_batch_size)
     spec_disable_batch_size: int | None = None
-    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (a key of QUEUE_POLICIES)
+    scheduling_policy: str = "fcfs"  # "fcfs", "priority" or a QueuePolicy's dotted path
     # multi-LoRA: at most this many distinct adapters among running requests (0 = no limit)
     max_loras: int = 0
 
@@ -48,11 +48,7 @@ class SchedulerLimits:
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got '{self.preemption_mode}'"
             )
-        if self.scheduling_policy not in QUEUE_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {sorted(QUEUE_POLICIES)}, "
-                f"got '{self.scheduling_policy}'"
-            )
+        queue_policy_class(self.scheduling_policy)  # raises naming the choices
 
 
 @dataclass
@@ -143,7 +139,7 @@ class Scheduler:
             )
         self.kv = kv
         self.limits = limits
-        self.queue = QUEUE_POLICIES[limits.scheduling_policy]()
+        self.queue = queue_policy_class(limits.scheduling_policy)()
         self.track_memory = track_memory
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; self.queue picks the victim
