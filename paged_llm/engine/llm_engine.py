@@ -14,9 +14,9 @@ import torch
 
 from paged_llm.attention.registry import ATTENTION_BACKENDS, auto_backend_name
 from paged_llm.config import EngineArgs, EngineConfig
-from paged_llm.core.kv import POLICIES
+from paged_llm.core.build import KVPool, build_scheduler
 from paged_llm.core.request import Request
-from paged_llm.core.scheduler import Scheduler, SchedulerLimits
+from paged_llm.core.scheduler import SchedulerLimits
 from paged_llm.distributed import building_for
 from paged_llm.distributed.launch import CallMessage, run_call, start_tensor_parallel
 from paged_llm.distributed.sharding import kv_heads_per_rank
@@ -191,27 +191,15 @@ class LLMEngine:
         num_cpu_blocks = 0
         if sc.preemption_mode == "swap":
             num_cpu_blocks = int(cc.swap_space * 2**30 // block_bytes)
-        extra: dict[str, Any] = {"enable_prefix_caching": True} if cc.enable_prefix_caching else {}
         # the offload tier holds the target's KV only (a draft model recomputes its own)
         num_offload_blocks = int(cc.kv_offloading_size * 2**30 // target_block_bytes)
-        if num_offload_blocks:
-            extra["offload_blocks"] = num_offload_blocks
         window = self._releasable_window()
-        if window is not None:
-            extra["sliding_window"] = window
         self.kv_connector = self._build_kv_connector(kv_spec)
-        if self.kv_connector is not None:
-            extra["kv_connector"] = self.runner.kv_connector = self.kv_connector
-        kv = build(
-            "policy", sc.policy, POLICIES, num_blocks=num_blocks, block_size=cc.block_size,
-            max_model_len=self.max_model_len, num_cpu_blocks=num_cpu_blocks, **extra,
+        self.runner.kv_connector = self.kv_connector
+        pool = KVPool(
+            num_blocks, cc.block_size, self.max_model_len, num_cpu_blocks, num_offload_blocks,
+            cc.enable_prefix_caching, window, self.kv_connector,
         )  # fmt: skip
-        if self.backend.requires_contiguous_blocks and not kv.contiguous_blocks:
-            raise ValueError(
-                f"attention backend '{self.backend.name}' needs contiguous per-request caches; "
-                f"use it with a reservation policy (orca_max/orca_pow2/orca_oracle/static), "
-                f"not '{kv.name}'"
-            )
         limits = SchedulerLimits(
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens or max(self.max_model_len, 2048),
@@ -222,7 +210,14 @@ class LLMEngine:
             scheduling_policy=sc.scheduling_policy,
             max_loras=config.lora.max_loras if self.lora is not None else 0,
         )
-        self.scheduler = Scheduler(kv, limits)
+        self.scheduler = build_scheduler(sc.policy, pool, limits)
+        kv = self.scheduler.kv
+        if self.backend.requires_contiguous_blocks and not kv.contiguous_blocks:
+            raise ValueError(
+                f"attention backend '{self.backend.name}' needs contiguous per-request caches; "
+                f"use it with a reservation policy (orca_max/orca_pow2/orca_oracle/static), "
+                f"not '{kv.name}'"
+            )
         self.runner.initialize_cache(num_blocks, num_cpu_blocks, num_offload_blocks)
         if self.drafter is not None:
             self.drafter.allocate(num_blocks, cc.block_size, num_cpu_blocks=num_cpu_blocks)

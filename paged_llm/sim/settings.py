@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from paged_llm.core.kv import POLICIES
+from paged_llm.core.build import KVPool
+from paged_llm.core.build import build_scheduler as build_pool_scheduler
 from paged_llm.core.scheduler import Scheduler, SchedulerLimits
-from paged_llm.utils.registry import UnsupportedOptions, build
 
 
 @dataclass(frozen=True)
@@ -62,24 +62,11 @@ def build_scheduler(
     num_offload_blocks: int = 0,
     kv_connector: Any = None,
 ) -> Scheduler:
-    """The real Scheduler over the policy's KV manager (a name from POLICIES, a dotted path or a
-    ``{_target_: ...}`` mapping); ``sliding_window``: the model's, if every layer has one."""
-    extra: dict[str, Any] = (
-        {"enable_prefix_caching": True} if settings.enable_prefix_caching else {}
-    )
-    if sliding_window is not None and settings.free_blocks_behind_window:
-        extra["sliding_window"] = sliding_window
-    if num_offload_blocks:
-        extra["offload_blocks"] = num_offload_blocks
-    if kv_connector is not None:  # a KV connector's scheduler side (sim/disagg.py)
-        extra["kv_connector"] = kv_connector
-    try:
-        kv = build(
-            "policy", policy, POLICIES, num_blocks=num_blocks, block_size=settings.block_size,
-            max_model_len=settings.max_model_len, num_cpu_blocks=num_cpu_blocks, **extra,
-        )  # fmt: skip
-    except UnsupportedOptions as err:
-        if not settings.enable_prefix_caching:
-            raise
-        raise ValueError(f"policy {policy!r} cannot cache prefixes: {err}") from err
-    return Scheduler(kv, settings.limits(), track_memory=track_memory)
+    """The real Scheduler (core/build.py, as the engine builds it) over the policy's KV manager
+    at these settings; ``sliding_window``: the model's, if every layer has one."""
+    pool = KVPool(
+        num_blocks, settings.block_size, settings.max_model_len, num_cpu_blocks,
+        num_offload_blocks, settings.enable_prefix_caching,
+        sliding_window if settings.free_blocks_behind_window else None, kv_connector,
+    )  # fmt: skip
+    return build_pool_scheduler(policy, pool, settings.limits(), track_memory=track_memory)
