@@ -12,16 +12,13 @@ continuous batching), all greedy with EOS disabled, from the same checkpoint. Wr
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import logging
 import os
 import platform
 import random
 import shlex
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +29,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import hf_baselines
+from experiments.bench_model import _cached, hf_config, resolve_model_dir, save_random_llama
+from paged_llm.config_groups import preflight, quant_spec, speculative_spec
 from paged_llm.workloads import lengths as wl
+
+__all__ = ["_cached", "resolve_model_dir", "save_random_llama"]  # other benchmarks import these
 
 logger = logging.getLogger(__name__)
 
@@ -93,73 +94,15 @@ def build_workload(cfg: DictConfig, num_requests: int, vocab_size: int, seed: in
     return Workload(prompts, [p.output_len for p in pairs], source)
 
 
-# ---- model ------------------------------------------------------------------------------------
-def resolve_model_dir(cfg: DictConfig, dtype: torch.dtype, seed: int) -> Path:
-    """A local HF checkpoint both engines load: the given path, a preset, or a cached Llama."""
-    from paged_llm.models import presets
-
-    if cfg.path:
-        return Path(hydra.utils.to_absolute_path(str(cfg.path)))
-    if cfg.preset:
-        dtype_name = str(dtype).removeprefix("torch.")
-        out = presets.cache_root() / f"preset-{cfg.preset}-seed{seed}-{dtype_name}"
-        return _cached(out, lambda tmp: presets.materialize_preset(cfg.preset, tmp, seed, dtype))
-    arch = OmegaConf.to_container(cfg.arch, resolve=True)
-    key = json.dumps({"arch": arch, "seed": seed, "dtype": str(dtype)}, sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    out = presets.cache_root() / f"throughput-llama-{digest}"
-    return _cached(out, lambda tmp: save_random_llama(arch, tmp, dtype, seed))
-
-
-def save_random_llama(arch: dict[str, Any], out_dir: Path, dtype: torch.dtype, seed: int) -> None:
-    """Write a random-initialised transformers Llama with these config fields to out_dir."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**arch, architectures=["LlamaForCausalLM"])
-    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.to(dtype).save_pretrained(str(out_dir))
-
-
-def _cached(final: Path, write: Callable[[Path], object]) -> Path:
-    """Return final, first writing it via write(tmp_dir) and an atomic rename if absent."""
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        write(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 # ---- systems ----------------------------------------------------------------------------------
 def make_engine(model_dir: Path, cfg: DictConfig) -> Any:
     """The paged engine (``paged_llm.LLM``) over model_dir with the benchmark's settings."""
     from paged_llm import LLM
 
-    e = cfg.engine
-    return LLM(
-        model=str(model_dir),
-        dtype=cfg.dtype,
-        block_size=e.block_size,
-        max_model_len=e.max_model_len,
-        max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens,
-        cpu_kv_cache_gib=e.cpu_kv_cache_gib,
-        attention_backend=e.attention_backend,
-        cpu_onednn_min_rows=e.cpu_onednn_min_rows,
-        kv_cache_dtype=e.kv_cache_dtype,
-        device=cfg.device,
-        seed=cfg.seed,
-    )
+    e = OmegaConf.to_container(cfg.engine, resolve=True)
+    e["quantization"] = quant_spec(e.get("quantization"))
+    e["speculative_config"] = speculative_spec(e.get("speculative_config"))
+    return LLM(model=str(model_dir), dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, **e)
 
 
 def run_engine(llm: Any, work: Workload) -> hf_baselines.SystemRun:
@@ -305,11 +248,21 @@ def format_table(systems: dict[str, dict[str, Any]], speedups: dict[str, float])
 
 
 # ---- main -------------------------------------------------------------------------------------
-def run_benchmark(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict[str, Any]:
-    """Run every system on one workload; write throughput.json (and outputs.json) to out_dir."""
+def check_config(cfg: DictConfig) -> None:
+    """Refuse unknown baselines and a quant method the model cannot take, before any work."""
     unknown = set(cfg.baselines) - set(BASELINES)
     if unknown:
         raise ValueError(f"unknown baseline(s) {sorted(unknown)}; choose from {list(BASELINES)}")
+    engine = cfg.engine  # the groups, as read through the engine.* keys (their overrides too)
+    preflight(
+        {"quant": engine.quantization, "speculative": engine.speculative_config},
+        hf_config(cfg.model),
+    )
+
+
+def run_benchmark(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    """Run every system on one workload; write throughput.json (and outputs.json) to out_dir."""
+    check_config(cfg)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)  # one intra-op pool, shared by every system
     dtype = getattr(torch, cfg.dtype)
@@ -331,6 +284,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict[
     result = build_result(cfg, overrides, model_dir, hf_model, work, runs)
     outputs = {name: r[0].outputs for name, r in runs.items()}
     write_results(out_dir, result, work, outputs if cfg.save_outputs else None)
+    log_run(cfg, result, out_dir)
     print(format_table(result["systems"], result["engine_output_speedup"]))
     print(f"wrote {out_dir / 'throughput.json'}")
     return result
@@ -378,6 +332,20 @@ def build_result(
         "settings": settings,
         "notes": {name: r[0].notes for name, r in runs.items()} | {"timing": [TIMING_NOTE]},
     }
+
+
+def log_run(cfg: DictConfig, result: dict[str, Any], out_dir: Path) -> None:
+    """Send the config, each system's rates and the result file to the configured logger."""
+    from hydra.utils import instantiate
+
+    run_logger = instantiate(cfg.logger)
+    run_logger.log_config(result["config"])
+    metrics = {f"{name}/{k}": v for name, stats in result["systems"].items()
+               for k, v in stats.items() if isinstance(v, int | float)}  # fmt: skip
+    speedup = {f"speedup/{k}": v for k, v in result["engine_output_speedup"].items()}
+    run_logger.log(metrics | speedup)
+    run_logger.log_file(out_dir / "throughput.json")
+    run_logger.finish()
 
 
 def write_results(

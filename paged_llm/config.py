@@ -211,20 +211,23 @@ class EngineArgs:
 
 
 def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
-    """Build an EngineConfig from a resolved Hydra config (groups model/attention/policy and the
-    cache/scheduler sections); unknown keys raise, so typos in overrides are caught."""
+    """Build an EngineConfig from a resolved Hydra config (the groups of
+    configs/engine_groups.yaml); unknown keys raise, so typos in overrides are caught."""
     sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                 "lora": LoRAConfig}  # fmt: skip
     for name, cls in sections.items():
         unknown = set(cfg.get(name) or {}) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown {name} option(s) {sorted(unknown)}")
+    from paged_llm.config_groups import quant_spec, speculative_spec
+
+    quant = {"quantization": quant_spec(cfg.get("quant"))}  # the quant group; model.* may set it
     return EngineConfig(
-        model=ModelConfig(**cfg["model"]),
+        model=ModelConfig(**{**quant, **cfg["model"]}),
         cache=CacheConfig(**cfg["cache"]),
         scheduler=SchedulerConfig(policy=cfg.get("policy", "paged"), **cfg["scheduler"]),
         lora=LoRAConfig(**(cfg.get("lora") or {})),
         attention_backend=cfg.get("attention", "auto"),
-        speculative_config=cfg.get("speculative") or None,
+        speculative_config=speculative_spec(cfg.get("speculative")),
         kv_transfer_config=cfg.get("kv_transfer") or None,
     )

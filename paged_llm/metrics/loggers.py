@@ -24,6 +24,11 @@ class NullLogger:
     def finish(self) -> None:
         """Close the run."""
 
+    def log_sweep(
+        self, group: str, name: str, rows: list[dict[str, Any]], paths: list[str | Path]
+    ) -> None:
+        """Record a multirun's merged table and files (paged_llm/metrics/sweep.py)."""
+
 
 class ConsoleLogger(NullLogger):
     """Prints metrics through the logging module."""
@@ -48,22 +53,42 @@ class WandbLogger(NullLogger):
 
     def log_config(self, config: dict[str, Any]) -> None:
         """Start the run with the resolved config (group = the Hydra sweep directory)."""
-        import wandb
-
-        group = self.group
-        job_name = None
+        group, job_name = self.group, None
         try:
             from hydra.core.hydra_config import HydraConfig
 
             hc = HydraConfig.get()
-            group = group or Path(hc.sweep.dir).name if hc.mode.name == "MULTIRUN" else group
-            job_name = f"{hc.job.name}-{hc.job.num}" if hc.mode.name == "MULTIRUN" else None
+            if hc.mode.name == "MULTIRUN":
+                group = group or Path(hc.sweep.dir).name  # sweep.sweep_group: the same name
+                job_name = f"{hc.job.name}-{hc.job.num}"
         except ValueError:  # not inside a Hydra app
             pass
+        self._start(config, group, job_name, "job")
+
+    def _start(self, config: dict[str, Any], group: str | None, name: str | None,
+               job_type: str) -> None:  # fmt: skip
+        """Open a W&B run (offline unless mode says otherwise)."""
+        import wandb
+
         self._run = wandb.init(
-            project=self.project, mode=self.mode, group=group, name=job_name, config=config,
-            reinit="finish_previous",
+            project=self.project, mode=self.mode, group=group, name=name, job_type=job_type,
+            config=config, reinit="finish_previous",
         )  # fmt: skip
+
+    def log_sweep(
+        self, group: str, name: str, rows: list[dict[str, Any]], paths: list[str | Path]
+    ) -> None:
+        """A summary run in the sweep's group: the merged table, its CSV / markdown / plot."""
+        import wandb
+
+        self._start({"jobs": len(rows)}, self.group or group, name, "sweep-summary")
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        table = wandb.Table(columns=keys, data=[[r.get(k) for k in keys] for r in rows],
+                            allow_mixed_types=True)  # fmt: skip
+        self._run.log({"sweep": table})
+        for path in paths:
+            self.log_file(path)
+        self.finish()
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """Log scalars to the run."""

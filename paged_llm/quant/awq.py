@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_llm.quant.base import QuantMethod, linears_by_block, set_module
+from paged_llm.quant.base import QuantMethod, block_linear_names, linears_by_block, set_module
 from paged_llm.quant.calibration import BlockwiseCalibration
 from paged_llm.quant.int4 import fake_quantize, rtn_quantize
 from paged_llm.quant.layers import Int4Linear, check_int4_layers
@@ -201,14 +201,17 @@ class AWQ(QuantMethod):
             )
         return SCALING_PLANS[kind](layer)
 
+    def check_model(self, model: nn.Module) -> None:
+        """Every block linear's shape must suit int4 with this group size."""
+        check_int4_layers(model, block_linear_names(model), self.group_size, self.name)
+
     @torch.no_grad()
     def quantize(self, model: nn.Module, calibration: torch.Tensor | None) -> nn.Module:
         """Per block: capture inputs, search and fold scales, clip, round."""
         if calibration is None:
             raise ValueError("AWQ needs calibration token ids [N, L]")
+        self.check_model(model)
         blocks = linears_by_block(model)
-        all_names = [n for names in blocks.values() for n in names]
-        check_int4_layers(model, all_names, self.group_size, self.name)
         calib = BlockwiseCalibration(model, calibration, next(iter(blocks)))
         for block, names in blocks.items():
             plan = self._plan(model, block)

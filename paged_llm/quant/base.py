@@ -42,6 +42,11 @@ def linears_by_block(model: nn.Module) -> OrderedDict[str, list[str]]:
     return blocks
 
 
+def block_linear_names(model: nn.Module) -> list[str]:
+    """Every quantizable linear layer's name, block by block."""
+    return [name for names in linears_by_block(model).values() for name in names]
+
+
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     """Replace the submodule called ``name`` (dotted path) by ``module``."""
     parent_name, _, child = name.rpartition(".")
@@ -65,6 +70,10 @@ class QuantMethod(ABC):
 
     def check_device(self, device: torch.device) -> None:
         """Raise a clear error when this method cannot run on ``device``."""
+
+    def check_model(self, model: nn.Module) -> None:
+        """Raise a clear error when ``model``'s layers cannot take this method (shapes only:
+        it runs on a meta-device model before any weights load)."""
 
     @abstractmethod
     def quantize(self, model: nn.Module, calibration: torch.Tensor | None) -> nn.Module:

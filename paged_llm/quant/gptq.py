@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paged_llm.quant.base import QuantMethod, linears_by_block, set_module
+from paged_llm.quant.base import QuantMethod, block_linear_names, linears_by_block, set_module
 from paged_llm.quant.calibration import BlockwiseCalibration
 from paged_llm.quant.int4 import minmax_params, quantize_with
 from paged_llm.quant.layers import Int4Linear, check_int4_layers
@@ -81,14 +81,17 @@ class GPTQ(QuantMethod):
         self.seq_len = seq_len
         self.block_size = block_size
 
+    def check_model(self, model: nn.Module) -> None:
+        """Every block linear's shape must suit int4 with this group size."""
+        check_int4_layers(model, block_linear_names(model), self.group_size, self.name)
+
     @torch.no_grad()
     def quantize(self, model: nn.Module, calibration: torch.Tensor | None) -> nn.Module:
         """Quantize block by block, each from the Hessians of its inputs."""
         if calibration is None:
             raise ValueError("GPTQ needs calibration token ids [N, L]")
+        self.check_model(model)
         blocks = linears_by_block(model)
-        all_names = [n for names in blocks.values() for n in names]
-        check_int4_layers(model, all_names, self.group_size, self.name)
         calib = BlockwiseCalibration(model, calibration, next(iter(blocks)))
         for block, names in blocks.items():
             hessians = self._hessians(calib, block, names)

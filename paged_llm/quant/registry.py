@@ -50,6 +50,35 @@ def build_method(spec: Any) -> QuantMethod | None:
     return method
 
 
+def checked_method(model: nn.Module, spec: Any) -> QuantMethod | None:
+    """The method ``spec`` builds for ``model`` (None: leave it as it is), after refusing what
+    the model cannot take. Reads shapes only, so it runs on a meta-device model too."""
+    loaded = prequantized_method(model.config)
+    if loaded is not None:
+        if spec in (*NO_QUANTIZATION, loaded):
+            return None
+        raise ValueError(
+            f"the checkpoint is already {loaded}-quantized; it cannot also take "
+            f"quantization={spec!r} (use quantization=None or '{loaded}')"
+        )
+    if spec in PREQUANTIZED_METHODS:
+        raise ValueError(
+            f"quantization='{spec}' loads a pre-quantized {spec.upper()} checkpoint, but this one "
+            f"has no quantization_config; to quantize a float model use 'int4_{spec}'"
+        )
+    method = build_method(spec)
+    if method is None:
+        return None
+    if not method.supports_experts and any(isinstance(m, FusedExperts) for m in model.modules()):
+        # The methods swap nn.Linear layers; stacked experts would silently stay unquantized.
+        raise ValueError(
+            f"quantization={spec!r} does not support mixture-of-experts models: their stacked "
+            "experts have no quantized kernel for it here (int8, fp8 and int4_rtn do)"
+        )
+    method.check_model(model)
+    return method
+
+
 def apply_quantization(
     model: nn.Module,
     spec: Any,
@@ -62,29 +91,10 @@ def apply_quantization(
     stdlib corpus tokenized with ``tokenizer``. For a checkpoint that is already quantized
     (config.json has a quantization_config), ``spec`` may only name its own method.
     """
-    loaded = prequantized_method(model.config)
-    if loaded is not None:
-        if spec in (*NO_QUANTIZATION, loaded):
-            return model
-        raise ValueError(
-            f"the checkpoint is already {loaded}-quantized; it cannot also take "
-            f"quantization={spec!r} (use quantization=None or '{loaded}')"
-        )
-    if spec in PREQUANTIZED_METHODS:
-        raise ValueError(
-            f"quantization='{spec}' loads a pre-quantized {spec.upper()} checkpoint, but this one "
-            f"has no quantization_config; to quantize a float model use 'int4_{spec}'"
-        )
-    method = build_method(spec)
+    method = checked_method(model, spec)
     if method is None:
         return model
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
-    if experts and not method.supports_experts:
-        # The methods swap nn.Linear layers; stacked experts would silently stay unquantized.
-        raise ValueError(
-            f"quantization={spec!r} does not support mixture-of-experts models: their stacked "
-            "experts have no quantized kernel for it here (int8, fp8 and int4_rtn do)"
-        )
     if method.needs_calibration and calibration is None:
         from paged_llm.quant.calibration import default_calibration
 

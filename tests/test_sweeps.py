@@ -1,0 +1,115 @@
+"""Hydra-native ablations (issue 38): the shared engine groups, a real -m sweep of the throughput
+benchmark merged by the sweep callback, one offline W&B run per job in the sweep's group, and
+bad overrides refused before any work."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from paged_llm.config import engine_config_from_dict
+from paged_llm.metrics import sweep_table
+from paper_repro.common import compose
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model=tiny", "baselines=[]", "num_requests=3", "workload.max_total=32",
+        "warmup_requests=1", "num_threads=1"]  # fmt: skip
+
+
+def _throughput(tmp_path, *args, check=True):
+    """``python -m experiments.throughput ARGS`` in a subprocess with offline W&B under tmp."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wb"),
+           "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    (tmp_path / "wb").mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "experiments.throughput", *args]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A real 2 x 2 multirun (quant x speculative) of the throughput benchmark, logged to W&B."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    sweep_dir = tmp / "ablation-2x2"
+    _throughput(tmp, "-m", "quant=none,int8", "speculative=none,ngram", *TINY, "logger=wandb",
+                f"hydra.sweep.dir={sweep_dir}")  # fmt: skip
+    return tmp, sweep_dir
+
+
+def test_sweep_merges_every_job_with_its_overrides(sweep):
+    _, sweep_dir = sweep
+    rows = list(csv.DictReader((sweep_dir / "sweep.csv").read_text().splitlines()))
+    got = {(r["quant"], r["speculative"]) for r in rows}
+    assert got == {("none", "none"), ("none", "ngram"), ("int8", "none"), ("int8", "ngram")}
+    for r in rows:
+        job = json.loads((sweep_dir / r["job"] / "throughput.json").read_text())
+        assert float(r["output_tokens_per_s"]) == job["systems"]["paged_llm"]["output_tokens_per_s"]
+        assert r["mode"] == "real" and r["device"] == "cpu" and r["cpu"]  # real, and where
+        spec = job["config"]["engine"]["speculative_config"]
+        assert (spec or {}).get("method", "none") == r["speculative"]  # the job ran its override
+    md = (sweep_dir / "sweep.md").read_text()
+    assert "varying quant, speculative" in md and "real" in md
+    assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + 4  # header + jobs
+    assert "| 3 | int8 | ngram | real |" in md
+    assert (sweep_dir / "sweep.png").stat().st_size > 1000
+
+
+def test_wandb_offline_one_run_per_job_in_the_sweeps_group(sweep):
+    tmp, sweep_dir = sweep
+    runs = sorted((tmp / "wb" / "wandb").glob("offline-run-*"))
+    jobs = [r for r in runs if (r / "files" / "throughput.json").is_file()]
+    summary = [r for r in runs if (r / "files" / "sweep.csv").is_file()]
+    assert len(jobs) == 4 and len(summary) == 1
+    for run in runs:  # the group (the sweep directory's name) is in every run's record
+        assert sweep_dir.name.encode() in next(run.glob("run-*.wandb")).read_bytes()
+    for run in jobs:  # config and metrics
+        data = next(run.glob("run-*.wandb")).read_bytes()
+        assert b"paged_llm/output_tokens_per_s" in data and b"speculative_config" in data
+    table = next((summary[0] / "files" / "media" / "table").glob("sweep_*.table.json"))
+    assert len(json.loads(table.read_text())["data"]) == 4
+
+
+def test_unknown_group_option_stops_the_sweep_before_any_job(tmp_path):
+    out = _throughput(tmp_path, "-m", "quant=none,int3", *TINY,
+                      f"hydra.sweep.dir={tmp_path / 's'}", check=False)  # fmt: skip
+    assert out.returncode != 0
+    assert "sweep stopped before any job ran; [quant=int3" in out.stderr
+    assert "Could not find 'quant/int3'" in out.stderr and "int4_awq" in out.stderr  # the options
+    assert not (tmp_path / "s" / "0").exists()  # job 0 (quant=none) never started
+
+
+def test_quant_method_the_model_cannot_take_stops_the_sweep(tmp_path):
+    narrow = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128",
+              "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=4"]  # fmt: skip
+    out = _throughput(tmp_path, "-m", "quant=int8,int4_rtn", *narrow, "baselines=[]",
+                      f"hydra.sweep.dir={tmp_path / 's'}", check=False)  # fmt: skip
+    assert out.returncode != 0
+    assert "the quant method cannot quantize this LlamaForCausalLM" in out.stderr
+    assert "group_size 128 does not divide the layer's 64 input features" in out.stderr
+    assert not (tmp_path / "s" / "0").exists()
+
+
+def test_groups_compose_into_the_engine_config():
+    over = ["quant=int8", "kv_cache_dtype=fp8_e4m3", "scheduling=priority", "speculative=ngram"]
+    cfg = engine_config_from_dict(OmegaConf.to_container(compose("config", over), resolve=True))
+    assert cfg.model.quantization["_target_"].endswith("Int8WeightOnly")
+    assert cfg.cache.kv_cache_dtype == "fp8_e4m3" and cfg.scheduler.scheduling_policy == "priority"
+    assert cfg.speculative_config["method"] == "ngram"
+    plain = engine_config_from_dict(OmegaConf.to_container(compose("config"), resolve=True))
+    assert plain.model.quantization is None and plain.speculative_config is None
+    legacy = compose("throughput", ["engine.block_size=32", "cache.kv_cache_dtype=int8"])
+    assert legacy.engine.block_size == 32 and legacy.engine.kv_cache_dtype == "int8"
+
+
+def test_sweep_table_lookup_and_swept_keys():
+    data = {"a": {"b": [1, {"c": 2}]}}
+    assert sweep_table.lookup(data, "a.b.1.c") == 2 and sweep_table.lookup(data, "a.x") is None
+    rows = [{"job": "0", "q": "none", "n": "3", "v": 1.0}, {"job": "1", "q": "int8", "n": "3"}]
+    assert sweep_table.swept_keys(rows, {"v": "x"}) == ["q"]
