@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from paged_llm.metrics.serving import mean_batched_requests, serving_metrics
+from paged_llm.metrics.sweep import SweepSummary
 from paper_repro.common import Experiment, figure, hydra_output_dir, setup, write_results
 from paper_repro.paper_numbers import FIG18B
 from paper_repro.seeds import over_seeds
@@ -127,11 +127,28 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     return paths
 
 
-class CollectSweep(Callback):
-    """After a multirun, merge every job's fig18b.json into the sweep directory's figure."""
+# The generic sweep table's columns: each job's first block size per workload.
+SWEEP_COLUMNS = {
+    "mode": "run_info.mode",
+    "hardware": "run_info.hardware",
+    "sharegpt_normalized_latency": "sharegpt.0.normalized_latency",
+    "alpaca_normalized_latency": "alpaca.0.normalized_latency",
+}
+
+
+class CollectSweep(SweepSummary):
+    """After a multirun, the generic sweep table (sweep.csv / .md / .png) and every job's
+    fig18b.json merged into the sweep directory's figure."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("result", "fig18b.json")
+        kwargs.setdefault("columns", SWEEP_COLUMNS)
+        kwargs.setdefault("plot", "sharegpt_normalized_latency")
+        super().__init__(**kwargs)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Read the jobs' results and write fig18b.json / .csv / .png into the sweep dir."""
+        """Write the sweep table, then fig18b.json / .csv / .png into the sweep dir."""
+        super().on_multirun_end(config, **kwargs)
         sweep_dir = Path(config.hydra.sweep.dir)
         curves: dict[str, list[dict[str, Any]]] = {}
         info: dict[str, Any] = {}

@@ -124,6 +124,7 @@ def test_fig18b_multirun_merges_jobs(tmp_path):
         [("fig18b", tmp_path / "fig18b.json")]
     )
     assert (tmp_path / "fig18b.png").is_file() and (tmp_path / "0" / "fig18b.json").is_file()
+    assert "| 1 | 64 | simulated |" in (tmp_path / "sweep.md").read_text()  # the generic table
 
 
 class RecordingLogger(NullLogger):
