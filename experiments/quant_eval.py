@@ -23,7 +23,7 @@ from typing import Any
 import hydra
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from paged_llm.metrics.run_info import run_info
 
@@ -194,8 +194,20 @@ def microbenchmark(cfg: DictConfig) -> list[dict[str, Any]]:
 
 
 # ---- entry point -----------------------------------------------------------------------------
-def run_eval(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
-    """Every measurement of the config; writes and returns quant_eval.json's content."""
+def select_method(cfg: DictConfig, choice: str | None) -> str | None:
+    """Narrow ``methods`` (and the agreement check) to the ``quant`` group's choice, as one job
+    of ``-m quant=...`` does; none keeps every method. Returns the method evaluated, if one."""
+    if not choice or choice == "none":
+        return None
+    with open_dict(cfg):
+        cfg.methods = {choice: cfg.quant}
+        cfg.agreement.methods = [m for m in cfg.agreement.methods if m == choice]
+    return choice
+
+
+def run_eval(cfg: DictConfig, out_dir: Path, selected: str | None = None) -> dict[str, Any]:
+    """Every measurement of the config; writes and returns quant_eval.json's content
+    (``selected``: the one method a sweep job evaluated, repeated under that key)."""
     from paged_llm.models.loader import load_model
     from paged_llm.quant.calibration import calibration_windows
     from paged_llm.recipes.training import eval_windows
@@ -219,6 +231,8 @@ def run_eval(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         config=OmegaConf.to_container(cfg, resolve=True),
         **run_info("real", "cpu"),
     )
+    if selected:  # what a sweep's table reads, whichever method the job ran
+        result["selected"] = {"method": selected, **result[selected]}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "quant_eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -248,7 +262,8 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    result = run_eval(cfg, out_dir)
+    choice = select_method(cfg, HydraConfig.get().runtime.choices.get("quant"))
+    result = run_eval(cfg, out_dir, choice)
     print(summary(result))
     print(f"-> {out_dir / 'quant_eval.json'}")
 

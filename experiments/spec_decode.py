@@ -30,6 +30,19 @@ def measure_baseline(base: LLM, pool: list[list[int]], cfg: dict, into: dict) ->
             into[str(bs)] = {"seconds": secs, "output_tokens_per_s": toks / secs}
 
 
+def sweep_axes(cfg: dict) -> tuple[list[str], list[int], dict, dict]:
+    """(methods, ks, extra speculative_config keys, drafter models): the ``speculative``
+    group's one choice when given (a job of ``-m speculative=ngram,eagle``), else the lists."""
+    drafters = {"draft_model": cfg["draft"], "eagle": cfg.get("eagle", "eagle")}
+    spec = dict(cfg.get("speculative") or {})
+    if not spec:
+        return cfg["methods"], cfg["ks"], dict(cfg.get("spec_extra", {})), drafters
+    method, k = spec.pop("method"), spec.pop("num_speculative_tokens")
+    if spec.get("model"):
+        drafters[method] = spec.pop("model")
+    return [method], [k], {**spec, **cfg.get("spec_extra", {})}, drafters
+
+
 def run(cfg: dict, out_dir: Path) -> dict:
     """Sweep method x k x batch size; return and write the results."""
     import torch
@@ -39,16 +52,16 @@ def run(cfg: dict, out_dir: Path) -> dict:
     torch.set_num_threads(cfg["num_threads"])
     target = model_dir(cfg["target"])
     # the model each method drafts with (ngram needs none), built on first use
-    drafters = {"draft_model": cfg["draft"], "eagle": cfg.get("eagle", "eagle")}
+    methods, ks, extra, drafters = sweep_axes(cfg)
     common = dict(block_size=cfg["block_size"], seed=cfg["seed"], max_model_len=512)
     base = LLM(target, **common)
     pool = code_prompts(cfg["target"], cfg["num_prompts"], cfg["prompt_len"])
     timed_run(base, [pool[:2]], 4)  # warm-up
     results: dict = {"baseline": {}, "runs": []}
     measure_baseline(base, pool, cfg, results["baseline"])
-    for method in cfg["methods"]:
-        for k in cfg["ks"]:
-            spec = {"method": method, "num_speculative_tokens": k, **cfg.get("spec_extra", {})}
+    for method in methods:
+        for k in ks:
+            spec = {"method": method, "num_speculative_tokens": k, **extra}
             if method in drafters:
                 spec["model"] = model_dir(drafters[method])
             llm = LLM(target, speculative_config=spec, **common)

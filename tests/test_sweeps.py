@@ -108,8 +108,15 @@ def test_groups_compose_into_the_engine_config():
     assert legacy.engine.block_size == 32 and legacy.engine.kv_cache_dtype == "int8"
 
 
-def test_sweep_table_lookup_and_swept_keys():
+def test_sweep_table_lookup_and_swept_keys(tmp_path):
     data = {"a": {"b": [1, {"c": 2}]}}
     assert sweep_table.lookup(data, "a.b.1.c") == 2 and sweep_table.lookup(data, "a.x") is None
-    rows = [{"job": "0", "q": "none", "n": "3", "v": 1.0}, {"job": "1", "q": "int8", "n": "3"}]
-    assert sweep_table.swept_keys(rows, {"v": "x"}) == ["q"]
+    for job, policy in enumerate(["paged", "orca_oracle"]):
+        (tmp_path / str(job) / ".hydra").mkdir(parents=True)
+        (tmp_path / str(job) / ".hydra" / "overrides.yaml").write_text(
+            f"- policy={policy}\n- seeds=2\n"
+        )
+        (tmp_path / str(job) / "r.json").write_text(json.dumps({"policy": policy.upper()}))
+    rows, swept = sweep_table.collect_rows(tmp_path, "r.json", {"policy": "policy"})
+    assert swept == ["policy"]  # varied, though a result column has the same name
+    assert [r["policy"] for r in rows] == ["PAGED", "ORCA_ORACLE"] and rows[0]["seeds"] == "2"

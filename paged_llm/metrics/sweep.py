@@ -66,11 +66,10 @@ class SweepSummary(Callback):
 
     def merge(self, sweep_dir: Path) -> tuple[list[dict[str, Any]], list[Path]]:
         """The merged rows and the files written (none when no job left a result)."""
-        rows = sweep_table.collect_rows(sweep_dir, self.result, self.columns)
+        rows, swept = sweep_table.collect_rows(sweep_dir, self.result, self.columns)
         if not rows:
             return rows, []
-        swept = sweep_table.swept_keys(rows, self.columns)
-        keys = ["job", *swept, *self.columns]
+        keys = list(dict.fromkeys(["job", *swept, *self.columns]))
         title = f"{self.name}: {len(rows)} jobs, varying {', '.join(swept) or 'nothing'}"
         where = [str(v) for k in self.describe for v in dict.fromkeys(r.get(k) for r in rows) if v]
         title += f" ({'; '.join(where)})" if where else ""

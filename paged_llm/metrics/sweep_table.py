@@ -40,21 +40,21 @@ def _job_key(path: Path) -> tuple[int, str]:
     return (int(name), name) if name.isdigit() else (1 << 30, name)
 
 
-def collect_rows(sweep_dir: Path, result: str, columns: Mapping[str, str]) -> list[dict[str, Any]]:
-    """One row per job directory holding ``result``: job, its overrides, then the columns."""
-    rows = []
+def collect_rows(
+    sweep_dir: Path, result: str, columns: Mapping[str, str]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """One row per job directory holding ``result`` (job, its overrides, then the columns; a
+    column named like an override key replaces it), and the override keys the sweep varied."""
+    rows, overrides = [], []
     for path in sorted(Path(sweep_dir).glob(f"*/{result}"), key=_job_key):
         data = json.loads(path.read_text())
-        row: dict[str, Any] = {"job": path.parent.name, **job_overrides(path.parent)}
+        overrides.append(job_overrides(path.parent))
+        row: dict[str, Any] = {"job": path.parent.name, **overrides[-1]}
         row.update({name: lookup(data, dotted) for name, dotted in columns.items()})
         rows.append(row)
-    return rows
-
-
-def swept_keys(rows: list[dict[str, Any]], columns: Mapping[str, str]) -> list[str]:
-    """The override keys whose value differs between jobs (what the sweep varied)."""
-    keys = dict.fromkeys(k for r in rows for k in r if k != "job" and k not in columns)
-    return [k for k in keys if len({str(r.get(k)) for r in rows}) > 1]
+    keys = dict.fromkeys(k for job in overrides for k in job)
+    swept = [k for k in keys if len({job.get(k) for job in overrides}) > 1]
+    return rows, swept
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
