@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from paper_repro import fig2, fig12, fig13
 from paper_repro.common import compose
-from paper_repro.real_mode import keep_policies, runs_per_seed
+from paper_repro.real_mode import keep_policies, num_runs
 
 FIGURES = {
     "fig2": (fig2, "fig2_real"),
@@ -33,7 +33,7 @@ FIGURES = {
 
 def split_budget(budget_s: float, configs: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Each figure's share of ``budget_s``, in proportion to its engine runs."""
-    runs = {name: runs_per_seed(keep_policies(copy.deepcopy(c))) for name, c in configs.items()}
+    runs = {name: num_runs(keep_policies(copy.deepcopy(c))) for name, c in configs.items()}
     total = sum(runs.values())
     return {name: budget_s * n / total for name, n in runs.items()}
 

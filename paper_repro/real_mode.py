@@ -23,6 +23,7 @@ from typing import Any
 
 from paged_llm.sim.kv_budget import kv_budget
 from paged_llm.sim.settings import ServingSettings
+from paper_repro.seeds import seed_list
 
 log = logging.getLogger("paper_repro")
 WARMUP_SHARE = 1 / 3  # a budgeted run averages over its last two thirds (the artifact: 300-900 s)
@@ -63,27 +64,35 @@ def budget_for(cfg: dict[str, Any]) -> Any:
     return kv_budget(cfg["kv_budget_of"], model_hf_config(model), settings, str(model))
 
 
-def runs_per_seed(cfg: dict[str, Any]) -> int:
-    """How many engine runs one seed of the figure makes (probes included)."""
-    workloads = len(cfg.get("workloads") or {}) or 1
+def probe_runs(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None, str]]:
+    """The capacity probes a figure makes, once before its seeds: (workload name, its spec or
+    None for ``workload``, policy). Fig. 12 probes each policy (its rates are fractions of each
+    one's capacity); Fig. 2 and Fig. 13 the reference policy on each workload."""
+    if not cfg.get("probe"):
+        return []
+    ref = cfg["probe"].get("reference_policy", "paged")
+    name = cfg["workload"].get("name", "workload")
+    if "rates" in cfg:  # Fig. 12
+        return [(name, None, p) for p in cfg["rates"]]
+    if cfg.get("workloads"):  # Fig. 13
+        return [(w, spec, ref) for w, spec in cfg["workloads"].items()]
+    return [(name, None, ref)]  # Fig. 2
+
+
+def num_runs(cfg: dict[str, Any]) -> int:
+    """How many engine runs the figure makes: its measurements once per seed, then the probes
+    (which run once)."""
     if "rates" in cfg:  # Fig. 12: one run per (policy, rate)
-        runs = sum(len(r) for p, r in cfg["rates"].items() if p in cfg["policies"])
+        per_seed = sum(len(r) for p, r in cfg["rates"].items() if p in cfg["policies"])
     else:  # Fig. 2 / 13: one run per (workload, policy)
-        runs = workloads * len(cfg["policies"])
-    probe = cfg.get("probe")
-    if probe:
-        probed = len(cfg["rates"]) if "rates" in cfg else 1
-        runs += workloads * probed
-    return runs
+        per_seed = (len(cfg.get("workloads") or {}) or 1) * len(cfg["policies"])
+    return per_seed * len(seed_list(cfg)) + len(probe_runs(cfg))
 
 
 def apply_time_budget(cfg: dict[str, Any]) -> None:
     """Give every run an equal share of ``budget_s``: its arrivals span the share less a drain
     margin, the averaging window is the span after a warm-up third, and runs stop at its end."""
-    seeds = cfg.get("seeds") or [0]
-    n_seeds = seeds if isinstance(seeds, int) else len(seeds)
-    share = float(cfg["budget_s"]) / (runs_per_seed(cfg) * n_seeds)
-    span = share * 0.9  # the rest: start-up and the step that crosses the stop time
+    span = 0.9 * float(cfg["budget_s"]) / num_runs(cfg)  # the rest: start-up, the last step
     window = [span * WARMUP_SHARE, span]
     for spec in [cfg["workload"], *(cfg.get("workloads") or {}).values()]:
         spec.update(duration_s=span, num_requests=None)
@@ -92,7 +101,7 @@ def apply_time_budget(cfg: dict[str, Any]) -> None:
         cfg["windows"] = {w: list(window) for w in cfg["windows"]}
     cfg["stop_time_s"] = span
     if cfg.get("probe"):
-        cfg["probe"]["max_s"] = share * 0.9
+        cfg["probe"]["max_s"] = span
 
 
 def probe_capacity(exp: Any, base: dict[str, Any] | None, policy: str) -> float:
@@ -129,21 +138,19 @@ def apply_probe(exp: Any) -> None:
     workload. The capacities and the fractions are kept in ``probe``."""
     c = exp.cfg
     probe = c["probe"]
-    ref = probe.get("reference_policy", "paged")
     capacity: dict[str, dict[str, float]] = {}
-    if "rates" in c:  # Fig. 12
-        name = c["workload"].get("name", "workload")
-        capacity[name] = {p: probe_capacity(exp, None, p) for p in c["rates"]}
+    for name, spec, policy in probe_runs(c):
+        capacity.setdefault(name, {})[policy] = probe_capacity(exp, spec, policy)
+    ref = probe.get("reference_policy", "paged")
+    name = c["workload"].get("name", "workload")
+    if "rates" in c:  # Fig. 12: each policy's fractions of its own capacity
         probe["fractions"] = copy.deepcopy(c["rates"])
         c["rates"] = {p: [f * capacity[name][p] for f in fr] for p, fr in c["rates"].items()}
     elif c.get("workloads"):  # Fig. 13: each workload at its own fraction of capacity
         probe["fractions"] = {w: s["request_rate"] for w, s in c["workloads"].items()}
         for w, spec in c["workloads"].items():
-            capacity[w] = {ref: probe_capacity(exp, spec, ref)}
             spec["request_rate"] *= capacity[w][ref]
     else:  # Fig. 2
-        name = c["workload"].get("name", "workload")
-        capacity[name] = {ref: probe_capacity(exp, None, ref)}
         probe["fractions"] = c["workload"]["request_rate"]
         c["workload"]["request_rate"] *= capacity[name][ref]
     probe["capacity"] = capacity

@@ -16,7 +16,7 @@ from paged_llm.sim.kv_budget import kv_budget
 from paged_llm.sim.settings import ServingSettings
 from paper_repro import real_figures
 from paper_repro.common import compose
-from paper_repro.real_mode import prepare_config, runs_per_seed, saturated_throughput
+from paper_repro.real_mode import num_runs, prepare_config, saturated_throughput
 from paper_repro.sim_beside_real import compare
 
 ARTIFACT = ServingSettings(block_size=16, max_num_batched_tokens=2560, max_num_seqs=256)
@@ -65,7 +65,8 @@ def test_gpu_configs_take_the_artifacts_settings_and_the_a100_pool(fig):
 def test_policy_filter_and_time_budget():
     cfg = prepare_config(plain("fig12_real", ["run_policies=[paged,orca_oracle]", "budget_s=90"]))
     assert set(cfg["policies"]) == set(cfg["rates"]) == {"paged", "orca_oracle"}
-    assert runs_per_seed(cfg) == 2 * 3 + 2  # 3 fractions each, one probe each
+    assert num_runs(cfg) == 2 * 3 + 2  # 3 fractions each, one probe each
+    assert num_runs({**cfg, "seeds": [0, 1]}) == 2 * 2 * 3 + 2  # probes run once, not per seed
     share = 90 / 8
     assert cfg["stop_time_s"] == pytest.approx(0.9 * share)
     assert cfg["workload"]["duration_s"] == cfg["stop_time_s"] and cfg["probe"]["max_s"]
