@@ -28,7 +28,7 @@ from paper_repro.paper_numbers import (
     FIG19_RECOMPUTE_MS,
     FIG19_SWAP_MS,
 )
-from paper_repro.seeds import stat
+from paper_repro.seeds import stat, value_at
 
 ROOT = Path(__file__).resolve().parents[1]
 README = Path(__file__).resolve().parent / "README.md"
@@ -44,19 +44,12 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _at(d: dict[str, Any], path: str) -> Any:
-    """The value at a stats path ("paged/points/3/normalized_latency")."""
-    for key in path.split("/"):
-        d = d[int(key)] if isinstance(d, list) else d[key]
-    return d
-
-
 def _ci(d: dict[str, Any], path: str, show: Callable[[Any], str] = _num) -> str:
     """'mean [low, high]' of the quantity at ``path`` over the seeds; the plain value for one
     seed or a result file from before seeds."""
     s = stat(d, path)
     if s is None or s["ci95_low"] is None:
-        return show(_at(d, path))
+        return show(value_at(d, path))
     return f"{show(s['mean'])} [{show(s['ci95_low'])}, {show(s['ci95_high'])}]"
 
 

@@ -136,6 +136,13 @@ def over_seeds(exp: Any, measure: Measure) -> tuple[dict[str, Any], list[dict[st
     return result, rows, [w for r in runs for w in r[2]]
 
 
+def value_at(result: Any, path: str) -> Any:
+    """The value at a quantity path of a result (``"paged/points/3/normalized_latency"``)."""
+    for key in path.split("/"):
+        result = result[int(key)] if isinstance(result, list) else result[key]
+    return result
+
+
 def stat(result: dict[str, Any], path: str) -> dict[str, Any] | None:
     """The seed summary of the quantity at ``path`` (None for a one-draw result file)."""
     return (result.get("seeds") or {}).get("stats", {}).get(path)

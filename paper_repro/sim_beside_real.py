@@ -20,6 +20,7 @@ from typing import Any
 
 from paper_repro import fig2, fig12, fig13
 from paper_repro.common import compose
+from paper_repro.seeds import value_at
 
 MODULES = {"fig2": fig2, "fig12": fig12, "fig13": fig13}
 # What each figure is compared on: result path -> label (the path's last key is the quantity).
@@ -62,14 +63,6 @@ def simulated_twin(real_cfg: dict[str, Any], hardware: str, seeds: int, calibrat
     return cfg
 
 
-def value_at(result: dict[str, Any], path: str) -> Any:
-    """``result[a][b][c]`` for the path ``a/b/c`` (None where it is missing)."""
-    node: Any = result
-    for key in path.split("/"):
-        node = node.get(key) if isinstance(node, dict) else None
-    return node
-
-
 def compare(real_dir: Path, hardware: str = "h200", seeds: int = 5,
             calibration: str | None = None) -> Path:  # fmt: skip
     """Simulate every figure of ``real_dir``; write the side-by-side JSON and markdown."""
@@ -85,11 +78,11 @@ def compare(real_dir: Path, hardware: str = "h200", seeds: int = 5,
         sim = json.loads((out / name / f"{name}.json").read_text())
         stats = sim["seeds"]["stats"]
         for path, label in COMPARED[name](real).items():
-            r, s = value_at(real, path), stats.get(path) or {}
-            mean = s.get("mean", value_at(sim, path))
+            r, s = value_at(real, path), stats.get(path)
+            mean = s["mean"] if s else value_at(sim, path)
             rows.append({
                 "quantity": label, "real": r, "simulated_mean": mean,
-                "ci95": [s.get("ci95_low"), s.get("ci95_high")],
+                "ci95": [s["ci95_low"], s["ci95_high"]] if s else [None, None],
                 "relative_difference": (mean / r - 1) if r and mean is not None else None,
             })  # fmt: skip
     info = {"real_dir": str(real_dir), "hardware": hardware, "seeds": seeds,
