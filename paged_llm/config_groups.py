@@ -35,15 +35,12 @@ def model_ref(name: str) -> str:
 
 
 def check_speculative(node: Any) -> None:
-    """Refuse an unknown speculative method by name before any model loads."""
-    from paged_llm.spec.registry import SPEC_METHODS
+    """Build (not load) the drafter, as the server's --speculative-config check does, so an
+    unknown method, a missing num_speculative_tokens or a key the method does not take fails
+    before any model loads."""
+    from paged_llm.spec.registry import build_drafter
 
-    method = (node or {}).get("method")
-    if method is not None and method not in SPEC_METHODS and "." not in str(method):
-        raise ValueError(
-            f"unknown speculative method '{method}'; choose one of {sorted(SPEC_METHODS)} "
-            "(configs/speculative/)"
-        )
+    build_drafter(dict(node) if node else None)
 
 
 def preflight(cfg: Mapping[str, Any], hf_config: Any) -> None:
