@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_llm.quant.base import QuantMethod, block_linear_names, linears_by_block, set_module
+from paged_llm.quant.base import Int4GroupCheck, QuantMethod, linears_by_block, set_module
 from paged_llm.quant.calibration import BlockwiseCalibration
 from paged_llm.quant.int4 import fake_quantize, rtn_quantize
-from paged_llm.quant.layers import Int4Linear, check_int4_layers
+from paged_llm.quant.layers import Int4Linear
 
 Plan = list[tuple[str, tuple[str, ...]]]  # (layer whose output feeds the group, its linears)
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -166,7 +166,7 @@ def search_clip(
     return out
 
 
-class AWQ(QuantMethod):
+class AWQ(Int4GroupCheck, QuantMethod):
     """int4 group-wise AWQ: activation-aware scaling search (+ optional clip search)."""
 
     name = "int4_awq"
@@ -200,10 +200,6 @@ class AWQ(QuantMethod):
                 f"{sorted(SCALING_PLANS)}. Use int4_gptq or int4_rtn for this model."
             )
         return SCALING_PLANS[kind](layer)
-
-    def check_model(self, model: nn.Module) -> None:
-        """Every block linear's shape must suit int4 with this group size."""
-        check_int4_layers(model, block_linear_names(model), self.group_size, self.name)
 
     @torch.no_grad()
     def quantize(self, model: nn.Module, calibration: torch.Tensor | None) -> nn.Module:

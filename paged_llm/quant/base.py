@@ -14,6 +14,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from paged_llm.quant.layers import check_int4_layers
 from paged_llm.quant.parallel import PARALLEL_LINEARS, quantize_parallel_linear
 
 
@@ -45,6 +46,18 @@ def linears_by_block(model: nn.Module) -> OrderedDict[str, list[str]]:
 def block_linear_names(model: nn.Module) -> list[str]:
     """Every quantizable linear layer's name, block by block."""
     return [name for names in linears_by_block(model).values() for name in names]
+
+
+class Int4GroupCheck:
+    """Mixed into an int4 method with a ``group_size``: its ``check_model`` refuses a model
+    whose block linears the group size does not divide (shapes only)."""
+
+    name: str
+    group_size: int
+
+    def check_model(self, model: nn.Module) -> None:
+        """Every block linear's shape must suit int4 with this group size."""
+        check_int4_layers(model, block_linear_names(model), self.group_size, self.name)
 
 
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paged_llm.quant.base import QuantMethod, block_linear_names, linears_by_block, set_module
+from paged_llm.quant.base import Int4GroupCheck, QuantMethod, linears_by_block, set_module
 from paged_llm.quant.calibration import BlockwiseCalibration
 from paged_llm.quant.int4 import minmax_params, quantize_with
-from paged_llm.quant.layers import Int4Linear, check_int4_layers
+from paged_llm.quant.layers import Int4Linear
 
 
 def gptq_quantize(
@@ -61,7 +61,7 @@ def gptq_quantize(
     return codes, scales, zeros
 
 
-class GPTQ(QuantMethod):
+class GPTQ(Int4GroupCheck, QuantMethod):
     """int4 group-wise GPTQ with Hessians from calibration text."""
 
     name = "int4_gptq"
@@ -80,10 +80,6 @@ class GPTQ(QuantMethod):
         self.num_samples = num_samples  # calibration windows (when the caller gives none)
         self.seq_len = seq_len
         self.block_size = block_size
-
-    def check_model(self, model: nn.Module) -> None:
-        """Every block linear's shape must suit int4 with this group size."""
-        check_int4_layers(model, block_linear_names(model), self.group_size, self.name)
 
     @torch.no_grad()
     def quantize(self, model: nn.Module, calibration: torch.Tensor | None) -> nn.Module:

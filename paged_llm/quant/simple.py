@@ -7,7 +7,7 @@ import logging
 import torch
 from torch import nn
 
-from paged_llm.quant.base import PerLayerMethod, block_linear_names
+from paged_llm.quant.base import Int4GroupCheck, PerLayerMethod
 from paged_llm.quant.experts import (
     quantize_experts_fp8,
     quantize_experts_int4,
@@ -18,7 +18,6 @@ from paged_llm.quant.layers import (
     Fp8Linear,
     Int4Linear,
     Int8Linear,
-    check_int4_layers,
     check_int4_shape,
     fp8_matmul_supported,
 )
@@ -41,7 +40,7 @@ class Int8WeightOnly(PerLayerMethod):
         quantize_experts_int8(experts)
 
 
-class Int4RTN(PerLayerMethod):
+class Int4RTN(Int4GroupCheck, PerLayerMethod):
     """int4 group-wise asymmetric, round-to-nearest (the baseline GPTQ and AWQ improve on)."""
 
     name = "int4_rtn"
@@ -49,10 +48,6 @@ class Int4RTN(PerLayerMethod):
 
     def __init__(self, group_size: int = 128) -> None:
         self.group_size = group_size
-
-    def check_model(self, model: nn.Module) -> None:
-        """Every block linear's shape must suit int4 with this group size."""
-        check_int4_layers(model, block_linear_names(model), self.group_size, self.name)
 
     def quantize_linear(self, linear: nn.Linear) -> nn.Module:
         """Min-max scale and zero per group, then round."""
