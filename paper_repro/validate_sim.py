@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.bench_model import resolve_model_dir
 from paged_llm.metrics.loggers import NullLogger
 from paged_llm.workloads.arrivals import Workload, WorkloadSpec, build_workload
 from paper_repro.common import Experiment, hydra_output_dir, write_results
@@ -24,7 +26,6 @@ from paper_repro.validation.device_calibration import (
     write_calibration,
 )
 from paper_repro.validation.drift import SpeedProbe
-from paper_repro.validation.model import RandomLlama, random_llama_dir
 from paper_repro.validation.parts import PARTS, diagnostics, window_of
 
 
@@ -86,8 +87,8 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     real = instantiate(c["executor"], _convert_="all")
-    if c.get("random_llama"):
-        real.model["model"] = str(random_llama_dir(RandomLlama(**c["random_llama"])))
+    if c.get("random_llama"):  # a random Llama of that shape, written once into the cache
+        real.model["model"] = str(resolve_model_dir({"arch": c["random_llama"]}, torch.float32, 0))
     real_exp = Experiment(c, real, NullLogger(), out)
     data, probe = measure_device(
         real, real_exp.settings("paged"), c["calibration_grid"], c["calibration_law"],
