@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from paged_llm.attention.metadata import AttentionMetadata
+from paged_llm.attention.metadata import AttentionMetadata, build_attention_metadata
 
 
 class AttentionBackend(ABC):
@@ -24,9 +24,23 @@ class AttentionBackend(ABC):
     requires_contiguous_blocks: bool = False
     # Backends that store into and read from a quantized cache with scales.
     supports_quantized_kv: bool = False
+    # Backends whose decode path has no host syncs and reads no per-step host-side values, so
+    # a captured CUDA graph replays it correctly (``runner/cuda_graphs.py`` captures only these).
+    cuda_graph_safe: bool = False
 
     def check_device(self, device: torch.device) -> None:
         """Raise a clear error when this backend cannot run on ``device``."""
+
+    def build_metadata(
+        self,
+        query_lens: list[int],  # [B]
+        seq_lens: list[int],  # [B]
+        block_tables: list[list[int]],  # [B][blocks of sequence b]
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """This step's metadata from host lists (decodes first); override for another layout."""
+        return build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device)
 
     def release_buffers(self) -> None:
         """Drop scratch memory kept between steps (sleep mode frees it); none by default."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +104,7 @@ def build_metadata_any_order(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    build: Callable[..., AttentionMetadata] = build_attention_metadata,
 ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
     """Metadata for sequences in any order, batched shortest query first (as the runner orders
     its batch: decodes lead); (meta, rows, back).
@@ -110,6 +112,8 @@ def build_metadata_any_order(
     The caller's flat rows (sequence after sequence, in its order) run in the batch as
     ``x[rows]``, and a batch-ordered output goes back to the caller's order as ``out[back]``
     (both [T] int64 on ``device``). Drafters use this; the runner orders its own batch.
+    ``build`` makes the ordered batch's metadata: pass a backend's ``build_metadata`` so a
+    backend with its own layout gets it here too.
     """
     order = sorted(range(len(query_lens)), key=lambda i: query_lens[i])
     starts = [0]
@@ -120,7 +124,7 @@ def build_metadata_any_order(
     )
     back = torch.empty_like(rows)
     back[rows] = torch.arange(len(rows))
-    meta = build_attention_metadata(
+    meta = build(
         [query_lens[i] for i in order], [seq_lens[i] for i in order],
         [block_tables[i] for i in order], block_size, device,
     )  # fmt: skip

@@ -18,6 +18,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_quantized_kv = True
+    # Decode reads only device tensors and host values fixed at capture (max_seq_len).
+    cuda_graph_safe = True
 
     def check_device(self, device: torch.device) -> None:
         """Allow CUDA; allow the CPU only through Triton's interpreter (``TRITON_INTERPRET=1``)."""

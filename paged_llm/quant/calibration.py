@@ -10,7 +10,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.attention.torch_backend import TorchAttentionBackend
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.models.loader import kv_cache_shape_info
@@ -33,10 +32,11 @@ def dense_forward(
     scales = None
     if spec.quantized:
         scales = allocate_kv_scales(layers, bsz, length, kv_heads, SCALE_DTYPE, device)
-    meta = build_attention_metadata(
+    backend = TorchAttentionBackend()
+    meta = backend.build_metadata(
         [length] * bsz, [length] * bsz, [[b] for b in range(bsz)], length, device
     )
-    ctx = ForwardContext(meta, TorchAttentionBackend(), caches, scales)
+    ctx = ForwardContext(meta, backend, caches, scales)
     positions = torch.arange(length, device=device).repeat(bsz)
     return model(input_ids.reshape(-1).to(device), positions, ctx)
 

@@ -27,8 +27,9 @@ How:
   ``graph_inputs`` (``ModelRunner.capture_cuda_graphs``).
 
 Graphs are used only on CUDA, without ``enforce_eager``, at tensor_parallel_size 1 (capturing
-NCCL collectives is not verified here) and with the triton backend, whose attention reads
-only device tensors and host values fixed at capture. Everything else runs exactly as before.
+NCCL collectives is not verified here) and with an attention backend that declares
+``cuda_graph_safe`` (the triton backend), whose attention reads only device tensors and host
+values fixed at capture. Everything else runs exactly as before.
 
 Measured on an H200 (paper_repro/gpu_results.md): parity with transformers through replayed
 decode graphs, and 1,457 of 1,465 end-to-end steps replayed (run 11). The stride k + 1 graphs
@@ -53,8 +54,6 @@ from paged_llm.layers.attention import ForwardContext
 
 logger = logging.getLogger(__name__)
 
-# Backends whose decode path is graph-safe: no host syncs, no per-step host-side values.
-GRAPH_SAFE_BACKENDS = frozenset({"triton"})
 MAX_CAPTURE_SIZE = 256
 # Graphs with longer query strides stop at this many tokens per step (vLLM's default limit).
 MAX_CAPTURE_TOKENS = 512
@@ -89,7 +88,7 @@ def cuda_graph_sizes(
         reason = "tensor_parallel_size > 1 (capturing NCCL collectives is not verified)"
     elif enable_lora:
         reason = "LoRA is enabled (each step maps tokens to adapters anew)"
-    elif backend.name not in GRAPH_SAFE_BACKENDS:
+    elif not backend.cuda_graph_safe:
         reason = f"the '{backend.name}' attention backend reads per-step host values"
     if reason:
         logger.info("CUDA graphs off: %s", reason)

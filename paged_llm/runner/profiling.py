@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import allocate_kv_caches
 
@@ -23,7 +22,7 @@ def peak_forward_bytes(runner, scheduler_config, max_model_len: int) -> int:
         runner.num_layers, num_blocks, bs, runner.num_kv_heads, runner.head_dim,
         runner.dtype, runner.device,
     )  # fmt: skip
-    meta = build_attention_metadata(
+    meta = runner.backend.build_metadata(
         [num_tokens], [num_tokens], [list(range(num_blocks))], bs, runner.device
     )
     ids = torch.zeros(num_tokens, dtype=torch.long, device=runner.device)
