@@ -6,10 +6,13 @@ computing it again (no torch).
 The tier is an LRU cache of full blocks keyed by the same chained hash as the device prefix
 cache. It reuses :class:`BlockPool`: a block is taken (evicting the least recently used entry),
 registered and released at once, so every entry sits on the pool's free list in LRU order and a
-lookup that hits moves it to the back.
+lookup that hits moves it to the back. ``OffloadedPrefixes`` connects the tier to the paged
+manager's device pool.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from paged_llm.core.block_pool import BlockPool
 
@@ -58,3 +61,38 @@ class PrefixOffloadTier:
     def reset(self) -> None:
         """Forget every entry (the KV came from weights that changed)."""
         self.pool.reset_prefix_cache()
+
+
+class OffloadedPrefixes:
+    """The paged manager's use of the CPU tier: copies cached device blocks out as the device
+    pool evicts them, finds a prompt's blocks in the tier, and loads hits into fresh device
+    blocks. Copies are logged as the step's ("offload" | "onload", [(src, dst)]) block moves."""
+
+    def __init__(
+        self,
+        tier: PrefixOffloadTier,
+        pool: BlockPool,
+        log: Callable[[str, list[tuple[int, int]]], None],
+    ) -> None:
+        self.tier, self.pool, self.log = tier, pool, log
+        pool.on_evict = self.save_evicted
+
+    def save_evicted(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Copy a cached device block that is about to hold other tokens to the CPU tier."""
+        cpu = self.tier.save(block_hash, tokens)
+        if cpu is not None:
+            self.log("offload", [(block, cpu)])
+
+    def find(self, _index: int, block_hash: int, tokens: tuple[int, ...]) -> tuple[str, int] | None:
+        """("cpu", block) when the tier holds this prompt block (a ``PrefixCache`` tier)."""
+        cpu = self.tier.find(block_hash, tokens)
+        return None if cpu is None else ("cpu", cpu)
+
+    def load(self, cpu: int, block_hash: int, tokens: tuple[int, ...]) -> int:
+        """A fresh device block that the step's block moves fill from offloaded block ``cpu``,
+        registered in the device cache at once (the copy runs before anything reads it)."""
+        (block,) = self.pool.allocate(1)
+        self.log("onload", [(cpu, block)])
+        self.pool.register(block, block_hash, tokens)
+        self.tier.num_loaded += 1
+        return block

@@ -1,12 +1,14 @@
 """vLLM's policy: blocks are allocated on demand, so waste is confined to each request's last
 block. Blocks can be shared (forked sequences, prefix caching) by reference count; a shared
 block that must be written is copied first (copy-on-write). Preempted requests can be swapped
-to a CPU block pool, each shared block once. With ``offload_blocks``, cached blocks evicted from
-the device are kept in a CPU tier and copied back on a later hit (core/kv/offload.py). With a KV
-connector (kv_transfer/), prompt blocks are saved for other engines, and blocks they saved are
-loaded instead of computed (disaggregated prefill). With a sliding window (a model whose every
-layer attends to its last W positions), blocks that fell wholly out of the window are freed as
-soon as they do, their table entries becoming NULL_BLOCK (no torch)."""
+to a CPU block pool, each shared block once. Prefix caching shares the blocks of a cached
+prefix (hashing and lookup: core/kv/prefix_cache.py). With ``offload_blocks``, cached blocks
+evicted from the device are kept in a CPU tier and copied back on a later hit
+(core/kv/offload.py). With a KV connector (kv_transfer/), prompt blocks are saved for other
+engines, and blocks they saved are loaded instead of computed (disaggregated prefill;
+core/kv/connector_lookup.py). With a sliding window (a model whose every layer attends to its
+last W positions), blocks that fell wholly out of the window are freed as soon as they do,
+their table entries becoming NULL_BLOCK (core/kv/block_table.py; no torch)."""
 
 from __future__ import annotations
 
@@ -16,19 +18,15 @@ from typing import Any
 
 from paged_llm.core.block_pool import BlockPool
 from paged_llm.core.kv.base import KVCacheManager, MemoryBreakdown
-from paged_llm.core.kv.offload import PrefixOffloadTier
+from paged_llm.core.kv.block_table import NULL_BLOCK, live_blocks
+from paged_llm.core.kv.connector_lookup import ConnectorLookup
+from paged_llm.core.kv.offload import OffloadedPrefixes, PrefixOffloadTier
+from paged_llm.core.kv.prefix_cache import PrefixCache, TierLoad, TierLookup
 from paged_llm.core.request import Request
 from paged_llm.utils.checks import check_window
 
-# A block-table entry whose block fell out of the sliding window and went back to the pool.
-# Such entries are a prefix of the table; kernels never read them (the runner writes block 0
-# in their place). Keeping the entry keeps logical block i at table index i.
-NULL_BLOCK = -1
-
-
-def live_blocks(table: list[int]) -> list[int]:
-    """The real block ids of a table (without the NULL_BLOCK entries of a sliding window)."""
-    return [b for b in table if b != NULL_BLOCK]
+# NULL_BLOCK and live_blocks live in block_table.py; importing them from here still works
+__all__ = ["NULL_BLOCK", "PagedKVCacheManager", "live_blocks"]
 
 
 class PagedKVCacheManager(KVCacheManager):
@@ -66,17 +64,35 @@ class PagedKVCacheManager(KVCacheManager):
         # before anyone has to be preempted (vLLM's watermark).
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        self._hashes: dict[str, list[int]] = {}  # request -> chained hashes of its full blocks
         self._ops: list[tuple[str, list[tuple[int, int]]]] = []  # this step's block moves
         self._sharing = False  # set once any block gets a second owner (fork or cache hit)
-        self.prefix_queries = 0  # blocks looked up in the prefix cache
-        self.prefix_hits = 0  # of which found (on the device or in the offload tier)
+        # hashes and counters also serve a connector's loads when prefix caching is off
+        self.prefix_cache = PrefixCache(self.pool, block_size, sliding_window)
+        # lower tiers of the cache: their lookups, and their loads into fresh device blocks
+        self._tier_loads: dict[str, TierLoad] = {}
         self.offload = PrefixOffloadTier(offload_blocks) if offload_blocks > 0 else None
-        if self.offload is not None:
-            self.pool.on_evict = self._offload_evicted
+        self._offloaded = None
+        if self.offload is not None:  # also copies evicted cached blocks out
+            self._offloaded = OffloadedPrefixes(self.offload, self.pool, self._log)
+            self._tier_loads["cpu"] = self._offloaded.load
         self.connector = kv_connector
+        self._external = None
+        if kv_connector is not None:
+            self._external = ConnectorLookup(
+                kv_connector, self.pool, block_size, enable_prefix_caching, self._log
+            )
+            self._tier_loads["ext"] = self._external.load
         self._loads_external = kv_connector is not None and kv_connector.can_load
-        self._ext_keys: dict[str, list[int]] = {}  # request -> connector keys of its blocks
+
+    @property
+    def prefix_queries(self) -> int:
+        """Blocks looked up in the prefix cache."""
+        return self.prefix_cache.queries
+
+    @property
+    def prefix_hits(self) -> int:
+        """Of which found (on the device, in the offload tier or in the connector's store)."""
+        return self.prefix_cache.hits
 
     def num_free_blocks(self) -> int:
         """Free device blocks."""
@@ -162,10 +178,9 @@ class PagedKVCacheManager(KVCacheManager):
         self.block_tables[child.request_id] = table
         if parent.request_id in self._num_released:
             self._num_released[child.request_id] = self._num_released[parent.request_id]
-        if parent.request_id in self._hashes:
-            self._hashes[child.request_id] = list(self._hashes[parent.request_id])
-        if parent.request_id in self._ext_keys:
-            self._ext_keys[child.request_id] = list(self._ext_keys[parent.request_id])
+        self.prefix_cache.fork(parent.request_id, child.request_id)
+        if self._external is not None:
+            self._external.fork(parent.request_id, child.request_id)
 
     def free(self, request: Request) -> None:
         """Release device and swapped blocks of the request."""
@@ -177,8 +192,9 @@ class PagedKVCacheManager(KVCacheManager):
         cpu_table = self.cpu_block_tables.pop(request.request_id, None)
         if cpu_table and self.cpu_pool is not None:
             self.cpu_pool.release(live_blocks(cpu_table))
-        self._hashes.pop(request.request_id, None)
-        self._ext_keys.pop(request.request_id, None)
+        self.prefix_cache.forget(request.request_id)
+        if self._external is not None:
+            self._external.forget(request.request_id)
         self._num_released.pop(request.request_id, None)
 
     def truncate(self, request: Request, num_tokens: int) -> None:
@@ -192,28 +208,7 @@ class PagedKVCacheManager(KVCacheManager):
     # ---- prefix caching ---------------------------------------------------------------------
     def _block_hashes(self, request: Request, num_tokens: int) -> list[int]:
         """Chained hashes of the request's first num_tokens // block_size full blocks."""
-        hashes = self._hashes.setdefault(request.request_id, [])
-        bs = self.block_size
-        tokens = None
-        while len(hashes) < num_tokens // bs:
-            tokens = tokens or request.all_token_ids
-            i = len(hashes)
-            # a LoRA adapter changes every layer's K/V, so its blocks form their own chains
-            seed = ("lora", request.lora_int_id) if request.lora_int_id else None
-            prev = hashes[-1] if hashes else seed
-            hashes.append(hash((prev, tuple(tokens[i * bs : (i + 1) * bs]))))
-        # the list may run further (admission hashes the whole prompt): only the asked-for blocks,
-        # or a block half-computed by a chunk would be registered as full
-        return hashes[: num_tokens // bs]
-
-    def _external_keys(self, request: Request, num_blocks: int) -> list[int]:
-        """The connector's content keys of the request's first ``num_blocks`` full blocks."""
-        assert self.connector is not None
-        known = self._ext_keys.setdefault(request.request_id, [])
-        salt = f"lora:{request.lora_int_id}" if request.lora_int_id else ""  # as _block_hashes
-        return self.connector.block_keys(
-            known, request.all_token_ids, self.block_size, num_blocks, salt
-        )[:num_blocks]
+        return self.prefix_cache.block_hashes(request, num_tokens)
 
     def prepare_admission(self, request: Request) -> None:
         """Share cached blocks of the longest cached prefix (on the device, in the CPU tier or
@@ -226,137 +221,39 @@ class PagedKVCacheManager(KVCacheManager):
             return
         # never the whole prompt: the last token must run to produce logits
         hashes = self._block_hashes(request, request.num_tokens - 1)
-        tokens = request.all_token_ids
-        bs = self.block_size
-        # per block of the prompt: its cached device block, ("cpu", block) in the offload tier,
-        # ("ext", key) in the connector's store, or None
-        found: list[int | tuple[str, int] | None] = []
-        keys: list[tuple[int, ...]] = []  # the looked-up blocks' token ids (up to a miss)
-        ext_keys = self._external_keys(request, len(hashes)) if self._loads_external else []
-        for i, h in enumerate(hashes):
-            key = tuple(tokens[i * bs : (i + 1) * bs])
-            keys.append(key)
-            hit: int | tuple[str, int] | None = self.pool.lookup(h, key)
-            if hit is None and self.offload is not None:
-                cpu = self.offload.find(h, key)
-                hit = None if cpu is None else ("cpu", cpu)
-            if hit is None and self._loads_external:
-                hit = ("ext", ext_keys[i]) if self.connector.contains(ext_keys[i]) else None
-            found.append(hit)
-            if hit is None and self.sliding_window is None:
-                break  # a full-attention prefix needs every block from the start
-        num_hit, first = self._cached_prefix(found)
-        num_hit = self._affordable(found, first, num_hit)
-        self.prefix_queries += len(hashes)
-        self.prefix_hits += num_hit
+        tiers: list[TierLookup] = []  # where a block missing on the device is looked for next
+        if self._offloaded is not None:
+            tiers.append(self._offloaded.find)
+        if self._loads_external:
+            tiers.append(self._external.tier_for(request, len(hashes)))
+        found, keys = self.prefix_cache.find(hashes, request.all_token_ids, tiers)
+        num_hit, first = self.prefix_cache.longest_prefix(found)
+        num_hit = self.prefix_cache.affordable(found, first, num_hit)
+        self.prefix_cache.count(len(hashes), num_hit)
         # With a sliding window the first query (at the end of the prefix) reads only the last
         # W positions: blocks before them are neither needed nor taken (their entries stay NULL).
         hits = found[first:num_hit]
-        on_device = [b for b in hits if isinstance(b, int)]
+        # offloaded hits are pinned while fresh blocks are allocated for them: an allocation
+        # evicts (and offloads) other cached blocks, never one of these
         offloaded = [b[1] for b in hits if not isinstance(b, int) and b[0] == "cpu"]
-        # both kinds of hit are held while fresh blocks are allocated for the offloaded ones:
-        # an allocation evicts (and offloads) other cached blocks, never one of these
-        for b in on_device:
-            self.pool.take_cached(b)
         if self.offload is not None:
             self.offload.pin(offloaded)
-        table = []
-        for i, b in enumerate(hits, start=first):
-            if isinstance(b, int):
-                table.append(b)
-            elif b[0] == "cpu":
-                table.append(self._load(b[1], hashes[i], keys[i]))
-            else:
-                table.append(self._load_external(b[1], hashes[i], keys[i]))
+        table = self.prefix_cache.take(hits, first, hashes, keys, self._tier_loads)
         if self.offload is not None:
             self.offload.unpin(offloaded)
-        self._sharing = self._sharing or bool(on_device)
-        request.num_cached_tokens = num_hit * bs
+        self._sharing = self._sharing or any(isinstance(b, int) for b in hits)
+        request.num_cached_tokens = num_hit * self.block_size
         if num_hit:
             self.block_tables[request.request_id] = [NULL_BLOCK] * first + table
             if first:
                 self._num_released[request.request_id] = first
-            request.num_computed_tokens = num_hit * bs
-
-    def _affordable(self, found: list, first: int, num_hit: int) -> int:
-        """``num_hit`` cut where the hits would need more free device blocks than there are:
-        an offloaded block needs a fresh one, a cached block nobody holds leaves the free
-        list."""
-        free = self.pool.num_free
-        for i in range(first, num_hit):
-            b = found[i]
-            free -= 1 if not isinstance(b, int) or self.pool.ref_counts[b] == 0 else 0
-            if free < 0:  # (a windowed prefix cut short would need other blocks: none)
-                return i if self.sliding_window is None else 0
-        return num_hit
-
-    def _load(self, cpu: int, block_hash: int, tokens: tuple[int, ...]) -> int:
-        """A fresh device block that the step's block moves fill from offloaded block ``cpu``,
-        registered in the device cache at once (the copy runs before anything reads it)."""
-        assert self.offload is not None
-        (block,) = self.pool.allocate(1)
-        self._log("onload", [(cpu, block)])
-        self.pool.register(block, block_hash, tokens)
-        self.offload.num_loaded += 1
-        return block
-
-    def _load_external(self, key: int, block_hash: int, tokens: tuple[int, ...]) -> int:
-        """A fresh device block that the step's connector load fills from the store's block
-        ``key``; it joins the device prefix cache (if on) at once, as a CPU-tier load does."""
-        (block,) = self.pool.allocate(1)
-        self._log("kv_load", [(key, block)])
-        if self.enable_prefix_caching:
-            self.pool.register(block, block_hash, tokens)
-        return block
+            request.num_computed_tokens = num_hit * self.block_size
 
     def plan_kv_saves(self, scheduled: list[Any]) -> None:
         """Producer: log a save of every full prompt block this step computes that the
         connector's store lacks (the runner writes them after the forward pass)."""
-        if self.connector is None or not self.connector.can_save:
-            return
-        bs = self.block_size
-        pairs: list[tuple[int, int]] = []
-        logged: set[int] = set()
-        for s in scheduled:
-            req = s.request
-            start = req.num_computed_tokens // bs
-            end = min(req.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens) // bs
-            if end <= start:
-                continue
-            keys = self._external_keys(req, end)
-            table = self.block_tables[req.request_id]
-            for i in range(start, end):
-                key = keys[i]
-                if (
-                    table[i] != NULL_BLOCK
-                    and key not in logged
-                    and not self.connector.contains(key)
-                ):
-                    logged.add(key)
-                    pairs.append((table[i], key))
-        if pairs:
-            self._log("kv_save", pairs)
-
-    def _offload_evicted(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
-        """Copy a cached device block that is about to hold other tokens to the CPU tier."""
-        assert self.offload is not None
-        cpu = self.offload.save(block_hash, tokens)
-        if cpu is not None:
-            self._log("offload", [(block, cpu)])
-
-    def _cached_prefix(self, found: list) -> tuple[int, int]:
-        """(blocks of the longest prefix that need not be computed, the first of them the next
-        query reads). Full attention: the leading run of cached blocks. A sliding window: the
-        longest prefix whose blocks inside the window are cached, whatever came before (vLLM's
-        sliding-window rule; earlier blocks may have been evicted)."""
-        if self.sliding_window is None:
-            num = next((i for i, b in enumerate(found) if b is None), len(found))
-            return num, 0
-        for num in range(len(found), 0, -1):
-            first = max(0, num * self.block_size - self.sliding_window) // self.block_size
-            if all(b is not None for b in found[first:num]):
-                return num, first
-        return 0, 0
+        if self._external is not None and self._external.can_save:
+            self._external.plan_saves(scheduled, self.block_tables)
 
     def cancel_admission(self, request: Request) -> None:
         """Undo prepare_admission for a request that did not get in after all."""
@@ -371,20 +268,12 @@ class PagedKVCacheManager(KVCacheManager):
         """Register the request's newly completed full blocks in the prefix cache, then free
         the blocks that fell out of the sliding window."""
         if self.enable_prefix_caching:
-            self._register_full_blocks(request)
+            # freed blocks (out of the window) were registered before they were freed
+            start = self._num_released.get(request.request_id, 0)
+            table = self.block_tables.get(request.request_id, [])
+            self.prefix_cache.register(request, table, start)
         if self.sliding_window is not None:
             self._release_out_of_window(request)
-
-    def _register_full_blocks(self, request: Request) -> None:
-        """Offer every full, computed block of the request to the prefix cache."""
-        table = self.block_tables.get(request.request_id, [])
-        hashes = self._block_hashes(request, request.num_computed_tokens)
-        tokens = request.all_token_ids
-        bs = self.block_size
-        start = self._num_released.get(request.request_id, 0)  # freed blocks were registered
-        for i in range(start, min(len(hashes), len(table))):
-            if not self.pool.is_cached(table[i]):
-                self.pool.register(table[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
 
     def _release_out_of_window(self, request: Request) -> None:
         """Free the blocks no later token can see: the next query sits at position
@@ -414,7 +303,7 @@ class PagedKVCacheManager(KVCacheManager):
 
     def prefix_cache_hit_rate(self) -> float:
         """Fraction of looked-up prompt blocks found in the cache."""
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+        return self.prefix_cache.hit_rate()
 
     # ---- swapping ---------------------------------------------------------------------------
     def swap_out(self, requests: list[Request]) -> list[tuple[int, int]] | None:
