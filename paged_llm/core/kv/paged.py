@@ -1,18 +1,18 @@
 """vLLM's policy: blocks are allocated on demand, so waste is confined to each request's last
 block. Blocks can be shared (forked sequences, prefix caching) by reference count; a shared
 block that must be written is copied first (copy-on-write). Preempted requests can be swapped
-to a CPU block pool, each shared block once. Prefix caching shares the blocks of a cached
-prefix (hashing and lookup: core/kv/prefix_cache.py). With ``offload_blocks``, cached blocks
-evicted from the device are kept in a CPU tier and copied back on a later hit
-(core/kv/offload.py). With a KV connector (kv_transfer/), prompt blocks are saved for other
-engines, and blocks they saved are loaded instead of computed (disaggregated prefill;
-core/kv/connector_lookup.py). With a sliding window (a model whose every layer attends to its
-last W positions), blocks that fell wholly out of the window are freed as soon as they do,
-their table entries becoming NULL_BLOCK (core/kv/block_table.py; no torch)."""
+to a CPU block pool, each shared block once (core/kv/swap.py). Prefix caching shares the
+blocks of a cached prefix (hashing and lookup: core/kv/prefix_cache.py). With
+``offload_blocks``, cached blocks evicted from the device are kept in a CPU tier and copied
+back on a later hit (core/kv/offload.py). With a KV connector (kv_transfer/), prompt blocks
+are saved for other engines, and blocks they saved are loaded instead of computed
+(disaggregated prefill; core/kv/connector_lookup.py). With a sliding window (a model whose
+every layer attends to its last W positions), blocks that fell wholly out of the window are
+freed as soon as they do, their table entries becoming NULL_BLOCK (core/kv/block_table.py;
+no torch)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,6 +22,7 @@ from paged_llm.core.kv.block_table import NULL_BLOCK, live_blocks
 from paged_llm.core.kv.connector_lookup import ConnectorLookup
 from paged_llm.core.kv.offload import OffloadedPrefixes, PrefixOffloadTier
 from paged_llm.core.kv.prefix_cache import PrefixCache, TierLoad, TierLookup
+from paged_llm.core.kv.swap import SwapSpace
 from paged_llm.core.request import Request
 from paged_llm.utils.checks import check_window
 
@@ -58,8 +59,9 @@ class PagedKVCacheManager(KVCacheManager):
         self._num_released: dict[str, int] = {}  # request -> leading NULL_BLOCK entries
         self.max_step_tokens: int | None = None  # see bound_step_tokens
         self.pool = BlockPool(num_blocks)
-        self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
-        self.cpu_block_tables: dict[str, list[int]] = {}
+        self._swap = SwapSpace(num_cpu_blocks, self.pool, block_size, self._log)
+        self.cpu_pool = self._swap.cpu_pool  # the same objects, for callers that read them
+        self.cpu_block_tables = self._swap.tables
         # Keep a few blocks free at admission so running requests can grow a little
         # before anyone has to be preempted (vLLM's watermark).
         self.watermark_blocks = int(watermark * num_blocks)
@@ -189,9 +191,7 @@ class PagedKVCacheManager(KVCacheManager):
             # tail first: a prefix's later blocks are evicted before its first ones, which
             # every longer match needs (vLLM does the same)
             self.pool.release(live_blocks(table)[::-1])
-        cpu_table = self.cpu_block_tables.pop(request.request_id, None)
-        if cpu_table and self.cpu_pool is not None:
-            self.cpu_pool.release(live_blocks(cpu_table))
+        self._swap.free(request.request_id)
         self.prefix_cache.forget(request.request_id)
         if self._external is not None:
             self._external.forget(request.request_id)
@@ -305,56 +305,18 @@ class PagedKVCacheManager(KVCacheManager):
         """Fraction of looked-up prompt blocks found in the cache."""
         return self.prefix_cache.hit_rate()
 
-    # ---- swapping ---------------------------------------------------------------------------
+    # ---- swapping (core/kv/swap.py) -----------------------------------------------------------
     def swap_out(self, requests: list[Request]) -> list[tuple[int, int]] | None:
         """All-or-nothing: move the requests' blocks to CPU, each shared block once."""
-        tables = [self.block_tables.get(r.request_id, []) for r in requests]
-        unique = list(dict.fromkeys(b for t in tables for b in live_blocks(t)))
-        if self.cpu_pool is None or len(unique) > self.cpu_pool.num_free:
-            return None
-        cpu_of = dict(zip(unique, self.cpu_pool.allocate(len(unique))))
-        for r, table in zip(requests, tables):
-            cpu_table = [cpu_of.get(b, NULL_BLOCK) for b in table]  # a freed block stays freed
-            self.cpu_block_tables[r.request_id] = cpu_table
-            self.block_tables.pop(r.request_id, None)
-            self.pool.release(live_blocks(table)[::-1])
-        # the CPU copy is owned by as many requests as owned the device block
-        for table in tables:
-            self.cpu_pool.share([cpu_of[b] for b in live_blocks(table)])
-        self.cpu_pool.release(list(cpu_of.values()))
-        self._log("swap_out", list(cpu_of.items()))
-        return list(cpu_of.items())
+        return self._swap.swap_out(requests, self.block_tables)
 
     def can_swap_in(self, requests: list[Request], num_new_tokens: int) -> bool:
         """True when the swapped blocks and the next tokens' blocks fit on the device."""
-        tables = [self.cpu_block_tables.get(r.request_id, []) for r in requests]
-        holders = Counter(b for table in tables for b in live_blocks(table))
-        need = len(holders)  # each shared block comes back once
-        writers: Counter[int] = Counter()
-        for r, table in zip(requests, tables):
-            end = self.blocks_for(r.num_computed_tokens + num_new_tokens)
-            need += max(0, end - len(table))
-            writers.update(table[r.num_computed_tokens // self.block_size : end])
-        # k writers of a block that h sequences share copy it min(k, h - 1) times (the last
-        # holder writes in place); counting exactly matters, because a group that fills the
-        # whole pool must still come back when it is alone
-        need += sum(min(k, holders[b] - 1) for b, k in writers.items())
-        return need <= self.pool.num_free
+        return self._swap.can_swap_in(requests, num_new_tokens)
 
     def swap_in(self, requests: list[Request]) -> list[tuple[int, int]]:
         """Move the requests' swapped blocks back to the device, each shared block once."""
-        assert self.cpu_pool is not None
-        tables = [self.cpu_block_tables.pop(r.request_id) for r in requests]
-        unique = list(dict.fromkeys(b for t in tables for b in live_blocks(t)))
-        dev_of = dict(zip(unique, self.pool.allocate(len(unique))))
-        for r, cpu_table in zip(requests, tables):
-            table = [dev_of.get(b, NULL_BLOCK) for b in cpu_table]
-            self.block_tables[r.request_id] = table
-            self.pool.share(live_blocks(table))
-            self.cpu_pool.release(live_blocks(cpu_table))
-        self.pool.release(list(dev_of.values()))
-        self._log("swap_in", list(dev_of.items()))
-        return list(dev_of.items())
+        return self._swap.swap_in(requests, self.block_tables)
 
     def memory_breakdown(self, requests: Iterable[Request]) -> MemoryBreakdown:
         """Token states vs. unfilled slots in allocated blocks vs. free blocks.
