@@ -24,9 +24,9 @@ WAYS = ("full decode every step", "incremental", "no text")
 def run_once(llm: LLM, way: str, prompts: list[dict], tokens: int) -> tuple[float, list[str]]:
     """Seconds to generate every prompt's ``tokens`` tokens one way; the texts."""
     engine = llm.llm_engine
-    facts = engine._tokenizer_facts
+    facts = engine.text.facts
     if way == "full decode every step":
-        engine._tokenizer_facts = None  # what every sequence falls back to: decode it all
+        engine.text.facts = None  # what every sequence falls back to: decode it all
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,
                             detokenize=way != "no text")  # fmt: skip
     try:
@@ -34,7 +34,7 @@ def run_once(llm: LLM, way: str, prompts: list[dict], tokens: int) -> tuple[floa
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
     finally:
-        engine._tokenizer_facts = facts
+        engine.text.facts = facts
     return seconds, [o.outputs[0].text for o in outs]
 
 

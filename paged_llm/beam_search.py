@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paged_llm.core.request import Request, RequestStatus
+from paged_llm.engine.core import LogprobsForward
 from paged_llm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -122,10 +123,9 @@ def beam_search(
         done.append([])
         num_prompt.append(req.num_prompt_tokens)
     rows: dict[str, Any] = {}
+    forward = LogprobsForward(engine.runner, rows)  # beam search picks the tokens itself
     while any(live):
-        out = sched.schedule(engine.clock())
-        rows.update(engine.runner.execute_logprobs(out))
-        sched.update_from_output(out, {}, engine.clock())
+        engine.core.step(forward)
         if on_step is not None:
             on_step(engine)
         for p, beams in enumerate(live):

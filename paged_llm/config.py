@@ -165,6 +165,9 @@ class EngineConfig:
     # KVTransferConfig; None: no KV moves between engines (docs/kv_transfer.md)
     kv_transfer_config: Any = None
     log_stats: bool = False
+    # Extra engine plug-ins (engine/plugins.py), each a dotted path or {_target_: ..., args};
+    # built with ``engine=`` the LLMEngine, after the built-in ones, and called in this order
+    plugins: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.kv_transfer_config = as_kv_transfer_config(self.kv_transfer_config)
@@ -178,7 +181,7 @@ class EngineConfig:
         owner = {f.name: name for name, sec in sections.items() for f in fields(sec)}
         changes: dict[str, dict[str, Any]] = {name: {} for name in sections}
         for key, value in kwargs.items():
-            if key in ("attention_backend", "log_stats", "speculative_config"):
+            if key in ("attention_backend", "log_stats", "speculative_config", "plugins"):
                 setattr(cfg, key, value)
             elif key == "disable_log_stats":  # vLLM's name, inverted
                 cfg.log_stats = not value
@@ -230,4 +233,5 @@ def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
         attention_backend=cfg.get("attention", "auto"),
         speculative_config=speculative_spec(cfg.get("speculative")),
         kv_transfer_config=cfg.get("kv_transfer") or None,
+        plugins=list(cfg.get("plugins") or []),
     )

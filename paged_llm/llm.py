@@ -334,7 +334,7 @@ class LLM:
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from err
         for g in groups:
-            engine._enqueue(g)
+            engine.enqueue(g)
         index = {g.request_id: i for i, g in enumerate(groups)}
         results: list[Any] = [None] * len(groups)
         try:

@@ -254,7 +254,7 @@ def test_runner_order_puts_short_queries_right_after_decodes(query_lens):
     behind a long prompt chunk still lands in the leading run the kernel rows take."""
     from types import SimpleNamespace
 
-    from paged_llm.runner.model_runner import order_for_backend
+    from paged_llm.runner.batch import order_for_backend
 
     scheduled = [SimpleNamespace(num_new_tokens=q, index=i) for i, q in enumerate(query_lens)]
     ordered = order_for_backend(scheduled)

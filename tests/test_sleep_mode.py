@@ -14,7 +14,7 @@ from test_load_weights import trained_step
 from test_models import _hf_model, _save
 
 from paged_llm import LLM, SamplingParams
-from paged_llm.engine import llm_engine
+from paged_llm.engine import worker as engine_worker
 from paged_llm.engine.loading import checkpoint_path
 from paged_llm.engine.sleep_mode import EngineAsleepError, describe
 from paged_llm.runner.sleep import (
@@ -235,9 +235,9 @@ def test_a_sleep_mode_engine_warns_when_cached_cuda_memory_is_pinned(
     monkeypatch, caplog, pinned_mib, warns
 ):
     # cached space inside segments live tensors use cannot go back to the driver (run 8 probe)
-    monkeypatch.setattr(llm_engine, "pinned_cache_bytes", lambda device: pinned_mib * 2**20)
-    with caplog.at_level("WARNING", logger=llm_engine.logger.name):
-        held = llm_engine._hold_pinned_free_space(torch.device("cuda"))
+    monkeypatch.setattr(engine_worker, "pinned_cache_bytes", lambda device: pinned_mib * 2**20)
+    with caplog.at_level("WARNING", logger=engine_worker.logger.name):
+        held = engine_worker._hold_pinned_free_space(torch.device("cuda"))
     assert ("expandable_segments:True" in caplog.text) is warns
     assert held.nbytes == 0  # CUDA never initialised here: nothing to hold
     assert pinned_cache_bytes(torch.device("cpu")) == 0

@@ -44,7 +44,7 @@ class StepMessage:
     """What ranks > 0 need to run one step: block moves, then the flat batch (or None)."""
 
     block_ops: list[tuple[str, list[tuple[int, int]]]]
-    batch: Any  # runner.model_runner.HostBatch
+    batch: Any  # runner.batch.HostBatch
 
 
 @dataclass

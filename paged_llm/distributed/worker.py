@@ -9,7 +9,7 @@ from paged_llm.distributed.parallel_state import SPAWNED_ENV
 
 
 def worker_main(rank: int, world_size: int, master_port: int, config: Any) -> None:
-    """Build the same engine as rank 0 (joining its world), serve its steps, then exit."""
+    """Build rank 0's model and runner (joining its world), serve its steps, then exit."""
     # The same variables torchrun sets, so the engine joins exactly as a torchrun rank would.
     os.environ.update(
         RANK=str(rank),
@@ -22,9 +22,11 @@ def worker_main(rank: int, world_size: int, master_port: int, config: Any) -> No
     import torch
 
     from paged_llm.distributed.launch import cpu_threads_per_rank
-    from paged_llm.engine.llm_engine import LLMEngine
+    from paged_llm.engine.worker import load_worker
 
     if not torch.cuda.is_available() or config.model.device == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(world_size))  # the cores are shared
 
-    LLMEngine(config)  # returns after rank 0 sends STOP (see TensorParallel.finish_startup)
+    worker = load_worker(config)  # the model and runner only: rank 0 schedules
+    worker.allocate()
+    worker.parallel.finish_startup(worker.runner)  # returns after rank 0 sends STOP

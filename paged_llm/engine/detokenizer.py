@@ -134,3 +134,34 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         """Text of a window of fed ids (which hold no skipped special ids)."""
         return self.rust_decode(list(ids), skip_special_tokens=False)
+
+
+class TokenTexts:
+    """The engine's tokenizer side, shared by its input and output processing: each sequence's
+    text keeper, and each token's own text (logprobs' ``decoded_token``), decoded once."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer  # None: no text (no tokenizer, or skip_tokenizer_init)
+        # how incremental detokenization reads it; None: every sequence decodes its whole text
+        self.facts = None if tokenizer is None else tokenizer_facts(tokenizer)
+        self._texts: dict[int, str] = {}
+
+    def detokenizer_for(self, params: Any) -> IncrementalDetokenizer | None:
+        """A sequence's text keeper for its SamplingParams, or None when it has no text."""
+        if self.tokenizer is None or not params.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                      params.spaces_between_special_tokens, self.facts)  # fmt: skip
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (needs a tokenizer); decoded once per vocabulary entry, ever."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def name_tokens(self, entry: dict[int, Any], params: Any) -> None:
+        """Fill each Logprob's ``decoded_token`` (the token's own text), as vLLM does."""
+        if self.tokenizer is not None and params.detokenize:
+            for token_id, logprob in entry.items():
+                logprob.decoded_token = self.token_text(token_id)

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from paged_llm.attention.base import AttentionBackend
-from paged_llm.attention.metadata import AttentionMetadata, build_attention_metadata
 from paged_llm.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_llm.layers.attention import ForwardContext
-from paged_llm.outputs import LogprobEntry
 from paged_llm.quant.kv_cache import SCALE_DTYPE, KVCacheSpec
+from paged_llm.runner.batch import (
+    HostBatch,
+    PromptLogprobs,
+    flatten_batch,
+    prompt_logprobs,
+    to_step_inputs,
+)
 from paged_llm.runner.cuda_graphs import CudaGraphRunner, is_decode_batch
 from paged_llm.runner.kv_cache import (
     KVCaches,
@@ -24,7 +28,7 @@ from paged_llm.runner.kv_cache import (
     kv_bytes_per_block,
     move_blocks,
 )
-from paged_llm.runner.sampler import Sampler, SampleResult, logprob_entries
+from paged_llm.runner.sampler import Sampler, SampleResult
 from paged_llm.runner.sleep import (
     HeldFreeSpace,
     RankMemory,
@@ -36,144 +40,6 @@ from paged_llm.runner.sleep import (
 
 logger = logging.getLogger(__name__)
 WAKE_MARGIN_BYTES = 256 * 2**20  # for the CUDA graphs captured again after waking
-
-
-@dataclass
-class HostBatch:
-    """One step's flat batch as host lists (decodes first): all any rank needs to run it."""
-
-    input_ids: list[int]  # [T]
-    positions: list[int]  # [T]
-    query_lens: list[int]  # [B]
-    seq_lens: list[int]  # [B] context length including this step's tokens
-    block_tables: list[list[int]]  # [B] physical block ids
-    sample_rows: list[int]  # [R] rows of T whose logits are needed
-    rows_per_request: list[int]  # per sampling request: 1, or 1 + number of draft tokens
-    # prompt_logprobs: rows of T whose logits score the next prompt token ([P], computed after
-    # the R sample rows), the token each scores ([P]), and per request (request id, index of
-    # its first prompt token scored, count, top-k alternatives wanted)
-    prompt_rows: list[int] = field(default_factory=list)
-    prompt_targets: list[int] = field(default_factory=list)
-    prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
-    lora_ids: list[int] = field(default_factory=list)  # [B] each request's adapter (0 = none)
-    # pooling requests: per prompt chunk (request id, first row of T, first prompt position,
-    # rows, prompt length); their rows' hidden states go to the pooler, not to the LM head
-    pool_spans: list[tuple[str, int, int, int, int]] = field(default_factory=list)
-
-
-@dataclass
-class StepInputs:
-    """The flattened batch of one step (decodes first)."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    attn_metadata: AttentionMetadata
-    sample_rows: torch.Tensor  # [R] int64: rows of T whose logits are needed
-    sampling: list[ScheduledRequest]  # the requests that sample this step, in row order
-    rows_per_request: list[int]  # 1, or 1 + number of draft tokens to verify
-
-
-def order_for_backend(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """Shortest queries first (stable): decodes lead, as AttentionMetadata requires, and short
-    multi-token queries (speculative verifications) follow them, where the CPU backend's kernel
-    rows take the leading run, instead of behind a long prompt chunk."""
-    return sorted(scheduled, key=lambda s: s.num_new_tokens)
-
-
-def flatten_batch(
-    scheduled: list[ScheduledRequest],
-) -> tuple[HostBatch, list[ScheduledRequest]]:
-    """The scheduled requests' flat host batch, and the requests that sample, in row order."""
-    ordered = order_for_backend(scheduled)
-    ids: list[int] = []
-    positions: list[int] = []
-    query_lens, seq_lens, tables, rows, sampling, per_req = [], [], [], [], [], []
-    lora_ids: list[int] = []
-    prompt_rows: list[int] = []
-    prompt_targets: list[int] = []
-    prompt_spans: list[tuple[str, int, int, int]] = []
-    pool_spans: list[tuple[str, int, int, int, int]] = []
-    for s in ordered:
-        req, start = s.request, s.request.num_computed_tokens
-        end = start + s.num_new_tokens
-        ids.extend((req.all_token_ids + req.spec_token_ids)[start:end])
-        positions.extend(range(start, end))
-        query_lens.append(s.num_new_tokens)
-        seq_lens.append(end)
-        tables.append(s.block_table)
-        lora_ids.append(req.lora_int_id)
-        if req.is_pooling:
-            first_row = len(ids) - s.num_new_tokens
-            pool_spans.append((req.request_id, first_row, start, s.num_new_tokens,
-                               req.num_prompt_tokens))  # fmt: skip
-            continue
-        if s.samples:
-            n_rows = 1 + len(req.spec_token_ids)  # verify each draft, plus one more token
-            rows.extend(range(len(ids) - n_rows, len(ids)))
-            sampling.append(s)
-            per_req.append(n_rows)
-        # the row at position p scores prompt token p + 1; the last prompt position's row
-        # scores the first output token (a sample row), so it is not one of these
-        scored_end = min(end, req.num_prompt_tokens - 1)
-        top_k = req.sampling_params.prompt_logprobs
-        if top_k is not None and start < scored_end:
-            first_row = len(ids) - (end - start)
-            prompt_rows.extend(range(first_row, first_row + scored_end - start))
-            prompt_targets.extend(req.prompt_token_ids[start + 1 : scored_end + 1])
-            prompt_spans.append((req.request_id, start + 1, scored_end - start, top_k))
-    batch = HostBatch(ids, positions, query_lens, seq_lens, tables, rows, per_req,
-                      prompt_rows, prompt_targets, prompt_spans, lora_ids, pool_spans)  # fmt: skip
-    return batch, sampling
-
-
-def to_step_inputs(
-    batch: HostBatch,
-    block_size: int,
-    device: torch.device,
-    sampling: list[ScheduledRequest] | None = None,
-) -> StepInputs:
-    """Device tensors and attention metadata of a host batch."""
-    meta = build_attention_metadata(
-        batch.query_lens, batch.seq_lens, batch.block_tables, block_size, device
-    )
-    return StepInputs(
-        input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(batch.positions, dtype=torch.long, device=device),
-        attn_metadata=meta,
-        sample_rows=torch.tensor(batch.sample_rows, dtype=torch.long, device=device),
-        sampling=sampling or [],
-        rows_per_request=batch.rows_per_request,
-    )
-
-
-def prepare_inputs(
-    scheduled: list[ScheduledRequest], block_size: int, device: torch.device
-) -> StepInputs:
-    """Gather token ids, positions, slots and block tables for the scheduled requests."""
-    batch, sampling = flatten_batch(scheduled)
-    return to_step_inputs(batch, block_size, device, sampling)
-
-
-# (index of the first prompt token scored, then per token: its logprob and the top-k's)
-PromptLogprobs = tuple[int, list[LogprobEntry]]
-
-
-def prompt_logprobs(
-    logits: torch.Tensor,  # [P, V]: the batch's prompt-logprob rows, in batch.prompt_rows order
-    batch: HostBatch,
-) -> dict[str, PromptLogprobs]:
-    """Each scored prompt token's logprob under the model (raw logits: no penalties or
-    temperature, as vLLM), plus the top ``prompt_logprobs`` alternatives."""
-    if not batch.prompt_rows:
-        return {}
-    logprobs = logits.float().log_softmax(-1).cpu()
-    out: dict[str, PromptLogprobs] = {}
-    row = 0
-    for request_id, first, count, top_k in batch.prompt_spans:
-        targets = batch.prompt_targets[row : row + count]
-        out[request_id] = (first, logprob_entries(logprobs[row : row + count], targets, top_k))
-        row += count
-    return out
 
 
 class ModelRunner:
@@ -192,6 +58,10 @@ class ModelRunner:
         seed: int = 0,
         kv_spec: KVCacheSpec | None = None,  # cache layout; default: unquantized in ``dtype``
         parallel: Any = None,  # distributed.launch.TensorParallel on rank 0 of a TP world
+        lora: Any = None,  # lora.manager.LoRAManager when LoRA is enabled
+        pooler: Any = None,  # pooling.pooler.Pooler for a pooling model
+        kv_connector: Any = None,  # kv_transfer_config's connector (its worker side: load, save)
+        drafter: Any = None,  # spec.base.Drafter: its flags say what the runner does for it
     ) -> None:
         self.model = model
         self.backend = backend
@@ -203,14 +73,15 @@ class ModelRunner:
         self.head_dim = head_dim
         self.sampler = Sampler(seed)
         self.parallel = parallel
-        self.lora: Any = None  # lora.manager.LoRAManager when LoRA is enabled (set by the engine)
-        self.pooler: Any = None  # pooling.pooler.Pooler for a pooling model (set by the engine)
+        self.lora = lora
+        self.pooler = pooler
         self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
         # capture_cuda_graphs' arguments (sizes, max_model_len, strides): wake_up redoes it
         self._graph_args: tuple[list[int], int, tuple[int, ...]] = ([], 0, (1,))
         self.sleeper = Sleeper()
-        # other owners of this rank's device memory (a draft model): ``device_memory()``
-        self.memory_owners: list[Any] = []
+        # other owners of this rank's device memory (a draft model): ``device_memory()``; their
+        # weights and KV sleep with the target's and their graphs are captured beside its own
+        self.memory_owners: list[Any] = [drafter] if drafter and drafter.runs_model else []
         self.cuda_graph_error: str | None = None  # why capturing failed, if it did
         # How each forward ran ("graph" replay of a decode graph, "graph_q<stride>" of a longer
         # stride, "eager_decode", "eager_prefill": any other batch, a verification included),
@@ -225,13 +96,14 @@ class ModelRunner:
         # the prefix cache's CPU tier (kv_offloading_size): its own pool beside the swap pool
         self.offload_caches: KVCaches = []
         self.offload_scales: KVCaches = []
-        # kv_transfer_config's connector (its worker side: load, save), set by the engine
-        self.kv_connector: Any = None
+        self.kv_connector = kv_connector
         # Pools of other owners that share the block ids (an EAGLE head's): ``block_pools(where)``
-        self.block_companions: list[Any] = []
+        self.block_companions: list[Any] = (
+            [drafter] if drafter and drafter.moves_with_blocks else []
+        )
         # Whether _run keeps each forward's final hidden states [T, H] in ``last_hidden`` (an
         # EAGLE drafter reads the target's features from them).
-        self.keep_hidden = False
+        self.keep_hidden = bool(drafter and drafter.reads_hidden_states)
         self.last_hidden: torch.Tensor | None = None
         # Scale pools and companions' pools share the caches' slots, so every block op moves
         # them alongside (the offload tier and KV connectors carry the caches and scales only).
@@ -381,6 +253,12 @@ class ModelRunner:
         """Forget a LoRA adapter on this rank; False if it was unknown."""
         return self.lora.remove(lora_id)
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished or aborted sequence's sampler (and pooler) state."""
+        self.sampler.forget(request_id)
+        if self.pooler is not None:
+            self.pooler.forget(request_id)
+
     def _forward(
         self, out: SchedulerOutput
     ) -> tuple[HostBatch | None, list[ScheduledRequest], torch.Tensor | None, torch.Tensor | None]:
@@ -438,7 +316,7 @@ class ModelRunner:
             hidden = self.cuda_graphs.replay(batch, key)  # [T, hidden]
         else:
             self._count_forward("eager_decode" if is_decode_batch(batch) else "eager_prefill")
-            inputs = to_step_inputs(batch, self.block_size, self.device)
+            inputs = to_step_inputs(batch, self.block_size, self.device, self.backend)
             ctx = ForwardContext(
                 inputs.attn_metadata, self.backend, self.kv_caches, self.kv_scales or None
             )

@@ -20,6 +20,8 @@ from typing import Any
 
 from paged_llm.core.request import Request
 from paged_llm.core.scheduler import Scheduler
+from paged_llm.engine.core import EngineCore
+from paged_llm.engine.plugins import StepState
 from paged_llm.kv_transfer.shared_storage import chain_keys
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.sim.executor import quiet_preemption_warnings, step_shape
@@ -62,6 +64,7 @@ class _Instance:
     clock: float = 0.0
     busy_s: float = 0.0
     inbox: list[tuple[float, int, Request]] = field(default_factory=list)  # a heap by time
+    core: EngineCore | None = None  # built on the first step
 
     def next_time(self) -> float:
         """When this instance next has something to do (inf: nothing)."""
@@ -76,14 +79,19 @@ class _Instance:
             self.scheduler.add_request(heapq.heappop(self.inbox)[2])
         if not self.scheduler.has_unfinished():
             return []
-        out = self.scheduler.schedule(self.clock)
+        if self.core is None:  # the engine's step, with the model's time simulated
+            self.core = EngineCore(self.scheduler, self._simulated_forward, [], lambda: self.clock)
+        return self.core.step().finished
+
+    def _simulated_forward(self, step: StepState) -> None:
+        """Advance this instance's clock by the step's simulated time; a token per sample."""
+        out = step.out
         if not out.scheduled:
             raise RuntimeError("a simulated instance can run none of its requests")
         dt = self.step_time(step_shape(out, self.block_size))
         self.clock += dt
         self.busy_s += dt
-        sampled = {s.request.request_id: [0] for s in out.scheduled if s.samples}
-        return self.scheduler.update_from_output(out, sampled, self.clock)
+        step.sampled = {s.request.request_id: [0] for s in out.scheduled if s.samples}
 
 
 @dataclass

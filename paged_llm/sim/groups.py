@@ -2,11 +2,12 @@
 forked the way the engine forks them, and the block sharing read off the real KV manager
 (plain Python, no torch).
 
-* Parallel sampling (``n > 1``) follows ``LLMEngine._enqueue`` / ``_fork_samples``: with a
-  sharing policy the first sample prefills the prompt and, in the step where that prefill
-  completes, the other samples fork its block table (shared, not copied) and re-run the last
-  prompt token, so each draws its own first token. With a reservation policy the n samples are
-  independent requests of one group (the paper's Orca baselines).
+* Parallel sampling (``n > 1``) follows the engine's ``OutputProcessor`` (its ``add`` and
+  ``before_forward``): with a sharing policy the first sample prefills the prompt and, in the
+  step where that prefill completes, the other samples fork its block table (shared, not
+  copied) and re-run the last prompt token, so each draws its own first token. With a
+  reservation policy the n samples are independent requests of one group (the paper's Orca
+  baselines).
 * Beam search (``beam_width > 1``) follows ``paged_llm/beam_search.py``: once every live beam has
   its next-token distribution, ``beam_width`` extensions are forked off their parents (blocks
   shared, copied on write) and the parents are aborted; a block frees when no beam references

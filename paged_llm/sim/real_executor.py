@@ -19,6 +19,7 @@ from paged_llm.beam_search import (
     beam_ready,
     check_beam_engine,
 )
+from paged_llm.engine.core import LogprobsForward
 from paged_llm.metrics.serving import IterationRecord, RequestRecord, RunTrace
 from paged_llm.outputs import RequestMetrics
 from paged_llm.sampling_params import SamplingParams
@@ -74,6 +75,8 @@ class RealExecutor:
         from paged_llm.engine.llm_engine import LLMEngine
 
         model = {**self.model, "max_model_len": settings.max_model_len}
+        if self.skip_tokenizer_init:
+            model["skip_tokenizer_init"] = True
         cfg = EngineConfig(
             model=ModelConfig(**model),
             cache=CacheConfig(
@@ -95,8 +98,6 @@ class RealExecutor:
         )
         engine = LLMEngine(cfg)
         engine.scheduler.track_memory = True  # record the Fig. 2 breakdown every step
-        if self.skip_tokenizer_init:
-            engine.tokenizer = None
         self._hardware = _hardware_label(engine)
         return engine
 
@@ -282,6 +283,7 @@ class _BeamSearches:
         self.engine = engine
         self.groups: dict[str, _BeamGroup] = {}
         self.rows: dict[str, Any] = {}  # sequence id -> its next-token log-probabilities
+        self.forward = LogprobsForward(engine.runner, self.rows)  # the beams pick the tokens
         self.ids = itertools.count()
 
     def add(self, tr: TimedRequest, prompt: list[int], arrival: float) -> None:
@@ -303,11 +305,8 @@ class _BeamSearches:
     def step(self) -> tuple[Any, list[Finished]]:
         """One step of the model for every scheduled beam, then a beam-search step for every
         request whose beams are all ready."""
-        sched = self.engine.scheduler
-        out = sched.schedule(self.engine.clock())
-        self.rows.update(self.engine.runner.execute_logprobs(out))
-        now = self.engine.clock()
-        sched.update_from_output(out, {}, now)
+        step = self.engine.core.step(self.forward)
+        out, now = step.out, step.now
         finished = [rid for rid, g in self.groups.items() if self._step_group(rid, g, now)]
         return out.stats, [self._finish(rid, now) for rid in finished]
 

@@ -6,27 +6,30 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from paged_llm.engine.plugins import EnginePlugin, StepState
 from paged_llm.sim.cost_model import StepShape
 from paged_llm.sim.executor import step_shape
 
 
+class StepShapeRecorder(EnginePlugin):
+    """An engine plug-in: the StepShape of every step as it will run (drafts included), read
+    before the forward, while each request's computed tokens are still those before it."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.shapes: list[StepShape] = []
+
+    def before_forward(self, step: StepState) -> None:
+        """Keep the step's shape."""
+        self.shapes.append(step_shape(step.out, self.block_size))
+
+
 @contextlib.contextmanager
 def recorded_shapes(engine: Any) -> Iterator[list[StepShape]]:
-    """Collect the StepShape of every step the engine takes inside the block. The engine does
-    not return its SchedulerOutput, so the scheduler instance's ``schedule`` is wrapped for the
-    duration: what is recorded is exactly what each step computed."""
-    sched = engine.scheduler
-    block_size = engine.config.cache.block_size
-    schedule = sched.schedule
-    shapes: list[StepShape] = []
-
-    def recording(now: float = 0.0) -> Any:
-        out = schedule(now)
-        shapes.append(step_shape(out, block_size))
-        return out
-
-    sched.schedule = recording
+    """Collect the StepShape of every step the engine takes inside the block."""
+    recorder = StepShapeRecorder(engine.config.cache.block_size)
+    engine.core.plugins.append(recorder)
     try:
-        yield shapes
+        yield recorder.shapes
     finally:
-        del sched.schedule  # the class's method again
+        engine.core.plugins.remove(recorder)

@@ -3,8 +3,9 @@
 A drafter proposes up to ``k`` tokens per scheduled decode; the target verifies them in one
 forward (``runner/sampler.py``, rejection sampling). The engine calls, in order:
 
-* at start-up: ``load(engine)`` (weights, shapes), ``bytes_per_block(block_size)`` (its KV
-  beside each block of the target's pool: the pool shrinks to fit both), ``allocate(...)``;
+* at start-up: ``load(context)`` (weights, shapes; a ``DraftContext`` describes the target),
+  ``bytes_per_block(block_size)`` (its KV beside each block of the target's pool: the pool
+  shrinks to fit both), ``allocate(...)``;
 * each step: ``propose(entries, sampler)`` before the target's forward, then, for a drafter that
   ``reads_hidden_states``, ``observe(...)`` with the target's final hidden states;
 * ``forget(request_id)`` when a request ends.
@@ -22,7 +23,25 @@ A new drafter is one class beside ngram.py / draft_model.py / eagle.py, named in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter's ``load`` may read of the target: where it runs and what it must fit."""
+
+    device: Any  # torch.device
+    dtype: Any  # torch.dtype of the target's weights
+    backend: Any  # attention.base.AttentionBackend the target uses
+    model: Any  # the target model (an EAGLE head reads its embeddings and LM head)
+    hf_config: Any  # the target's transformers config
+    parallel: Any = None  # distributed.launch.TensorParallel, or None
+
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary size: drafts must share it."""
+        return self.hf_config.vocab_size
 
 
 class Drafter(ABC):
@@ -44,8 +63,8 @@ class Drafter(ABC):
         self.k = num_speculative_tokens
         self.draft_sources = {}
 
-    def load(self, engine: Any) -> None:
-        """Load weights on the engine's device and check they fit its model (no-op)."""
+    def load(self, context: DraftContext) -> None:
+        """Load weights on the target's device and check they fit its model (no-op)."""
 
     def bytes_per_block(self, block_size: int) -> int:
         """Device bytes of the drafter's own state per block of the shared pool (none)."""

@@ -18,7 +18,7 @@ from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from paged_llm.runner.sampler import is_plain_greedy, process_request_rows
 from paged_llm.runner.sleep import RankMemory
-from paged_llm.spec.base import Drafter
+from paged_llm.spec.base import DraftContext, Drafter
 
 
 class DraftModelDrafter(Drafter):
@@ -34,21 +34,23 @@ class DraftModelDrafter(Drafter):
         self.cuda_graphs: Any = None
         self._computed: dict[str, tuple[int, int]] = {}  # request -> (preemptions, tokens)
 
-    def load(self, engine: Any) -> None:
+    def load(self, context: DraftContext) -> None:
         """Load the draft model on the target's device and check the vocabularies agree."""
         from paged_llm.engine.loading import checkpoint_path
         from paged_llm.models.loader import kv_cache_shape_info, load_model
 
         # Its linear layers stay on torch's default (MKL): a draft's weights fit in cache, where
         # MKL's lower per-call cost beats oneDNN up to 64 rows (experiments/cpu_matmul.py).
-        self.model, cfg = load_model(checkpoint_path(self.model_path), engine.dtype, engine.device)
-        if cfg.vocab_size != engine.vocab_size:
+        self.model, cfg = load_model(
+            checkpoint_path(self.model_path), context.dtype, context.device
+        )
+        if cfg.vocab_size != context.vocab_size:
             raise ValueError(
                 f"draft model vocabulary ({cfg.vocab_size}) differs from the target's "
-                f"({engine.vocab_size}); drafts must share the tokenizer"
+                f"({context.vocab_size}); drafts must share the tokenizer"
             )
         self.shape = kv_cache_shape_info(cfg)
-        self.device, self.dtype, self.backend = engine.device, engine.dtype, engine.backend
+        self.device, self.dtype, self.backend = context.device, context.dtype, context.backend
 
     def bytes_per_block(self, block_size: int) -> int:
         """Draft KV bytes that each block of the shared pool costs."""
@@ -132,8 +134,9 @@ class DraftModelDrafter(Drafter):
             # k - 1 of the k steps are one-token decodes, the first a catch-up of <= k + 1
             return self.model.compute_logits(self.cuda_graphs.replay(step, key)[last])
         meta, rows, back = build_metadata_any_order(
-            q_lens, seq_lens, tables, self.block_size, self.device
-        )
+            q_lens, seq_lens, tables, self.block_size, self.device,
+            build=self.backend.build_metadata,
+        )  # fmt: skip
         ids = torch.tensor(step.input_ids, device=self.device)[rows]
         pos = torch.tensor(step.positions, device=self.device)[rows]
         hidden = self.model(ids, pos, ForwardContext(meta, self.backend, self.kv_caches))

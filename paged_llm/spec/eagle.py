@@ -40,10 +40,10 @@ from torch import nn
 
 from paged_llm.attention.metadata import build_metadata_any_order
 from paged_llm.layers.attention import ForwardContext
+from paged_llm.runner.batch import order_for_backend
 from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
-from paged_llm.runner.model_runner import order_for_backend
 from paged_llm.runner.sleep import RankMemory
-from paged_llm.spec.base import Drafter
+from paged_llm.spec.base import DraftContext, Drafter
 from paged_llm.spec.draft_model import choose_draft_tokens
 
 
@@ -102,30 +102,30 @@ class EagleDrafter(Drafter):
         self.cuda_graphs: Any = None
         self._graph_features: torch.Tensor | None = None  # [tokens, H] the graphs' input
 
-    def load(self, engine: Any) -> None:
+    def load(self, context: DraftContext) -> None:
         """Load the head on the target's device; it reads the target's embeddings and LM head."""
         from paged_llm.engine.loading import checkpoint_path
         from paged_llm.models.eagle import load_eagle_head
         from paged_llm.models.loader import kv_cache_shape_info
 
-        self.head, cfg = load_eagle_head(checkpoint_path(self.model_path), engine.dtype,
-                                         engine.device)  # fmt: skip
-        target = engine.hf_config
-        if cfg.hidden_size != target.hidden_size or cfg.vocab_size != engine.vocab_size:
+        self.head, cfg = load_eagle_head(checkpoint_path(self.model_path), context.dtype,
+                                         context.device)  # fmt: skip
+        target = context.hf_config
+        if cfg.hidden_size != target.hidden_size or cfg.vocab_size != context.vocab_size:
             raise ValueError(
                 f"EAGLE head (hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) does not "
-                f"fit the target (hidden {target.hidden_size}, vocabulary {engine.vocab_size})"
+                f"fit the target (hidden {target.hidden_size}, vocabulary {context.vocab_size})"
             )
-        if engine.parallel is None:
+        if context.parallel is None:
             self.embed, self.logits_of = (
-                engine.model.get_input_embeddings(),
-                engine.model.compute_logits,
+                context.model.get_input_embeddings(),
+                context.model.compute_logits,
             )
         else:  # the target's are split across ranks; rank 0 drafts alone, so it needs them whole
-            self.embed, self.logits_of = whole_embedding_and_head(engine.model)
+            self.embed, self.logits_of = whole_embedding_and_head(context.model)
         _, self.num_kv_heads, self.head_dim = kv_cache_shape_info(cfg)
         self.hidden = cfg.hidden_size
-        self.device, self.dtype, self.backend = engine.device, engine.dtype, engine.backend
+        self.device, self.dtype, self.backend = context.device, context.dtype, context.backend
 
     def bytes_per_block(self, block_size: int) -> int:
         """Head KV plus the target's feature per slot, for each block of the shared pool."""
@@ -262,8 +262,9 @@ class EagleDrafter(Drafter):
             extra = [(self._graph_features, features)]
             return self.cuda_graphs.replay(step, key, extra).clone()
         meta, rows, back = build_metadata_any_order(
-            q_lens, seq_lens, tables, self.block_size, self.device
-        )
+            q_lens, seq_lens, tables, self.block_size, self.device,
+            build=self.backend.build_metadata,
+        )  # fmt: skip
         ids_t = torch.tensor(ids, device=self.device)[rows]
         pos_t = torch.tensor(positions, device=self.device)[rows]
         out = self.head(self.embed(ids_t), features[rows], pos_t,

@@ -1,0 +1,198 @@
+"""From a step's sampled tokens to vLLM's RequestOutputs: logprobs, incremental text, stop
+strings' cut, streaming deltas, parallel samples. It is also the plug-in that forks a
+request's waiting samples off its first one once that one's prompt has run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paged_llm.engine.deltas import stop_holdback
+from paged_llm.engine.detokenizer import TokenTexts
+from paged_llm.engine.plugins import EnginePlugin, StepState
+from paged_llm.engine.request_group import RequestGroup, Tracked
+from paged_llm.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from paged_llm.sampling_params import RequestOutputKind
+
+
+class OutputProcessor(EnginePlugin):
+    """The engine's user requests beside the scheduler, and the outputs each step makes."""
+
+    def __init__(self, scheduler: Any, texts: TokenTexts) -> None:
+        self.scheduler = scheduler
+        self.texts = texts
+        self.groups: dict[str, RequestGroup] = {}  # user request id -> its samples
+        self.seqs: dict[str, tuple[RequestGroup, Tracked]] = {}  # sequence id -> (group, state)
+
+    def add(self, group: RequestGroup) -> None:
+        """Queue a validated group. With a sharing policy, samples 2..n wait for the first one's
+        prefill and then fork its blocks; otherwise each sample is an independent request."""
+        first, rest = group.members[0], group.members[1:]
+        self.scheduler.add_request(first.request)
+        if self.scheduler.kv.supports_sharing:
+            group.unforked = list(rest)
+        else:
+            for t in rest:
+                self.scheduler.add_request(t.request)
+        self.groups[group.request_id] = group
+        for t in group.members:
+            self.seqs[t.request.request_id] = (group, t)
+
+    def before_forward(self, step: StepState) -> None:
+        """Fork waiting samples off a first sample whose prefill completes in this step."""
+        for s in step.out.scheduled:
+            entry = self.seqs.get(s.request.request_id)
+            if entry is None or not entry[0].unforked or not s.samples:
+                continue
+            group, first = entry
+            for t in group.unforked:
+                # recompute the last prompt token so each sample draws its own first token
+                t.request.num_computed_tokens = first.request.num_prompt_tokens - 1
+                self.scheduler.fork_request(first.request, t.request)
+            group.unforked = []
+
+    def pop(self, request_id: str) -> RequestGroup | None:
+        """Stop tracking a user request (finished or aborted); its group, if it had one."""
+        group = self.groups.pop(request_id, None)
+        for t in group.members if group is not None else []:
+            self.seqs.pop(t.request.request_id, None)
+        return group
+
+    def outputs(self, step: StepState) -> list[RequestOutput | PoolingRequestOutput]:
+        """The outputs of the requests this step advanced (the engine releases finished ones)."""
+        for rid, (first, entries) in step.prompt_logprobs.items():
+            group = self.seqs[rid][0]  # recomputed after preemption: the same values again
+            for entry in entries:
+                self.texts.name_tokens(entry, group.members[0].request.sampling_params)
+            group.prompt_logprobs[first : first + len(entries)] = entries
+        touched: dict[str, RequestGroup] = {}
+        for rid, data in step.pooled.items():  # pooling requests whose prompt this step ran
+            entry = self.seqs.get(rid)
+            if entry is not None:
+                entry[0].pooled = data
+                touched[entry[0].request_id] = entry[0]
+        for rid, result in step.results.items():
+            entry = self.seqs.get(rid)
+            if entry is None:
+                continue
+            group, tracked = entry
+            self._record_logprobs(tracked, result)
+            self._detokenize(tracked)
+            touched[group.request_id] = group
+        outputs = [self._output(group) for group in touched.values()]
+        return [o for o in outputs if o is not None]  # None: FINAL_ONLY, still running
+
+    def _record_logprobs(self, tracked: Tracked, result: Any) -> None:
+        """Add the logprobs of the step's tokens that joined the output: a speculative step
+        has several, and a stop (or an abort) may have ended the step early."""
+        if result.logprobs is None:  # the sampler computes them when the request tracks them
+            return
+        kept = min(len(tracked.request.output_token_ids) - tracked.num_scored,
+                   len(result.token_ids))  # fmt: skip
+        for token, entry in zip(result.token_ids[:kept], result.logprobs[:kept]):
+            if tracked.logprobs is not None:
+                self.texts.name_tokens(entry, tracked.request.sampling_params)
+                tracked.logprobs.append(entry)
+            tracked.cumulative_logprob += entry[token]
+        tracked.num_scored += kept
+
+    @staticmethod
+    def _detokenize(tracked: Tracked) -> None:
+        """Update the text: cut at a stop string (found by the scheduler, token by token), and
+        without the text of a stop token."""
+        if tracked.detokenizer is None:
+            return
+        req = tracked.request
+        ids = req.output_token_ids
+        if req.stopped_by_token and not req.sampling_params.include_stop_str_in_output:
+            ids = ids[:-1]  # vLLM leaves the stop token's text out
+        text = tracked.detokenizer.update(ids)
+        if tracked.stop_strings is not None and tracked.stop_strings.cut is not None:
+            text = text[: tracked.stop_strings.cut]
+        tracked.text = text
+
+    @staticmethod
+    def _completion(index: int, tracked: Tracked, delta: bool = False) -> CompletionOutput:
+        """One sequence's output: all of it, or (``delta``) what is new since the last one."""
+        req = tracked.request
+        text, token_ids, logprobs = tracked.text, list(req.output_token_ids), tracked.logprobs
+        if delta:
+            holdback = stop_holdback(req.sampling_params)
+            text, token_ids, logprobs = tracked.sent.take(
+                text, token_ids, logprobs, req.is_finished, holdback
+            )
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=(
+                tracked.cumulative_logprob if req.sampling_params.tracks_logprobs else None
+            ),
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=req.status.value if req.is_finished else None,
+            stop_reason=req.stop_reason,
+        )
+
+    def _delta_completions(self, group: RequestGroup) -> list[CompletionOutput]:
+        """DELTA: the samples with new tokens or text, or whose finish is not reported yet."""
+        completions = []
+        for i, t in enumerate(group.members):
+            c = self._completion(i, t, delta=True)
+            if c.token_ids or c.text or (c.finish_reason is not None and not t.finish_sent):
+                t.finish_sent = c.finish_reason is not None
+                completions.append(c)
+        return completions
+
+    def _output(self, group: RequestGroup) -> RequestOutput | PoolingRequestOutput | None:
+        """The request's output after this step (None: FINAL_ONLY and still running)."""
+        first = group.members[0]
+        req = first.request
+        if req.is_pooling:
+            return PoolingRequestOutput(
+                request_id=group.request_id, outputs=PoolingOutput(group.pooled),
+                prompt_token_ids=req.prompt_token_ids, finished=req.is_finished,
+                prompt=first.prompt, num_cached_tokens=req.num_cached_tokens,
+                lora_request=group.lora_request,
+                metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time,
+                                       finished_time=req.finished_time),
+            )  # fmt: skip
+        finished = not group.unforked and all(t.request.is_finished for t in group.members)
+        kind = req.sampling_params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        times = [t.request.finished_time for t in group.members if t.request.finished_time]
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            finished_time=max(times) if finished and times else None,
+            token_times=list(req.token_times),
+            num_preemptions=sum(t.request.num_preemptions for t in group.members),
+        )
+        params = req.sampling_params
+        prompt_logprobs = group.prompt_logprobs
+        if kind is RequestOutputKind.DELTA:
+            completions = self._delta_completions(group)
+            prompt_logprobs = None if group.reported else prompt_logprobs
+        else:
+            shown = group.members
+            if params.best_of > params.n:  # vLLM V0: the n highest cumulative logprobs so far
+                shown = sorted(shown, key=lambda t: t.cumulative_logprob, reverse=True)
+            completions = [self._completion(i, t) for i, t in enumerate(shown[: params.n])]
+        group.reported = True
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=metrics,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=req.num_cached_tokens,
+            lora_request=group.lora_request,
+        )

@@ -1,0 +1,71 @@
+"""The engine's plug-in interface: optional features hook into fixed points of a step.
+
+A step (engine/core.py) runs: schedule -> every plug-in's ``before_forward`` -> the forward
+-> the scheduler's update -> every plug-in's ``after_update``; a plug-in's ``forget`` runs
+when a sequence ends. Each hook reads and adds to the step's ``StepState``. The hooks do
+nothing by default, so a plug-in overrides only the points it needs, and the core never asks
+which features are on. Speculative decoding (spec/plugin.py), parallel sampling and outputs
+(engine/output_processor.py) and iteration statistics (engine/stats.py) are plug-ins;
+docs/architecture.md shows where each one hooks in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from paged_llm.core.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepState:
+    """One step's data as it moves through the core; plug-ins read it and add to it."""
+
+    out: SchedulerOutput  # what the scheduler chose: requests, token counts, block moves
+    # request id -> draft distributions [k, V] (speculative decoding with a draft model)
+    draft_probs: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)  # request id -> SampleResult
+    prompt_logprobs: dict[str, Any] = field(default_factory=dict)  # id -> (first, entries)
+    pooled: dict[str, Any] = field(default_factory=dict)  # id -> pooled output tensor
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # id -> tokens that joined
+    now: float = 0.0  # the clock after the forward, when the update runs
+    finished: list[Any] = field(default_factory=list)  # requests the update finished
+    # time.perf_counter() at the phase boundaries: "start", "scheduled", "prepared" (plug-ins
+    # before the forward done), "forwarded", "updated" (engine/profile.py reads them)
+    marks: dict[str, float] = field(default_factory=dict)
+
+
+class EnginePlugin:
+    """An optional engine feature; every hook does nothing unless overridden."""
+
+    def before_forward(self, step: StepState) -> None:
+        """After scheduling, before the model runs (e.g. propose drafts, fork samples)."""
+
+    def after_update(self, step: StepState) -> None:
+        """After the scheduler took the step's tokens (e.g. record statistics)."""
+
+    def forget(self, request_id: str) -> None:
+        """A sequence finished or was aborted: drop its state."""
+
+
+def check_plugins(specs: list[Any]) -> None:
+    """Import every configured plug-in (a dotted path or ``{_target_: ...}``) and refuse one
+    that is no EnginePlugin, before the engine loads anything."""
+    from collections.abc import Mapping
+
+    from paged_llm.utils.registry import import_target
+
+    for spec in specs:
+        if isinstance(spec, EnginePlugin):
+            continue
+        path = spec.get("_target_") if isinstance(spec, Mapping) else spec
+        if not isinstance(path, str):
+            raise ValueError(
+                f"an engine plug-in is a dotted path or {{_target_: ...}}, not {spec!r}"
+            )
+        try:
+            cls = import_target(path)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(f"engine plug-in '{path}' cannot be imported: {err}") from err
+        if not (isinstance(cls, type) and issubclass(cls, EnginePlugin)):
+            raise ValueError(f"engine plug-in '{path}' is not an EnginePlugin subclass")

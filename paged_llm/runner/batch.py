@@ -1,0 +1,146 @@
+"""One step's batch as the runner builds it: the scheduled requests flattened into host lists
+(decodes first, for the attention backends), then the device tensors a forward reads, and the
+prompt logprobs read back from its logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from paged_llm.attention.metadata import AttentionMetadata
+from paged_llm.core.scheduler import ScheduledRequest
+from paged_llm.outputs import LogprobEntry
+from paged_llm.runner.sampler import logprob_entries
+
+
+@dataclass
+class HostBatch:
+    """One step's flat batch as host lists (decodes first): all any rank needs to run it."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    query_lens: list[int]  # [B]
+    seq_lens: list[int]  # [B] context length including this step's tokens
+    block_tables: list[list[int]]  # [B] physical block ids
+    sample_rows: list[int]  # [R] rows of T whose logits are needed
+    rows_per_request: list[int]  # per sampling request: 1, or 1 + number of draft tokens
+    # prompt_logprobs: rows of T whose logits score the next prompt token ([P], computed after
+    # the R sample rows), the token each scores ([P]), and per request (request id, index of
+    # its first prompt token scored, count, top-k alternatives wanted)
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
+    lora_ids: list[int] = field(default_factory=list)  # [B] each request's adapter (0 = none)
+    # pooling requests: per prompt chunk (request id, first row of T, first prompt position,
+    # rows, prompt length); their rows' hidden states go to the pooler, not to the LM head
+    pool_spans: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class StepInputs:
+    """The flattened batch of one step (decodes first)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # [R] int64: rows of T whose logits are needed
+    sampling: list[ScheduledRequest]  # the requests that sample this step, in row order
+    rows_per_request: list[int]  # 1, or 1 + number of draft tokens to verify
+
+
+def order_for_backend(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """Shortest queries first (stable): decodes lead, as AttentionMetadata requires, and short
+    multi-token queries (speculative verifications) follow them, where the CPU backend's kernel
+    rows take the leading run, instead of behind a long prompt chunk."""
+    return sorted(scheduled, key=lambda s: s.num_new_tokens)
+
+
+def flatten_batch(
+    scheduled: list[ScheduledRequest],
+) -> tuple[HostBatch, list[ScheduledRequest]]:
+    """The scheduled requests' flat host batch, and the requests that sample, in row order."""
+    ordered = order_for_backend(scheduled)
+    ids: list[int] = []
+    positions: list[int] = []
+    query_lens, seq_lens, tables, rows, sampling, per_req = [], [], [], [], [], []
+    lora_ids: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_targets: list[int] = []
+    prompt_spans: list[tuple[str, int, int, int]] = []
+    pool_spans: list[tuple[str, int, int, int, int]] = []
+    for s in ordered:
+        req, start = s.request, s.request.num_computed_tokens
+        end = start + s.num_new_tokens
+        ids.extend((req.all_token_ids + req.spec_token_ids)[start:end])
+        positions.extend(range(start, end))
+        query_lens.append(s.num_new_tokens)
+        seq_lens.append(end)
+        tables.append(s.block_table)
+        lora_ids.append(req.lora_int_id)
+        if req.is_pooling:
+            first_row = len(ids) - s.num_new_tokens
+            pool_spans.append((req.request_id, first_row, start, s.num_new_tokens,
+                               req.num_prompt_tokens))  # fmt: skip
+            continue
+        if s.samples:
+            n_rows = 1 + len(req.spec_token_ids)  # verify each draft, plus one more token
+            rows.extend(range(len(ids) - n_rows, len(ids)))
+            sampling.append(s)
+            per_req.append(n_rows)
+        # the row at position p scores prompt token p + 1; the last prompt position's row
+        # scores the first output token (a sample row), so it is not one of these
+        scored_end = min(end, req.num_prompt_tokens - 1)
+        top_k = req.sampling_params.prompt_logprobs
+        if top_k is not None and start < scored_end:
+            first_row = len(ids) - (end - start)
+            prompt_rows.extend(range(first_row, first_row + scored_end - start))
+            prompt_targets.extend(req.prompt_token_ids[start + 1 : scored_end + 1])
+            prompt_spans.append((req.request_id, start + 1, scored_end - start, top_k))
+    batch = HostBatch(ids, positions, query_lens, seq_lens, tables, rows, per_req,
+                      prompt_rows, prompt_targets, prompt_spans, lora_ids, pool_spans)  # fmt: skip
+    return batch, sampling
+
+
+def to_step_inputs(
+    batch: HostBatch,
+    block_size: int,
+    device: torch.device,
+    backend: Any,  # attention.base.AttentionBackend: it builds the metadata it reads
+    sampling: list[ScheduledRequest] | None = None,
+) -> StepInputs:
+    """Device tensors and attention metadata of a host batch."""
+    meta = backend.build_metadata(
+        batch.query_lens, batch.seq_lens, batch.block_tables, block_size, device
+    )
+    return StepInputs(
+        input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(batch.positions, dtype=torch.long, device=device),
+        attn_metadata=meta,
+        sample_rows=torch.tensor(batch.sample_rows, dtype=torch.long, device=device),
+        sampling=sampling or [],
+        rows_per_request=batch.rows_per_request,
+    )
+
+
+# (index of the first prompt token scored, then per token: its logprob and the top-k's)
+PromptLogprobs = tuple[int, list[LogprobEntry]]
+
+
+def prompt_logprobs(
+    logits: torch.Tensor,  # [P, V]: the batch's prompt-logprob rows, in batch.prompt_rows order
+    batch: HostBatch,
+) -> dict[str, PromptLogprobs]:
+    """Each scored prompt token's logprob under the model (raw logits: no penalties or
+    temperature, as vLLM), plus the top ``prompt_logprobs`` alternatives."""
+    if not batch.prompt_rows:
+        return {}
+    logprobs = logits.float().log_softmax(-1).cpu()
+    out: dict[str, PromptLogprobs] = {}
+    row = 0
+    for request_id, first, count, top_k in batch.prompt_spans:
+        targets = batch.prompt_targets[row : row + count]
+        out[request_id] = (first, logprob_entries(logprobs[row : row + count], targets, top_k))
+        row += count
+    return out
