@@ -1,7 +1,9 @@
 """The main job (``make run``): generate with the configured model and report what the engine
 did (sample completions, throughput, batch sizes and KV use), then run quick simulated
 versions of the paper's memory-waste and throughput figures. ``python -m paged_llm.main
-model=... policy=... attention=...`` swaps any part."""
+model=... policy=... attention=...`` swaps any part. The default model is the small trained
+code model ``code-small`` (configs/model/code_small.yaml), built on first use in about a minute;
+``model=tiny`` and the other presets have random weights."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from paged_llm import config_groups
 from paged_llm.config import engine_config_from_dict
 from paged_llm.llm import LLM
 from paged_llm.metrics.run_info import run_info
@@ -24,20 +27,50 @@ from paged_llm.sampling_params import SamplingParams
 log = logging.getLogger("paged_llm.main")
 
 
+def resolve_model(name: str) -> str:
+    """``model.model`` as the engine loads it: a built-in trained model's name
+    (paged_llm/models/trained.py, e.g. the default ``code-small``) becomes its checkpoint
+    directory, trained on first use and cached; a directory or a preset name stays as it is."""
+    from paged_llm.models import trained
+
+    if name not in trained.RECIPES or Path(name).is_dir():
+        return name
+    if not trained.is_built(name):
+        took = trained.BUILD_TIME.get(name, "as long as its recipe takes")
+        log.info(
+            "building the built-in model '%s' on first use (%s on 2 CPU cores; cached in %s)",
+            name, took, trained.model_cache_path(name),
+        )  # fmt: skip
+    return config_groups.model_ref(name)
+
+
+def print_samples(samples: list) -> None:
+    """Each prompt followed by its completion, as the text reads (token ids without a
+    tokenizer)."""
+    for i, out in enumerate(samples, 1):
+        text = out.outputs[0].text
+        if out.prompt is None:  # a shape preset without tokenizer: token-id prompts
+            print(f"\n--- sample {i}: prompt token ids {out.prompt_token_ids}\n{text!r}")
+            continue
+        print(f"\n--- sample {i}: prompt {out.prompt!r} + completion ---")
+        print(f"{out.prompt}{text}")
+    print("---")
+
+
 def run(cfg: DictConfig, out_dir: Path) -> dict:
     """Run the job for a composed config; write ``main.json`` into ``out_dir``."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     logger = instantiate(cfg.logger)
     logger.log_config(resolved)
-    llm = LLM.from_config(engine_config_from_dict(resolved))
+    model = {**resolved["model"], "model": resolve_model(resolved["model"]["model"])}
+    llm = LLM.from_config(engine_config_from_dict({**resolved, "model": model}))
     engine = llm.llm_engine
     sampling = SamplingParams(**resolved["job"]["sampling"])
     prompts = list(resolved["job"]["prompts"])
     if engine.tokenizer is None:  # shape presets have no tokenizer: use token ids
         prompts = [{"prompt_token_ids": [1 + i, 2 + i, 3 + i]} for i in range(len(prompts))]
     samples = llm.generate(prompts, sampling, use_tqdm=False)
-    for out in samples:
-        print(f"--- {out.prompt!r}\n{out.outputs[0].text!r}")
+    print_samples(samples)
 
     # A small offline batch: random prompts, fixed output lengths, all at once.
     rng = random.Random(0)
@@ -60,6 +93,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     result = {
         **run_info("real", str(engine.device)),
         "model": resolved["model"]["model"],
+        "model_path": model["model"],
         "policy": engine.scheduler.kv.name,
         "attention_backend": engine.backend.name,
         "kv_cache_tokens": engine.kv_cache_tokens,
