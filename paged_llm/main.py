@@ -18,30 +18,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from paged_llm import config_groups
 from paged_llm.config import engine_config_from_dict
+from paged_llm.engine.loading import checkpoint_path
 from paged_llm.llm import LLM
 from paged_llm.metrics.run_info import run_info
 from paged_llm.sampling_params import SamplingParams
 
 log = logging.getLogger("paged_llm.main")
-
-
-def resolve_model(name: str) -> str:
-    """``model.model`` as the engine loads it: a built-in trained model's name
-    (paged_llm/models/trained.py, e.g. the default ``code-small``) becomes its checkpoint
-    directory, trained on first use and cached; a directory or a preset name stays as it is."""
-    from paged_llm.models import trained
-
-    if name not in trained.RECIPES or Path(name).is_dir():
-        return name
-    if not trained.is_built(name):
-        took = trained.BUILD_TIME.get(name, "as long as its recipe takes")
-        log.info(
-            "building the built-in model '%s' on first use (%s on 2 CPU cores; cached in %s)",
-            name, took, trained.model_cache_path(name),
-        )  # fmt: skip
-    return config_groups.model_ref(name)
 
 
 def print_samples(samples: list) -> None:
@@ -62,8 +45,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     logger = instantiate(cfg.logger)
     logger.log_config(resolved)
-    model = {**resolved["model"], "model": resolve_model(resolved["model"]["model"])}
-    llm = LLM.from_config(engine_config_from_dict({**resolved, "model": model}))
+    llm = LLM.from_config(engine_config_from_dict(resolved))  # code-small: built on first use
     engine = llm.llm_engine
     sampling = SamplingParams(**resolved["job"]["sampling"])
     prompts = list(resolved["job"]["prompts"])
@@ -93,7 +75,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     result = {
         **run_info("real", str(engine.device)),
         "model": resolved["model"]["model"],
-        "model_path": model["model"],
+        "model_path": str(checkpoint_path(resolved["model"]["model"])),
         "policy": engine.scheduler.kv.name,
         "attention_backend": engine.backend.name,
         "kv_cache_tokens": engine.kv_cache_tokens,

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 from hydra import compose, initialize_config_dir
 
-from paged_llm import main
+from paged_llm import LLM, main
+from paged_llm.engine import loading
 from paged_llm.models import trained
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
@@ -51,21 +52,23 @@ def test_a_trained_name_resolves_to_its_checkpoint_and_announces_the_build(
     monkeypatch, tmp_path, caplog
 ):
     built = []
-    monkeypatch.setattr(main.config_groups, "model_ref", lambda n: built.append(n) or "/ckpt")
+    monkeypatch.setattr(trained, "trained_model_dir", lambda n: built.append(n) or Path("/ckpt"))
     monkeypatch.setattr(trained, "is_built", lambda name: False)  # first use
-    with caplog.at_level(logging.INFO, logger="paged_llm.main"):
-        assert main.resolve_model("code-small") == "/ckpt"
+    with caplog.at_level(logging.INFO, logger=loading.logger.name):
+        assert loading.checkpoint_path("code-small") == Path("/ckpt")
     assert built == ["code-small"]
     (line,) = [r.getMessage() for r in caplog.records]
     assert "building the built-in model 'code-small' on first use (about a minute" in line
     monkeypatch.setattr(trained, "is_built", lambda name: True)  # cached: no announcement
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="paged_llm.main"):
-        assert main.resolve_model("code-small") == "/ckpt"
+    with caplog.at_level(logging.INFO, logger=loading.logger.name):
+        assert loading.checkpoint_path("code-small") == Path("/ckpt")
     assert not caplog.records
-    for name in ("tiny", "opt-125m", str(tmp_path)):  # presets and directories pass through
-        assert main.resolve_model(name) == name
+    for name in ("opt-125m", "no-such-model", str(tmp_path)):  # presets and dirs: as given
+        assert loading.checkpoint_path(name) == Path(name)
     assert built == ["code-small"] * 2
+    with pytest.raises(ValueError, match="code-small"):  # the error lists the trained names
+        LLM("no-such-model")
 
 
 def test_samples_print_prompt_and_completion_as_text(capsys):

@@ -532,6 +532,7 @@ def test_main_job_writes_results(tmp_path):
                 "job.num_throughput_requests=4",
                 "job.sampling.max_tokens=4",
                 "job.paper_figures=false",  # covered by the paper_repro tests
+                "model=tiny",  # the trained default: tests/test_default_model.py
             ],
         )
     result = run(cfg, tmp_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from paged_llm.models import presets
 from paged_llm.models.loader import resolve_dtype
 from paged_llm.quant.checkpoint import load_checkpoint
 from paged_llm.quant.registry import apply_quantization
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -54,12 +57,25 @@ def load_model_and_tokenizer(
 
 
 def checkpoint_path(name: str) -> Path:
-    """The directory that ``name`` names: itself, or the tiny default materialised in the cache
-    (it may not exist: then ``name`` is a shape preset or a mistake)."""
+    """The directory that ``name`` names: itself, the tiny default materialised in the cache,
+    or a built-in trained model (paged_llm/models/trained.py, e.g. ``code-small``), trained on
+    first use and cached. It may not exist: then ``name`` is a shape preset or a mistake."""
     path = Path(name).expanduser()
-    if not path.exists() and name.lower() == presets.DEFAULT_PRESET:
-        path = presets.default_model_dir()
-    return path
+    if path.exists():
+        return path
+    if name.lower() == presets.DEFAULT_PRESET:
+        return presets.default_model_dir()
+    from paged_llm.models import trained
+
+    if name not in trained.RECIPES:
+        return path
+    if not trained.is_built(name):
+        took = trained.BUILD_TIME.get(name, "as long as its recipe takes")
+        logger.info(
+            "building the built-in model '%s' on first use (%s on 2 CPU cores; cached in %s)",
+            name, took, trained.model_cache_path(name),
+        )  # fmt: skip
+    return trained.trained_model_dir(name)
 
 
 def _load(mc: ModelConfig, device: torch.device) -> tuple[nn.Module, Any, Any | None]:
@@ -79,6 +95,13 @@ def _load(mc: ModelConfig, device: torch.device) -> tuple[nn.Module, Any, Any | 
         tokenizer = load_tokenizer(Path(mc.tokenizer)) if mc.tokenizer else None
         return apply_quantization(model, mc.quantization, tokenizer), hf_config, tokenizer
     raise ValueError(
-        f"model '{name}' is neither a local checkpoint directory nor a built-in preset "
+        f"model '{name}' is neither a local checkpoint directory, a built-in trained model "
+        f"({', '.join(_trained_names())}) nor a random-weight preset "
         f"({', '.join(presets.list_presets())}); nothing is downloaded from a hub"
     )
+
+
+def _trained_names() -> list[str]:
+    from paged_llm.models import trained
+
+    return sorted(trained.RECIPES)
