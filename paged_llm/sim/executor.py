@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from paged_llm.core.scheduler import SchedulerOutput
+from paged_llm.engine.core import EngineCore
+from paged_llm.engine.plugins import EnginePlugin, StepState
 from paged_llm.metrics.serving import IterationRecord, RequestRecord, RunTrace
 from paged_llm.sim.calibration import calibrate
 from paged_llm.sim.cost_model import RooflineCostModel, StepShape
@@ -76,6 +78,74 @@ def _causal_pairs(before: int, ctx: int, window: int | None) -> int:
     first = lo if growing else 0
     full = (hi - lo + 1) - growing
     return growing * (first + first + growing - 1) // 2 + full * window
+
+
+class SimulatedForward:
+    """The model's step in the simulator (engine/core.py's forward): forks the waiting samples
+    of a request whose prompt ran, prices the step with the cost model and advances the virtual
+    clock; every sampling sequence gets a placeholder token (beams choose theirs after the step,
+    from ``beam_groups``)."""
+
+    def __init__(
+        self, scheduler: Any, owner: dict[str, SequenceGroup], step_time: Any, block_size: int,
+        window: int | None,
+    ) -> None:  # fmt: skip
+        self.scheduler, self.owner, self.step_time = scheduler, owner, step_time
+        self.block_size, self.window = block_size, window
+        self.clock = 0.0  # the virtual time: the core's clock reads it
+        self.start = self.dt = 0.0  # the last step's start and duration
+        self.beam_groups: dict[int, SequenceGroup] = {}  # beam searches the last step advanced
+        self.sharing: SharingStats | None = None  # block sharing, measured while in the window
+        self.sharing_window = (-math.inf, math.inf)
+
+    def __call__(self, step: StepState) -> None:
+        """Run one step on the virtual clock (an empty one takes no time)."""
+        out, owner = step.out, self.owner
+        self.beam_groups = {}
+        if out.is_empty:
+            return
+        for s in out.scheduled:
+            g = owner[s.request.request_id]
+            if g.unforked and s.samples and s.request is g.live[0]:
+                owner.update((c.request_id, g) for c in g.fork_samples(self.scheduler))
+            if g.is_beam:
+                self.beam_groups[id(g)] = g
+        self.dt = self.step_time(step_shape(out, self.block_size, self.window))
+        lo, hi = self.sharing_window
+        if self.sharing is not None and lo <= self.clock <= hi:
+            kv, running = self.scheduler.kv, self.scheduler.running
+            self.sharing.add([kv.block_tables.get(r.request_id, []) for r in running], self.dt)
+        self.start, self.clock = self.clock, self.clock + self.dt
+        # beams take no sampled token: the beam-search step picks their next tokens
+        step.sampled = {
+            s.request.request_id: [0]
+            for s in out.scheduled
+            if s.samples and not owner[s.request.request_id].is_beam
+        }
+
+
+class MemorySampler(EnginePlugin):
+    """Takes the Fig. 2 memory breakdown at every ``every``-th step that starts inside the
+    window (0: never), after scheduling; ``last`` is this step's (None when not taken)."""
+
+    def __init__(
+        self, kv: Any, scheduler: Any, clock: Any, window: tuple[float, float], every: int
+    ) -> None:
+        self.kv, self.scheduler, self.clock, self.window, self.every = (
+            kv, scheduler, clock, window, every
+        )  # fmt: skip
+        self.count = 0
+        self.last: Any = None
+
+    def before_forward(self, step: StepState) -> None:
+        """Walk the KV manager's blocks if this step is sampled."""
+        self.last = None
+        lo, hi = self.window
+        if not self.every or not lo <= self.clock() <= hi:
+            return
+        if self.count % self.every == 0:
+            self.last = self.kv.memory_breakdown(self.scheduler.running)
+        self.count += 1
 
 
 class SimulatedExecutor:
@@ -191,14 +261,15 @@ class SimulatedExecutor:
         pending = deque(sorted(workload.requests, key=lambda r: r.arrival_time))
         iterations: list[IterationRecord] = []
         bar = _progress(len(pending), progress, f"{kv.name} @ {workload.request_rate:g} req/s")
-        step_time = cm.step_time
-        bs = settings.block_size
-        n_mem = n_arrived = 0
-        clock = 0.0
+        sim = SimulatedForward(scheduler, owner, cm.step_time, settings.block_size, window)
+        sim.sharing, sim.sharing_window = stats, (lo, hi)
+        memory = MemorySampler(kv, scheduler, lambda: sim.clock, (lo, hi), memory_every)
+        core = EngineCore(scheduler, sim, [memory], lambda: sim.clock)  # the engine's step
+        n_arrived = 0
         while pending or scheduler.has_unfinished():
-            if stop_time is not None and clock >= stop_time:
+            if stop_time is not None and sim.clock >= stop_time:
                 break
-            while pending and pending[0].arrival_time <= clock:
+            while pending and pending[0].arrival_time <= sim.clock:
                 tr = pending.popleft()
                 prompt = prompt_ids(tr, n_arrived, distinct)
                 g = SequenceGroup(tr, prompt, settings.max_model_len, sharing, rng, parents)
@@ -207,62 +278,39 @@ class SimulatedExecutor:
                 owner.update((r.request_id, g) for r in g.live + g.unforked)
                 n_arrived += 1
             if not scheduler.has_unfinished():
-                clock = pending[0].arrival_time  # idle: jump to the next arrival
+                sim.clock = pending[0].arrival_time  # idle: jump to the next arrival
                 continue
-            out = scheduler.schedule(clock)
-            memory = None
-            in_window = lo <= clock <= hi
-            if memory_every and in_window:
-                if n_mem % memory_every == 0:
-                    memory = kv.memory_breakdown(scheduler.running)
-                n_mem += 1
-            if out.is_empty:
+            step = core.step()
+            if step.out.is_empty:
                 if not pending:
                     raise RuntimeError(
                         f"the scheduler can run none of {len(scheduler.requests)} requests "
                         f"with an empty batch ({kv.name}, {num_blocks} blocks)"
                     )
-                clock = max(clock, pending[0].arrival_time)
+                sim.clock = max(sim.clock, pending[0].arrival_time)
                 continue
-            beam_groups = {}
-            for s in out.scheduled:
-                g = owner[s.request.request_id]
-                if g.unforked and s.samples and s.request is g.live[0]:
-                    owner.update((c.request_id, g) for c in g.fork_samples(scheduler))
-                if g.is_beam:
-                    beam_groups[id(g)] = g
-            dt = step_time(step_shape(out, bs, window))
-            if stats is not None and in_window:
-                stats.add([kv.block_tables.get(r.request_id, []) for r in scheduler.running], dt)
-            start, clock = clock, clock + dt
-            # beams take no sampled token: the beam-search step below picks their next tokens
-            sampled = {
-                s.request.request_id: [0]
-                for s in out.scheduled
-                if s.samples and not owner[s.request.request_id].is_beam
-            }
-            finished = scheduler.update_from_output(out, sampled, clock)
-            st = out.stats
+            clock = sim.clock
+            st = step.out.stats
             iterations.append(
                 IterationRecord(
-                    start,
-                    dt,
+                    sim.start,
+                    sim.dt,
                     st.num_running,
                     st.num_batched_tokens,
                     st.num_waiting,
                     st.num_swapped,
                     st.kv_usage,
                     st.num_preemptions,
-                    memory,
+                    memory.last,
                 )  # fmt: skip
             )
             done = []
-            for req in finished:
+            for req in step.finished:
                 g = owner.pop(req.request_id)
                 g.on_finished(req, clock)
                 if g.finished:
                     done.append(g)
-            for g in beam_groups.values():
+            for g in sim.beam_groups.values():
                 if g.beams_ready():
                     for b in g.live:
                         owner.pop(b.request_id)
@@ -289,7 +337,7 @@ class SimulatedExecutor:
         return RunTrace(
             requests=list(records.values()),
             iterations=iterations,
-            end_time=clock,
+            end_time=sim.clock,
             mode=self.mode,
             hardware=self.describe(),
             policy=kv.name,
