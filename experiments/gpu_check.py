@@ -1196,6 +1196,7 @@ def _attempt_engine(
     )
     if device.type == "cpu":
         kwargs["cpu_kv_cache_gib"] = 0.05
+    kwargs["plugins"] = ["paged_llm.engine.profile.StepPhaseProfile"]  # where step time goes
     model_arg = str(model_dir) if model_dir else plan.model
     try:
         llm = LLM(model_arg, **kwargs)
@@ -1216,7 +1217,10 @@ def _attempt_engine(
         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
         use_tqdm=False,
     )
+    phases = llm.llm_engine.core.plugins[-1]
+    phases.reset()  # the timed run only
     ours = run_ours(llm.llm_engine, work, share(0.45))
+    result["step_phases"] = phases.summary()
     ours_subset = run_ours(llm.llm_engine, subset, share(0.2))
     if profile_dir is not None:
         result["profile"] = _attempt(partial(profile_steps, llm.llm_engine, work, profile_dir))

@@ -95,6 +95,8 @@ def test_smoke_run_writes_well_formed_json(tmp_path):
         assert e2e["ours"]["generated_tokens"] > 0
         assert e2e["tokens_match_generate"] in (True, None)  # same weights: same greedy tokens
         assert e2e["bandwidth_bound"]["output_tokens_per_s"] > 0
+        phases = e2e["step_phases"]  # where the timed run's step time went
+        assert phases["steps"] > 0 and phases["phases"]["forward"]["seconds"] > 0
     assert doc["targets"]["pass"] is None  # CPU numbers never pass or fail a GPU target
     parity = doc["sections"]["parity"]
     if parity["status"] == "ok" and not parity["skipped"]:

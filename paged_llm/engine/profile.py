@@ -24,6 +24,10 @@ class StepPhaseProfile(EnginePlugin):
     """Sums each phase's seconds over the steps it saw."""
 
     def __init__(self, engine: Any = None) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting afresh (e.g. after a warm-up)."""
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
         self._last_updated: float | None = None  # the previous step's "updated" mark
