@@ -31,6 +31,7 @@ class RunnerForward:
         step.results, step.prompt_logprobs, step.pooled = self.runner.execute(
             step.out, step.draft_probs
         )
+        step.marks["model"] = self.runner.model_done  # the forward returned; then sampling
         step.sampled = {rid: r.token_ids for rid, r in step.results.items()}
 
 

@@ -253,7 +253,9 @@ class LLMEngine:
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return outputs of requests that progressed."""
-        outputs = self.outputs.outputs(self.core.step())
+        step = self.core.step()
+        outputs = self.outputs.outputs(step)
+        step.marks["outputs"] = time.perf_counter()
         for output in outputs:
             if output.finished:
                 for t in self.outputs.pop(output.request_id).members:

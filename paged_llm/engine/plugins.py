@@ -31,7 +31,9 @@ class StepState:
     now: float = 0.0  # the clock after the forward, when the update runs
     finished: list[Any] = field(default_factory=list)  # requests the update finished
     # time.perf_counter() at the phase boundaries: "start", "scheduled", "prepared" (plug-ins
-    # before the forward done), "forwarded", "updated" (engine/profile.py reads them)
+    # before the forward done), "model" (the runner's forward returned, before sampling; set by
+    # RunnerForward), "forwarded", "updated", "outputs" (LLMEngine made the step's outputs);
+    # engine/profile.py reads them
     marks: dict[str, float] = field(default_factory=dict)
 
 

@@ -2,11 +2,19 @@
 ``LLM(..., plugins=["paged_llm.engine.profile.StepPhaseProfile"])``, then read
 ``engine.core.plugins[-1].summary()`` (experiments write it beside their timings).
 
-Phases, from the core's marks (engine/core.py): ``schedule`` (the scheduler), ``plugins``
-(plug-ins before the forward: sample forks, drafting), ``forward`` (input preparation, the
-model, sampling; on a GPU it ends when the sampled ids reach the host), ``update`` (the
-scheduler takes the tokens), ``after`` (the previous step's plug-ins after the update, its
-output processing and detokenization, and the caller's own loop, up to this step's start).
+Phases, from the step's marks (engine/plugins.StepState):
+
+* ``schedule``: the scheduler;
+* ``plugins``: plug-ins before the forward (sample forks, drafting);
+* ``forward``: building the batch's inputs and running the model. On a GPU the kernels are
+  launched here and run on; the host first waits for them in ``sample``;
+* ``sample``: sampling (or verifying drafts), until the sampled ids are on the host;
+* ``update``: the scheduler takes the tokens;
+* ``outputs``: the plug-ins after the update, logprobs, detokenization, stop strings and the
+  RequestOutputs (LLMEngine.step; absent when another driver steps the core);
+* ``caller``: from the outputs (or the update) to the next step's start: the caller's loop.
+
+With a forward other than the runner's, ``forward`` and ``sample`` are one phase, ``forward``.
 """
 
 from __future__ import annotations
@@ -16,8 +24,10 @@ from typing import Any
 
 from paged_llm.engine.plugins import EnginePlugin, StepState
 
+# (phase, from mark, to mark); a phase whose marks a step lacks is skipped for that step
 PHASES = (("schedule", "start", "scheduled"), ("plugins", "scheduled", "prepared"),
-          ("forward", "prepared", "forwarded"), ("update", "forwarded", "updated"))  # fmt: skip
+          ("forward", "prepared", "model"), ("sample", "model", "forwarded"),
+          ("update", "forwarded", "updated"))  # fmt: skip
 
 
 class StepPhaseProfile(EnginePlugin):
@@ -30,16 +40,22 @@ class StepPhaseProfile(EnginePlugin):
         """Start counting afresh (e.g. after a warm-up)."""
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
-        self._last_updated: float | None = None  # the previous step's "updated" mark
+        self._previous: StepState | None = None  # its "outputs" mark is set after its hooks
 
     def after_update(self, step: StepState) -> None:
-        """Add this step's phases, and the time between the previous step and this one."""
+        """Add this step's phases, and the previous step's outputs and the caller's time."""
         m = step.marks
+        if "model" not in m:  # a simulated or log-probability forward: one phase
+            self.seconds["forward"] += m["forwarded"] - m["prepared"]
         for name, begin, end in PHASES:
-            self.seconds[name] += m[end] - m[begin]
-        if self._last_updated is not None:
-            self.seconds["after"] += m["start"] - self._last_updated
-        self._last_updated = m["updated"]
+            if begin in m and end in m:
+                self.seconds[name] += m[end] - m[begin]
+        if self._previous is not None:
+            before = self._previous.marks
+            done = before.get("outputs", before["updated"])
+            self.seconds["outputs"] += done - before["updated"]
+            self.seconds["caller"] += m["start"] - done
+        self._previous = step
         self.steps += 1
 
     def summary(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Any
 
 import torch
@@ -88,6 +89,7 @@ class ModelRunner:
         # counted and last: benchmarks attribute step time by kind.
         self.forward_kinds: collections.Counter[str] = collections.Counter()
         self.last_forward_kind: str | None = None
+        self.model_done = 0.0  # perf_counter() when execute's forward returned (profiles read it)
         self.kv_spec = kv_spec or KVCacheSpec(dtype)
         self.kv_caches: KVCaches = []
         self.cpu_caches: KVCaches = []
@@ -357,6 +359,7 @@ class ModelRunner:
         whose prompt it completed, by request id.
         """
         batch, sampling, logits, pool_hidden = self._forward(out)
+        self.model_done = time.perf_counter()  # launched (CPU: computed); sampling waits for it
         pooled = {}
         if pool_hidden is not None:
             params = {s.request.request_id: s.request.pooling_params for s in out.scheduled}
