@@ -154,3 +154,11 @@ def test_beam_search_steps_through_the_core(tiny_llama):
     assert len(outs[0].sequences) == 2
     assert log.calls and len(log.calls) == 2 * len(llm.llm_engine.iteration_stats)
     assert not log.tokens or all(not ids for ids in log.tokens.values())  # beams pick tokens
+
+
+def test_a_backend_that_needs_contiguous_caches_is_refused_under_paged_blocks(tiny_llama):
+    with pytest.raises(ValueError, match="contiguous per-request caches.*not 'paged'"):
+        LLM(str(tiny_llama[0]), attention_backend="contiguous", policy="paged")
+    llm = LLM(str(tiny_llama[0]), attention_backend="contiguous", policy="orca_max",
+              block_size=4, cpu_kv_cache_gib=0.01)  # fmt: skip
+    assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

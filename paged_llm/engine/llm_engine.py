@@ -44,8 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 def engine_scheduler(worker: Worker) -> Scheduler:
-    """The scheduler over the worker's KV pool, under the config's batch limits; refuses a
-    backend that needs a layout the policy does not keep."""
+    """The scheduler over the worker's KV pool, under the config's batch limits."""
     config, p = worker.config, worker.pools
     cc, sc = config.cache, config.scheduler
     pool = KVPool(
@@ -64,13 +63,6 @@ def engine_scheduler(worker: Worker) -> Scheduler:
         max_loras=config.lora.max_loras if worker.lora is not None else 0,
     )
     scheduler = build_scheduler(sc.policy, pool, limits)
-    backend, kv = worker.backend, scheduler.kv
-    if backend.requires_contiguous_blocks and not kv.contiguous_blocks:
-        raise ValueError(
-            f"attention backend '{backend.name}' needs contiguous per-request caches; use it "
-            f"with a reservation policy (orca_max/orca_pow2/orca_oracle/static), not "
-            f"'{kv.name}'"
-        )
     return scheduler
 
 
@@ -82,22 +74,15 @@ class LLMEngine:
         mc = config.model
         check_plugins(config.plugins)  # a bad plug-in fails before any model loads
         # Every tensor-parallel rank that builds an engine (torchrun) runs this in lockstep;
-        # ranks > 0 serve rank 0's steps inside worker.allocate's finish (distributed/launch.py).
+        # ranks > 0 then serve rank 0's steps in finish_startup (distributed/launch.py).
         self.worker = w = load_worker(config)
-        self.scheduler = engine_scheduler(w)  # before allocating: a bad pairing fails first
+        self.scheduler = engine_scheduler(w)  # before allocating: a policy's refusal fails first
         w.allocate()
-        self.parallel, self.device, self.model, self.hf_config = (
-            w.parallel,
-            w.device,
-            w.model,
-            w.hf_config,
-        )
-        self.runner, self.backend, self.lora, self.pooler = w.runner, w.backend, w.lora, w.pooler
-        self.drafter, self.kv_connector, self.max_model_len = (
-            w.drafter,
-            w.kv_connector,
-            w.max_model_len,
-        )
+        # the worker's parts, under the names vLLM users and experiments read
+        self.parallel, self.device, self.model = w.parallel, w.device, w.model
+        self.hf_config, self.runner, self.backend = w.hf_config, w.runner, w.backend
+        self.lora, self.pooler, self.drafter = w.lora, w.pooler, w.drafter
+        self.kv_connector, self.max_model_len = w.kv_connector, w.max_model_len
         self.dtype, self.vocab_size = w.dtype, w.vocab_size
         self.kv_cache_tokens = w.pools.num_blocks * config.cache.block_size
         self.text = TokenTexts(w.tokenizer)
@@ -116,6 +101,7 @@ class LLMEngine:
         # order matters: samples fork before drafts are proposed for them
         plugins: list[EnginePlugin] = [self.outputs, self.stats_log]
         plugins += [self.spec] if self.spec is not None else []
+        # configured plug-ins see the engine's parts (the core is built from the plug-ins)
         plugins += [build("engine plugin", p, {}, engine=self) for p in config.plugins]
         self.core = EngineCore(self.scheduler, RunnerForward(w.runner), plugins, clock)
         self._counter = itertools.count()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 
 from paged_llm.attention.registry import ATTENTION_BACKENDS, auto_backend_name
 from paged_llm.config import EngineConfig
+from paged_llm.core.kv import POLICIES
 from paged_llm.distributed import building_for
 from paged_llm.distributed.launch import start_tensor_parallel
 from paged_llm.distributed.sharding import kv_heads_per_rank
@@ -38,7 +40,7 @@ from paged_llm.runner.model_runner import ModelRunner
 from paged_llm.runner.sleep import HeldFreeSpace, pinned_cache_bytes
 from paged_llm.spec.base import DraftContext
 from paged_llm.spec.registry import build_drafter
-from paged_llm.utils.registry import build
+from paged_llm.utils.registry import build, import_target, resolve
 
 logger = logging.getLogger(__name__)
 PINNED_CACHE_WARN_BYTES = 64 * 2**20  # below this, a sleep losing it does not matter
@@ -126,10 +128,16 @@ def load_worker(config: EngineConfig) -> Worker:
     """Join the tensor-parallel world, load the model and its optional parts, build the runner
     and size the KV pools; ``Worker.allocate`` then allocates them. Raises ValueError on a
     configuration the parts cannot run, before any pool is allocated."""
-    mc, cc = config.model, config.cache
+    mc, cc, sc = config.model, config.cache, config.scheduler
     parallel = start_tensor_parallel(config)  # None at size 1; see distributed/launch.py
     device = parallel.device if parallel else resolve_device(mc.device)
     torch.manual_seed(mc.seed)
+    backend_name = config.attention_backend
+    if backend_name == "auto":
+        backend_name = auto_backend_name(str(device))
+    backend = build("attention backend", backend_name, ATTENTION_BACKENDS)
+    backend.check_device(device)
+    _check_layout(backend, sc.policy)  # on every rank, before the model loads
     held = _hold_pinned_free_space(device) if mc.enable_sleep_mode else None
     with building_for(parallel.group if parallel else None):
         model, hf_config, tokenizer = load_model_and_tokenizer(mc, device)
@@ -145,11 +153,6 @@ def load_worker(config: EngineConfig) -> Worker:
     path = checkpoint_path(str(mc.model))
     model_dir = path if path.is_dir() else None
 
-    backend_name = config.attention_backend
-    if backend_name == "auto":
-        backend_name = auto_backend_name(str(device))
-    backend = build("attention backend", backend_name, ATTENTION_BACKENDS)
-    backend.check_device(device)
     kv_spec = kv_cache_spec(cc.kv_cache_dtype, dtype)  # auto: the model dtype
     if kv_spec.quantized and not backend.supports_quantized_kv:
         raise ValueError(
@@ -177,6 +180,25 @@ def load_worker(config: EngineConfig) -> Worker:
         runner, lora, pooler, drafter, kv_connector, _releasable_window(model, drafter), pools,
         held,
     )  # fmt: skip
+
+
+def _check_layout(backend: Any, policy: Any) -> None:
+    """Refuse a backend that needs each request's blocks in one contiguous run (the pre-vLLM
+    layout) under a KV policy that does not keep them so."""
+    if not backend.requires_contiguous_blocks:
+        return
+    if isinstance(policy, str):
+        cls = resolve("policy", policy, POLICIES)
+    elif isinstance(policy, Mapping):
+        cls = import_target(policy["_target_"])
+    else:
+        cls = type(policy)
+    if not cls.contiguous_blocks:
+        name = getattr(cls, "name", None) or policy
+        raise ValueError(
+            f"attention backend '{backend.name}' needs contiguous per-request caches; use it "
+            f"with a reservation policy (orca_max/orca_pow2/orca_oracle/static), not '{name}'"
+        )
 
 
 def _hold_pinned_free_space(device: torch.device) -> HeldFreeSpace:
