@@ -122,9 +122,15 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # recompute | swap
     # vLLM's: fcfs | priority (requests' ``priority``: smaller runs sooner; core/queue_policy.py)
     scheduling_policy: str = "fcfs"
+    # Make step N's outputs (logprobs, text, RequestOutputs) while the device runs step N + 1's
+    # forward; each step() then returns the previous step's outputs (vLLM's async output
+    # processing; its flag ``disable_async_output_proc`` is accepted too). Tokens are the same.
+    async_output_proc: bool = False
 
     def __post_init__(self) -> None:
         _check_optional_count("max_num_batched_tokens", self.max_num_batched_tokens)
+        if not isinstance(self.async_output_proc, bool):
+            raise ValueError(f"async_output_proc must be a bool, got {self.async_output_proc!r}")
 
 
 @dataclass
@@ -185,6 +191,8 @@ class EngineConfig:
                 setattr(cfg, key, value)
             elif key == "disable_log_stats":  # vLLM's name, inverted
                 cfg.log_stats = not value
+            elif key == "disable_async_output_proc":  # vLLM's name, inverted
+                changes["scheduler"]["async_output_proc"] = not value
             elif key == "kv_transfer_config":
                 cfg.kv_transfer_config = as_kv_transfer_config(value)
             elif key in owner:

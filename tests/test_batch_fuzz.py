@@ -148,7 +148,8 @@ def engine_configs(draw):
     """Any engine the LLM constructor accepts over the tiny model: block size, pool size, token
     budget, sequence limit, policy, queue order (FCFS or priority), preemption, prefix caching
     (with or without a CPU tier), KV dtype, attention backend
-    (the CPU default, torch, contiguous), weight quantization, model dtype, speculation."""
+    (the CPU default, torch, contiguous), weight quantization, model dtype, speculation,
+    async output processing."""
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     max_model_len = draw(st.sampled_from([48, 64, 96]))
     policy = draw(st.sampled_from(["paged", "paged", "orca_max", "orca_pow2", "orca_oracle",
@@ -173,6 +174,7 @@ def engine_configs(draw):
     cfg["attention_backend"] = draw(st.sampled_from(backends))
     cfg["quantization"] = draw(st.sampled_from([None, None, "int8", "fp8", "int4_rtn"]))
     cfg["dtype"] = draw(st.sampled_from(["float32", "float32", "float32", "bfloat16"]))
+    cfg["async_output_proc"] = draw(st.booleans())  # outputs a step later, the same tokens
     method = draw(st.sampled_from([None, None, "ngram", "draft_model"]))
     if method:
         k = draw(st.integers(1, 4))

@@ -29,7 +29,7 @@ class RunnerForward:
     def __call__(self, step: StepState) -> None:
         """Run the step; the sampled tokens, prompt logprobs and pooled outputs into ``step``."""
         step.results, step.prompt_logprobs, step.pooled = self.runner.execute(
-            step.out, step.draft_probs
+            step.out, step.draft_probs, while_running=step.while_running
         )
         step.marks["model"] = self.runner.model_done  # the forward returned; then sampling
         step.sampled = {rid: r.token_ids for rid, r in step.results.items()}
@@ -62,10 +62,11 @@ class EngineCore:
         self.plugins = plugins  # called in order; see engine/plugins.py
         self.clock = clock
 
-    def step(self, forward: Forward | None = None) -> StepState:
-        """One iteration; ``forward`` replaces the core's own for this step (beam search)."""
+    def step(self, forward: Forward | None = None, while_running: Any = None) -> StepState:
+        """One iteration; ``forward`` replaces the core's own for this step (beam search);
+        ``while_running()``: host work the runner does while the device runs the forward."""
         start = time.perf_counter()
-        step = StepState(self.scheduler.schedule(self.clock()))
+        step = StepState(self.scheduler.schedule(self.clock()), while_running=while_running)
         step.marks.update(start=start, scheduled=time.perf_counter())
         for plugin in self.plugins:
             plugin.before_forward(step)

@@ -105,6 +105,7 @@ class LLMEngine:
         plugins += [build("engine plugin", p, {}, engine=self) for p in config.plugins]
         self.core = EngineCore(self.scheduler, RunnerForward(w.runner), plugins, clock)
         self._counter = itertools.count()
+        self._pending: Any = None  # async_output_proc: the step whose outputs come next
         if self.parallel is not None:
             self.parallel.finish_startup(self.runner)  # ranks > 0 serve rank 0's steps here
 
@@ -208,7 +209,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting, running or swapped."""
-        return bool(self.outputs.groups) or self.scheduler.has_unfinished()
+        return (
+            bool(self.outputs.groups)
+            or self.scheduler.has_unfinished()
+            or (
+                self._pending is not None  # a step whose outputs are not made yet
+            )
+        )
 
     def get_num_unfinished_requests(self) -> int:
         """Number of user requests not yet finished."""
@@ -238,10 +245,27 @@ class LLMEngine:
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample, and return outputs of requests that progressed."""
-        step = self.core.step()
+        """Schedule, run the model, sample, and return outputs of requests that progressed.
+        With ``async_output_proc`` the outputs are the previous step's, made while the device
+        runs this step's forward (and a last call, with nothing left to run, returns them)."""
+        if not self.config.scheduler.async_output_proc:
+            step = self.core.step()
+            outputs = self._finish(step)
+            step.marks["outputs"] = time.perf_counter()
+            return outputs
+        pending, self._pending = self._pending, None
+        if not self.scheduler.has_unfinished():
+            return self._finish(pending) if pending is not None else []
+        made: list[list[RequestOutput]] = []  # the previous step's outputs, made once
+        make = (lambda: made.append(self._finish(pending))) if pending is not None else None
+        self._pending = self.core.step(while_running=make)
+        if pending is not None and not made:  # the forward ran nothing, so did not call it
+            make()
+        return made[0] if made else []
+
+    def _finish(self, step: Any) -> list[RequestOutput]:
+        """The outputs of a step that ran; finished requests are released."""
         outputs = self.outputs.outputs(step)
-        step.marks["outputs"] = time.perf_counter()
         for output in outputs:
             if output.finished:
                 for t in self.outputs.pop(output.request_id).members:

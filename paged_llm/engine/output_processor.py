@@ -66,6 +66,8 @@ class OutputProcessor(EnginePlugin):
     def outputs(self, step: StepState) -> list[RequestOutput | PoolingRequestOutput]:
         """The outputs of the requests this step advanced (the engine releases finished ones)."""
         for rid, (first, entries) in step.prompt_logprobs.items():
+            if rid not in self.seqs:  # aborted since (async output processing)
+                continue
             group = self.seqs[rid][0]  # recomputed after preemption: the same values again
             for entry in entries:
                 self.texts.name_tokens(entry, group.members[0].request.sampling_params)

@@ -30,6 +30,9 @@ class StepState:
     sampled: dict[str, list[int]] = field(default_factory=dict)  # id -> tokens that joined
     now: float = 0.0  # the clock after the forward, when the update runs
     finished: list[Any] = field(default_factory=list)  # requests the update finished
+    # host work to run while the device computes this step's forward (async output
+    # processing: the previous step's outputs); a forward that cannot overlap leaves it
+    while_running: Any = None
     # time.perf_counter() at the phase boundaries: "start", "scheduled", "prepared" (plug-ins
     # before the forward done), "model" (the runner's forward returned, before sampling; set by
     # RunnerForward), "forwarded", "updated", "outputs" (LLMEngine made the step's outputs);

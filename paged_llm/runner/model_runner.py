@@ -349,9 +349,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None
+        self,
+        out: SchedulerOutput,
+        draft_probs: dict[str, torch.Tensor] | None = None,
+        while_running: Any = None,
     ) -> tuple[dict[str, SampleResult], dict[str, PromptLogprobs], dict[str, torch.Tensor]]:
         """Run one step: move blocks, forward the batch, sample (or verify drafts) where due.
+        ``while_running()`` runs once the forward is launched, before sampling waits for it.
 
         ``draft_probs`` holds the drafter's distributions [k, V] for requests whose drafts came
         from a model; drafts without one are treated as deterministic proposals. Also returns
@@ -360,6 +364,8 @@ class ModelRunner:
         """
         batch, sampling, logits, pool_hidden = self._forward(out)
         self.model_done = time.perf_counter()  # launched (CPU: computed); sampling waits for it
+        if while_running is not None:  # host work beside the device's (async output processing)
+            while_running()
         pooled = {}
         if pool_hidden is not None:
             params = {s.request.request_id: s.request.pooling_params for s in out.scheduled}
