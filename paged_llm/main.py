@@ -19,7 +19,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from paged_llm.config import engine_config_from_dict
-from paged_llm.engine.loading import checkpoint_path
 from paged_llm.llm import LLM
 from paged_llm.metrics.run_info import run_info
 from paged_llm.sampling_params import SamplingParams
@@ -75,7 +74,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     result = {
         **run_info("real", str(engine.device)),
         "model": resolved["model"]["model"],
-        "model_path": str(checkpoint_path(resolved["model"]["model"])),
+        "model_path": str(engine.worker.model_dir or resolved["model"]["model"]),
         "policy": engine.scheduler.kv.name,
         "attention_backend": engine.backend.name,
         "kv_cache_tokens": engine.kv_cache_tokens,

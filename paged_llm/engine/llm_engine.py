@@ -24,7 +24,6 @@ from paged_llm.engine.core import EngineCore, RunnerForward
 from paged_llm.engine.detokenizer import TokenTexts
 from paged_llm.engine.generation_config import load_generation_defaults
 from paged_llm.engine.input_processor import InputProcessor
-from paged_llm.engine.loading import checkpoint_path
 from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.plugins import EnginePlugin, check_plugins
 from paged_llm.engine.request_group import RequestGroup
@@ -62,8 +61,7 @@ def engine_scheduler(worker: Worker) -> Scheduler:
         scheduling_policy=sc.scheduling_policy,
         max_loras=config.lora.max_loras if worker.lora is not None else 0,
     )
-    scheduler = build_scheduler(sc.policy, pool, limits)
-    return scheduler
+    return build_scheduler(sc.policy, pool, limits)
 
 
 class LLMEngine:
@@ -87,9 +85,8 @@ class LLMEngine:
         self.kv_cache_tokens = w.pools.num_blocks * config.cache.block_size
         self.text = TokenTexts(w.tokenizer)
         self.eos_token_id = _eos_token_id(w.tokenizer, w.hf_config)
-        path = checkpoint_path(str(mc.model))
         self.generation_defaults = load_generation_defaults(
-            path if path.is_dir() else None, w.hf_config, mc.generation_config,
+            w.model_dir, w.hf_config, mc.generation_config,
             mc.override_generation_config, self.vocab_size,
         )  # fmt: skip
         self.sleep_state = SleepState(enabled=mc.enable_sleep_mode)
@@ -200,22 +197,13 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Abort one or more requests (all their samples) and free their blocks."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            group = self.outputs.pop(rid)
-            for t in group.members if group is not None else []:
-                self.scheduler.abort_request(t.request.request_id)
-                self._forget(t.request.request_id)
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            self._release(rid, abort=True)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting, running or swapped."""
-        return (
-            bool(self.outputs.groups)
-            or self.scheduler.has_unfinished()
-            or (
-                self._pending is not None  # a step whose outputs are not made yet
-            )
-        )
+        """True while any request is waiting, running or swapped, or its outputs are pending."""
+        pending = self._pending is not None  # async_output_proc: a step's outputs still to make
+        return bool(self.outputs.groups) or self.scheduler.has_unfinished() or pending
 
     def get_num_unfinished_requests(self) -> int:
         """Number of user requests not yet finished."""
@@ -268,14 +256,19 @@ class LLMEngine:
         outputs = self.outputs.outputs(step)
         for output in outputs:
             if output.finished:
-                for t in self.outputs.pop(output.request_id).members:
-                    self._forget(t.request.request_id)
+                self._release(output.request_id)
         return outputs
 
-    def _forget(self, seq_id: str) -> None:
-        """Drop a finished or aborted sequence's state outside the scheduler."""
-        self.runner.forget(seq_id)
-        self.core.forget(seq_id)
+    def _release(self, request_id: str, abort: bool = False) -> None:
+        """Stop tracking a user request (aborting its sequences in the scheduler first) and drop
+        each sequence's state in the runner and the plug-ins."""
+        group = self.outputs.pop(request_id)
+        for t in group.members if group is not None else []:
+            seq_id = t.request.request_id
+            if abort:
+                self.scheduler.abort_request(seq_id)
+            self.runner.forget(seq_id)
+            self.core.forget(seq_id)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text (needs a tokenizer); decoded once per vocabulary entry, ever."""

@@ -56,21 +56,12 @@ class EnginePlugin:
 def check_plugins(specs: list[Any]) -> None:
     """Import every configured plug-in (a dotted path or ``{_target_: ...}``) and refuse one
     that is no EnginePlugin, before the engine loads anything."""
-    from collections.abc import Mapping
-
-    from paged_llm.utils.registry import import_target
+    from paged_llm.utils.registry import target_class
 
     for spec in specs:
-        if isinstance(spec, EnginePlugin):
-            continue
-        path = spec.get("_target_") if isinstance(spec, Mapping) else spec
-        if not isinstance(path, str):
-            raise ValueError(
-                f"an engine plug-in is a dotted path or {{_target_: ...}}, not {spec!r}"
-            )
         try:
-            cls = import_target(path)
-        except (ImportError, AttributeError, ValueError) as err:
-            raise ValueError(f"engine plug-in '{path}' cannot be imported: {err}") from err
+            cls = target_class("engine plug-in", spec, {})
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"engine plug-in {spec!r} cannot be imported: {err}") from err
         if not (isinstance(cls, type) and issubclass(cls, EnginePlugin)):
-            raise ValueError(f"engine plug-in '{path}' is not an EnginePlugin subclass")
+            raise ValueError(f"engine plug-in {spec!r} is not an EnginePlugin subclass")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from paged_llm.runner.model_runner import ModelRunner
 from paged_llm.runner.sleep import HeldFreeSpace, pinned_cache_bytes
 from paged_llm.spec.base import DraftContext
 from paged_llm.spec.registry import build_drafter
-from paged_llm.utils.registry import build, import_target, resolve
+from paged_llm.utils.registry import build, target_class
 
 logger = logging.getLogger(__name__)
 PINNED_CACHE_WARN_BYTES = 64 * 2**20  # below this, a sleep losing it does not matter
@@ -65,6 +64,7 @@ class Worker:
     device: torch.device
     model: torch.nn.Module
     hf_config: Any
+    model_dir: Path | None  # the checkpoint directory (None: a random-weight preset)
     tokenizer: Any  # None without one (or with skip_tokenizer_init)
     max_model_len: int
     backend: Any  # attention.base.AttentionBackend
@@ -176,7 +176,8 @@ def load_worker(config: EngineConfig) -> Worker:
     )  # fmt: skip
     pools = _pool_sizes(config, runner, drafter, max_model_len, parallel)
     return Worker(
-        config, parallel, device, model, hf_config, tokenizer, max_model_len, backend, kv_spec,
+        config, parallel, device, model, hf_config, model_dir, tokenizer, max_model_len, backend,
+        kv_spec,
         runner, lora, pooler, drafter, kv_connector, _releasable_window(model, drafter), pools,
         held,
     )  # fmt: skip
@@ -187,12 +188,7 @@ def _check_layout(backend: Any, policy: Any) -> None:
     layout) under a KV policy that does not keep them so."""
     if not backend.requires_contiguous_blocks:
         return
-    if isinstance(policy, str):
-        cls = resolve("policy", policy, POLICIES)
-    elif isinstance(policy, Mapping):
-        cls = import_target(policy["_target_"])
-    else:
-        cls = type(policy)
+    cls = target_class("policy", policy, POLICIES)
     if not cls.contiguous_blocks:
         name = getattr(cls, "name", None) or policy
         raise ValueError(

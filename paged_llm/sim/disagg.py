@@ -64,7 +64,10 @@ class _Instance:
     clock: float = 0.0
     busy_s: float = 0.0
     inbox: list[tuple[float, int, Request]] = field(default_factory=list)  # a heap by time
-    core: EngineCore | None = None  # built on the first step
+    core: EngineCore = field(init=False)  # the engine's step, with the model's time simulated
+
+    def __post_init__(self) -> None:
+        self.core = EngineCore(self.scheduler, self._simulated_forward, [], lambda: self.clock)
 
     def next_time(self) -> float:
         """When this instance next has something to do (inf: nothing)."""
@@ -79,8 +82,6 @@ class _Instance:
             self.scheduler.add_request(heapq.heappop(self.inbox)[2])
         if not self.scheduler.has_unfinished():
             return []
-        if self.core is None:  # the engine's step, with the model's time simulated
-            self.core = EngineCore(self.scheduler, self._simulated_forward, [], lambda: self.clock)
         return self.core.step().finished
 
     def _simulated_forward(self, step: StepState) -> None:

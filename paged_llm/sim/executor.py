@@ -88,15 +88,15 @@ class SimulatedForward:
 
     def __init__(
         self, scheduler: Any, owner: dict[str, SequenceGroup], step_time: Any, block_size: int,
-        window: int | None,
+        window: int | None, sharing: SharingStats | None, sharing_window: tuple[float, float],
     ) -> None:  # fmt: skip
         self.scheduler, self.owner, self.step_time = scheduler, owner, step_time
         self.block_size, self.window = block_size, window
+        self.sharing = sharing  # block sharing, measured while the clock is in sharing_window
+        self.sharing_window = sharing_window
         self.clock = 0.0  # the virtual time: the core's clock reads it
         self.start = self.dt = 0.0  # the last step's start and duration
         self.beam_groups: dict[int, SequenceGroup] = {}  # beam searches the last step advanced
-        self.sharing: SharingStats | None = None  # block sharing, measured while in the window
-        self.sharing_window = (-math.inf, math.inf)
 
     def __call__(self, step: StepState) -> None:
         """Run one step on the virtual clock (an empty one takes no time)."""
@@ -128,12 +128,8 @@ class MemorySampler(EnginePlugin):
     """Takes the Fig. 2 memory breakdown at every ``every``-th step that starts inside the
     window (0: never), after scheduling; ``last`` is this step's (None when not taken)."""
 
-    def __init__(
-        self, kv: Any, scheduler: Any, clock: Any, window: tuple[float, float], every: int
-    ) -> None:
-        self.kv, self.scheduler, self.clock, self.window, self.every = (
-            kv, scheduler, clock, window, every
-        )  # fmt: skip
+    def __init__(self, scheduler: Any, clock: Any, window: tuple[float, float], every: int) -> None:
+        self.scheduler, self.clock, self.window, self.every = scheduler, clock, window, every
         self.count = 0
         self.last: Any = None
 
@@ -144,7 +140,7 @@ class MemorySampler(EnginePlugin):
         if not self.every or not lo <= self.clock() <= hi:
             return
         if self.count % self.every == 0:
-            self.last = self.kv.memory_breakdown(self.scheduler.running)
+            self.last = self.scheduler.kv.memory_breakdown(self.scheduler.running)
         self.count += 1
 
 
@@ -261,9 +257,10 @@ class SimulatedExecutor:
         pending = deque(sorted(workload.requests, key=lambda r: r.arrival_time))
         iterations: list[IterationRecord] = []
         bar = _progress(len(pending), progress, f"{kv.name} @ {workload.request_rate:g} req/s")
-        sim = SimulatedForward(scheduler, owner, cm.step_time, settings.block_size, window)
-        sim.sharing, sim.sharing_window = stats, (lo, hi)
-        memory = MemorySampler(kv, scheduler, lambda: sim.clock, (lo, hi), memory_every)
+        sim = SimulatedForward(
+            scheduler, owner, cm.step_time, settings.block_size, window, stats, (lo, hi)
+        )
+        memory = MemorySampler(scheduler, lambda: sim.clock, (lo, hi), memory_every)
         core = EngineCore(scheduler, sim, [memory], lambda: sim.clock)  # the engine's step
         n_arrived = 0
         while pending or scheduler.has_unfinished():

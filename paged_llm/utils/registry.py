@@ -42,16 +42,25 @@ def _construct(kind: str, name: str, cls: Any, params: dict[str, Any]) -> Any:
     return cls(**params)
 
 
+def target_class(kind: str, spec: Any, table: dict[str, str]) -> Any:
+    """The class ``build`` would construct for ``spec`` (imported, not built): for a name or
+    dotted path, a ``{_target_: ...}`` mapping, or an object already built (its type)."""
+    if isinstance(spec, str):
+        return resolve(kind, spec, table)
+    if isinstance(spec, Mapping):
+        if "_target_" not in spec:
+            raise ValueError(f"{kind} config needs a '_target_' key, got {dict(spec)}")
+        return import_target(spec["_target_"])
+    return type(spec)
+
+
 def build(kind: str, spec: Any, table: dict[str, str], **kwargs: Any) -> Any:
     """Build a swappable part from a name, a dotted path, a ``{_target_: ...}`` mapping (as
     Hydra configs write it) or return ``spec`` itself when it is already an object."""
     if isinstance(spec, str):
-        return _construct(kind, spec, resolve(kind, spec, table), kwargs)
+        return _construct(kind, spec, target_class(kind, spec, table), kwargs)
     if isinstance(spec, Mapping):
-        if "_target_" not in spec:
-            raise ValueError(f"{kind} config needs a '_target_' key, got {dict(spec)}")
+        cls = target_class(kind, spec, table)
         params = {k: v for k, v in spec.items() if k != "_target_"}
-        return _construct(
-            kind, spec["_target_"], import_target(spec["_target_"]), {**params, **kwargs}
-        )
+        return _construct(kind, spec["_target_"], cls, {**params, **kwargs})
     return spec
