@@ -10,6 +10,7 @@ from typing import Any
 from paged_llm.kv_transfer.config import as_kv_transfer_config
 from paged_llm.utils.checks import is_int
 
+CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
 # vLLM's older ``task=`` names -> the runner each means
 _RUNNER_OF_TASK = {"generate": "generate", "embed": "pooling", "encode": "pooling",
                    "classify": "pooling", "score": "pooling", "reward": "pooling"}  # fmt: skip
@@ -37,6 +38,11 @@ class ModelConfig:
     enable_expert_parallel: bool = False
     # True: never use CUDA graphs for decode steps (they are only used on CUDA anyway)
     enforce_eager: bool = False
+    # vLLM's compilation_config names. FULL: steps with prompt tokens (mixed prefill + decode)
+    # replay graphs too, up to max_cudagraph_capture_size tokens; FULL_DECODE_ONLY: decode
+    # (and speculative verification) steps only; NONE: like enforce_eager. runner/cuda_graphs.py
+    cudagraph_mode: str = "FULL"
+    max_cudagraph_capture_size: int = 512
     # vLLM's: allow LLM.sleep / wake_up (free the weights' and KV cache's memory between uses;
     # paged_llm/runner/sleep.py). Costs nothing until sleep() is called.
     enable_sleep_mode: bool = False
@@ -63,6 +69,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_optional_count("max_model_len", self.max_model_len)
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"unknown cudagraph_mode {self.cudagraph_mode!r}; choose one of "
+                             f"{list(CUDAGRAPH_MODES)}")  # fmt: skip
+        _check_optional_count("max_cudagraph_capture_size", self.max_cudagraph_capture_size)
         if self.task is not None and self.task not in _RUNNER_OF_TASK:
             raise ValueError(f"unknown task '{self.task}'; choose one of {list(_RUNNER_OF_TASK)}")
         if self.reasoning_parser is not None:

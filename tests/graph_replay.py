@@ -19,10 +19,10 @@ class EagerReplay(CudaGraphRunner):
         return self.run_static(key)
 
 
-def replay_graphs_eagerly(llm, monkeypatch, sizes, strides=(1,)):
+def replay_graphs_eagerly(llm, monkeypatch, sizes, strides=(1,), mixed_tokens=()):
     """Capture the engine's graphs (the target's and its drafter's, as the runner does on
     CUDA) as ``EagerReplay`` runners; return the target's."""
     monkeypatch.setattr(model_runner, "CudaGraphRunner", EagerReplay)
     engine = llm.llm_engine
-    engine.runner.capture_cuda_graphs(sizes, engine.max_model_len, strides)
+    engine.runner.capture_cuda_graphs(sizes, engine.max_model_len, strides, mixed_tokens)
     return engine.runner.cuda_graphs

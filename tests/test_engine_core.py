@@ -138,12 +138,13 @@ def test_the_phase_profile_accounts_for_every_step(tiny_llama):
     assert abs(sum(p["share"] for p in phases.values()) - 1) < 1e-9
     assert phases["forward"]["seconds"] > phases["update"]["seconds"]  # the model dominates
     assert phases["outputs"]["seconds"] > 0  # text and RequestOutputs take measurable time
+    assert phases["inputs"]["seconds"] > 0  # the batch's tensors, apart from the model's time
     # a driver with its own forward (beam search) has no sampling phase of the runner's
     beam = llm.llm_engine.core.plugins[-1]
     beam.reset()
     llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=3))
     assert beam.steps > 0 and set(beam.seconds) >= {"schedule", "forward", "update"}
-    assert "sample" not in beam.seconds
+    assert "sample" not in beam.seconds and "inputs" not in beam.seconds
 
 
 def test_beam_search_steps_through_the_core(tiny_llama):

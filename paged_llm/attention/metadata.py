@@ -30,6 +30,9 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have query length 1
     query_lens_cpu: list[int]  # [B] host copies, so reference paths avoid device syncs
     seq_lens_cpu: list[int]  # [B]
+    # A mixed-step CUDA graph's batch: rows of T past query_start_loc[-1] are padding, which
+    # no sequence owns; backends leave their output zero (finite for the layers after).
+    padded_tokens: bool = False
     # Filled on first use by ``context_blocks`` (backends that gather per sequence) and then
     # shared by every layer of the step: each sequence's context blocks, concatenated
     # ([sum_b ceil(seq_lens[b] / block_size)] int64), and where its run starts ([B + 1]).

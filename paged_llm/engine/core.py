@@ -31,7 +31,8 @@ class RunnerForward:
         step.results, step.prompt_logprobs, step.pooled = self.runner.execute(
             step.out, step.draft_probs, while_running=step.while_running
         )
-        step.marks["model"] = self.runner.model_done  # the forward returned; then sampling
+        # inputs loaded, then the forward returned; then sampling
+        step.marks.update(inputs=self.runner.inputs_done, model=self.runner.model_done)
         step.sampled = {rid: r.token_ids for rid, r in step.results.items()}
 
 

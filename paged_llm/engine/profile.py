@@ -6,15 +6,18 @@ Phases, from the step's marks (engine/plugins.StepState):
 
 * ``schedule``: the scheduler;
 * ``plugins``: plug-ins before the forward (sample forks, drafting);
-* ``forward``: building the batch's inputs and running the model. On a GPU the kernels are
-  launched here and run on; the host first waits for them in ``sample``;
+* ``inputs``: moving blocks (swaps, copies) and building the batch's device inputs (or
+  loading a CUDA graph's static buffers);
+* ``forward``: running the model. On a GPU the kernels are launched here (a graph replayed)
+  and run on; the host first waits for them in ``sample``;
 * ``sample``: sampling (or verifying drafts), until the sampled ids are on the host;
 * ``update``: the scheduler takes the tokens;
 * ``outputs``: the plug-ins after the update, logprobs, detokenization, stop strings and the
   RequestOutputs (LLMEngine.step; absent when another driver steps the core);
 * ``caller``: from the outputs (or the update) to the next step's start: the caller's loop.
 
-With a forward other than the runner's, ``forward`` and ``sample`` are one phase, ``forward``.
+With a forward other than the runner's, ``inputs``, ``forward`` and ``sample`` are one phase,
+``forward``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from paged_llm.engine.plugins import EnginePlugin, StepState
 
 # (phase, from mark, to mark); a phase whose marks a step lacks is skipped for that step
 PHASES = (("schedule", "start", "scheduled"), ("plugins", "scheduled", "prepared"),
-          ("forward", "prepared", "model"), ("sample", "model", "forwarded"),
+          ("inputs", "prepared", "inputs"), ("forward", "inputs", "model"),
+          ("sample", "model", "forwarded"),
           ("update", "forwarded", "updated"))  # fmt: skip
 
 

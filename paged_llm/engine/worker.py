@@ -34,7 +34,7 @@ from paged_llm.pooling.classifier import classifier_head
 from paged_llm.pooling.config import resolve_pooler_config
 from paged_llm.pooling.pooler import Pooler
 from paged_llm.quant.kv_cache import kv_cache_spec
-from paged_llm.runner.cuda_graphs import cuda_graph_sizes
+from paged_llm.runner.cuda_graphs import cuda_graph_sizes, mixed_capture_tokens
 from paged_llm.runner.model_runner import ModelRunner
 from paged_llm.runner.sleep import HeldFreeSpace, pinned_cache_bytes
 from paged_llm.spec.base import DraftContext
@@ -95,13 +95,18 @@ class Worker:
         if self.drafter is not None:
             self.drafter.allocate(p.num_blocks, self.config.cache.block_size,
                                   num_cpu_blocks=p.num_cpu_blocks)  # fmt: skip
+        eager = mc.enforce_eager or mc.cudagraph_mode == "NONE"
         graph_sizes = cuda_graph_sizes(
-            self.device, mc.enforce_eager, self.backend, mc.tensor_parallel_size, sc.max_num_seqs,
+            self.device, eager, self.backend, mc.tensor_parallel_size, sc.max_num_seqs,
             enable_lora=self.lora is not None,
         )  # fmt: skip  # [] on the CPU or with enforce_eager
         # speculative steps verify 1 + up to k tokens per sequence: graphs of that stride too
         strides = (1, 1 + self.drafter.k) if self.drafter is not None else (1,)
-        self.runner.capture_cuda_graphs(graph_sizes, self.max_model_len, strides)
+        mixed: list[int] = []
+        if graph_sizes and mc.cudagraph_mode == "FULL":
+            budget = sc.max_num_batched_tokens or max(self.max_model_len, 2048)
+            mixed = mixed_capture_tokens(min(mc.max_cudagraph_capture_size, budget))
+        self.runner.capture_cuda_graphs(graph_sizes, self.max_model_len, strides, mixed)
         if self.held is not None:  # everything a sleep frees is allocated by now
             self.held.release()
             self.held = None

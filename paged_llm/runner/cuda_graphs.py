@@ -14,6 +14,14 @@ How:
   beside plain decodes, a draft model's catch-up) is padded to k + 1 tokens a sequence, for
   buckets of up to ``MAX_CAPTURE_TOKENS`` tokens (``pad_batch`` says how padding stays
   invisible to the real tokens);
+* mixed steps (``cudagraph_mode="FULL"``, vLLM's name): any other batch of at most
+  ``max_cudagraph_capture_size`` tokens and the largest bucket's sequences (prompt chunks
+  beside decodes) replays a graph of key ``(tokens, VARLEN)``, tokens a multiple of 16. The
+  varlen prefill kernel's launch depends only on the number of tokens and sequences, so one
+  graph covers every mix: the step's tokens come first, padding tokens after them (slot -1,
+  not attended: past the last query offset), padding sequences have no queries and no context
+  (``pad_varlen``). Steps with prompt tokens were 41% of an H200 run's time, all eager
+  (issue 39);
 * static input buffers sized for the largest key: token ids, positions, slot mapping,
   context lengths, block tables ``[max_bucket, ceil((max_model_len + k) / block_size)]``;
 * rows past the real batch are padding: slot -1 (the KV store skips it), context length 0 at
@@ -57,6 +65,19 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 256
 # Graphs with longer query strides stop at this many tokens per step (vLLM's default limit).
 MAX_CAPTURE_TOKENS = 512
+# The query stride of a mixed-step key (tokens, VARLEN): sequences of any query length.
+VARLEN = 0
+MIXED_TOKEN_STEP = 16  # mixed-step graphs every this many tokens
+
+
+def mixed_capture_tokens(max_tokens: int) -> list[int]:
+    """Token buckets of mixed-step graphs: multiples of 16 up to ``max_tokens`` (floored)."""
+    return list(range(MIXED_TOKEN_STEP, max_tokens + 1, MIXED_TOKEN_STEP))
+
+
+def key_tokens(key: tuple[int, int]) -> int:
+    """Query tokens a graph of ``key`` runs: bucket x stride, or a mixed key's tokens."""
+    return key[0] if key[1] == VARLEN else key[0] * key[1]
 
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -107,6 +128,7 @@ class PaddedBatch:
     seq_lens: list[int]  # [bucket]
     block_tables: list[list[int]]  # [bucket][width], zero-padded
     rows: list[int]  # [T]: the padded row of each of the batch's tokens, in its order
+    query_start_loc: list[int] | None = None  # [bucket + 1]: mixed steps (strides fix it)
 
 
 def is_decode_batch(batch: Any) -> bool:
@@ -162,6 +184,37 @@ def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int)
     )
 
 
+def pad_varlen(batch: Any, tokens: int, num_seqs: int, block_size: int, width: int) -> PaddedBatch:
+    """Pad any HostBatch to ``tokens`` query tokens and ``num_seqs`` sequences (a mixed-step
+    graph's key): its tokens keep their rows and padding tokens follow (token 0 at position 0,
+    slot -1: written nowhere; past the last query offset: attended by nobody, and attending to
+    nothing); padding sequences have no query tokens and context length 0."""
+    n, t = len(batch.query_lens), len(batch.input_ids)
+    if not n or n > num_seqs or t > tokens:
+        raise ValueError(f"need 1 to {num_seqs} sequences and at most {tokens} tokens, "
+                         f"got {n} and {t}")  # fmt: skip
+    if any(len(table) > width for table in batch.block_tables):
+        raise ValueError(f"a block table is wider than the captured {width} blocks")
+    slots, starts = [], [0]
+    first = 0
+    for q, table in zip(batch.query_lens, batch.block_tables):
+        for p in batch.positions[first : first + q]:
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        first += q
+        starts.append(first)
+    pad, pad_seqs = tokens - t, num_seqs - n
+    tables = [device_block_table(t) + [0] * (width - len(t)) for t in batch.block_tables]
+    return PaddedBatch(
+        input_ids=list(batch.input_ids) + [0] * pad,
+        positions=list(batch.positions) + [0] * pad,
+        slot_mapping=slots + [-1] * pad,
+        seq_lens=list(batch.seq_lens) + [0] * pad_seqs,
+        block_tables=tables + [[0] * width] * pad_seqs,
+        rows=list(range(t)),
+        query_start_loc=starts + [t] * pad_seqs,
+    )
+
+
 class CudaGraphRunner:
     """Static buffers, one captured graph per (bucket, query stride), and replay of fitting
     steps.
@@ -169,6 +222,8 @@ class CudaGraphRunner:
     Stride 1 graphs replay pure decodes. With speculative decoding a second stride, k + 1,
     replays verification steps (and a draft model's catch-up steps): every sequence's 1 to
     k + 1 query tokens padded to k + 1, for buckets of up to ``MAX_CAPTURE_TOKENS`` tokens.
+    Keys ``(tokens, VARLEN)`` (``mixed_tokens``) replay any other step of up to that many
+    tokens and up to the largest bucket's sequences (``pad_varlen``).
     """
 
     def __init__(
@@ -182,6 +237,7 @@ class CudaGraphRunner:
         max_model_len: int,
         device: torch.device,
         strides: tuple[int, ...] = (1,),
+        mixed_tokens: Sequence[int] = (),
     ) -> None:
         self.model, self.backend = model, backend
         self.kv_caches, self.kv_scales = kv_caches, kv_scales
@@ -192,8 +248,9 @@ class CudaGraphRunner:
         self.width = -(-(max_model_len + self.strides[-1] - 1) // block_size)
         self.keys = [(b, s) for s in self.strides for b in self.sizes
                      if s == 1 or b * s <= MAX_CAPTURE_TOKENS]  # fmt: skip
+        self.keys += [(t, VARLEN) for t in sorted(set(mixed_tokens))]
         top = self.sizes[-1]
-        tokens = max(b * s for b, s in self.keys)
+        tokens = max(key_tokens(k) for k in self.keys)
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(tokens, **i64)
         self.positions = torch.zeros(tokens, **i64)
@@ -202,11 +259,15 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(top, self.width, **i32)
         # every sequence has ``stride`` query tokens, so the offsets never change
         self.query_start_loc = {s: torch.arange(0, (top + 1) * s, s, **i32) for s in self.strides}
+        self.query_start_loc[VARLEN] = torch.zeros(top + 1, **i32)  # a mixed step's, loaded
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # key -> hidden [b * s, H]
 
     def _context(self, b: int, stride: int = 1) -> ForwardContext:
-        """A step of b sequences of ``stride`` query tokens reading the static buffers."""
+        """A step of b sequences of ``stride`` query tokens reading the static buffers (a mixed
+        step: of b tokens from the largest bucket's sequences)."""
+        if stride == VARLEN:
+            return self._mixed_context(b)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[: b * stride],
             query_start_loc=self.query_start_loc[stride][: b + 1],
@@ -220,11 +281,29 @@ class CudaGraphRunner:
         )
         return ForwardContext(meta, self.backend, self.kv_caches, self.kv_scales)
 
-    def run_static(self, key: tuple[int, int]) -> torch.Tensor:  # -> [b * s, H]
+    def _mixed_context(self, tokens: int) -> ForwardContext:
+        """A mixed step of ``tokens`` tokens over the largest bucket's sequences: every
+        sequence goes to the varlen prefill kernel, whose launch reads no host values."""
+        top = self.sizes[-1]
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:tokens],
+            query_start_loc=self.query_start_loc[VARLEN],
+            seq_lens=self.seq_lens[:top],
+            block_tables=self.block_tables[:top],
+            max_query_len=tokens,
+            max_seq_len=self.max_model_len,
+            num_decodes=0,
+            query_lens_cpu=[0] * top,  # only their number (top) is read here
+            seq_lens_cpu=[self.max_model_len] * top,
+            padded_tokens=True,  # rows past the last query offset: no sequence's
+        )
+        return ForwardContext(meta, self.backend, self.kv_caches, self.kv_scales)
+
+    def run_static(self, key: tuple[int, int]) -> torch.Tensor:  # -> [tokens, H]
         """The forward pass a graph captures: the model over the static buffers of ``key``."""
-        b, s = key
-        ctx = self._context(b, s)
-        return self.model(self.input_ids[: b * s], self.positions[: b * s], ctx)
+        t = key_tokens(key)
+        ctx = self._context(*key)
+        return self.model(self.input_ids[:t], self.positions[:t], ctx)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -233,7 +312,7 @@ class CudaGraphRunner:
         failing stride 1 raises."""
         start = time.perf_counter()
         pool = None
-        for key in sorted(self.keys, key=lambda k: k[0] * k[1], reverse=True):
+        for key in sorted(self.keys, key=key_tokens, reverse=True):
             if key not in self.keys:  # its stride was dropped
                 continue
             try:
@@ -241,17 +320,18 @@ class CudaGraphRunner:
             except Exception as err:
                 if key[1] == 1:
                     raise
-                logger.warning("capturing query stride %d failed, those steps run eagerly: %s",
-                               key[1], err)  # fmt: skip
+                what = "mixed steps" if key[1] == VARLEN else f"query stride {key[1]}"
+                logger.warning("capturing %s failed, those steps run eagerly: %s", what, err)
                 torch.cuda.synchronize(self.device)
                 self.keys = [k for k in self.keys if k[1] != key[1]]
                 self.strides = [s for s in self.strides if s != key[1]]
                 for k in [k for k in self.graphs if k[1] == key[1]]:
                     del self.graphs[k], self.outputs[k]
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d CUDA graphs (batch %d-%d, query strides %s) in %.1f s",
-                    len(self.graphs), self.sizes[0], self.sizes[-1], self.strides,
-                    time.perf_counter() - start)  # fmt: skip
+        mixed = [k[0] for k in self.graphs if k[1] == VARLEN]
+        logger.info("captured %d CUDA graphs (batch %d-%d, query strides %s, mixed steps of "
+                    "up to %d tokens) in %.1f s", len(self.graphs), self.sizes[0], self.sizes[-1],
+                    self.strides, max(mixed, default=0), time.perf_counter() - start)  # fmt: skip
 
     def _capture_one(self, key: tuple[int, int], pool: Any) -> Any:
         """Warm up and capture the graph of ``key``; return the shared pool."""
@@ -268,42 +348,61 @@ class CudaGraphRunner:
     def load_padding(self, key: tuple[int, int]) -> None:
         """Fill the static buffers of ``key`` with padding only (for warm-up and capture)."""
         b, s = key
-        self.input_ids[: b * s].zero_()
-        self.positions[: b * s].zero_()
-        self.slot_mapping[: b * s].fill_(-1)
-        self.seq_lens[:b].fill_(0 if s == 1 else s)
+        t = key_tokens(key)
+        self.input_ids[:t].zero_()
+        self.positions[:t].zero_()
+        self.slot_mapping[:t].fill_(-1)
+        if s == VARLEN:  # no sequence has a query: every attention program returns at once
+            b = self.sizes[-1]
+            self.query_start_loc[VARLEN].zero_()
+        self.seq_lens[:b].fill_(s if s > 1 else 0)
         self.block_tables[:b].zero_()
 
     def key_for(self, batch: Any) -> tuple[int, int] | None:
-        """The (bucket, stride) whose graph can replay this HostBatch, or None."""
+        """The (bucket, stride) whose graph can replay this HostBatch, or None: a decode or
+        verification graph where one fits, else a mixed-step graph."""
         if not batch.query_lens or any(len(t) > self.width for t in batch.block_tables):
             return None
         longest = max(batch.query_lens)
         stride = next((s for s in self.strides if s >= longest), None)
-        if stride is None:
-            return None
         bucket = bucket_for(len(batch.query_lens), self.sizes)
-        return (bucket, stride) if (bucket, stride) in self.graphs else None
+        if stride is not None and (bucket, stride) in self.graphs:
+            return bucket, stride
+        if bucket is None:  # more sequences than the static buffers hold
+            return None
+        tokens = len(batch.input_ids)
+        mixed = [k for k in self.graphs if k[1] == VARLEN and k[0] >= tokens]
+        return min(mixed, default=None)
 
     def load(self, batch: Any, key: tuple[int, int]) -> list[int]:
         """Copy a HostBatch, padded, into the static buffers of ``key`` (from ``key_for``);
         return its tokens' padded rows."""
         b, s = key
-        padded = pad_batch(batch, b, s, self.block_size, self.width)
+        t = key_tokens(key)
+        if s == VARLEN:
+            b = self.sizes[-1]
+            padded = pad_varlen(batch, t, b, self.block_size, self.width)
+        else:
+            padded = pad_batch(batch, b, s, self.block_size, self.width)
         # One host-to-device copy for all of them: a copy from pageable memory waits for the
         # stream, and a speculative step replays several graphs.
         flat = [*padded.input_ids, *padded.positions, *padded.slot_mapping, *padded.seq_lens]
         flat += [block for table in padded.block_tables for block in table]
+        flat += padded.query_start_loc or []
         staged = torch.tensor(flat, dtype=torch.int64).to(self.device)
-        ids, pos, slots, lens, tables = staged.split([b * s, b * s, b * s, b, b * self.width])
-        self.input_ids[: b * s].copy_(ids)
-        self.positions[: b * s].copy_(pos)
-        self.slot_mapping[: b * s].copy_(slots)
+        ids, pos, slots, lens, tables, starts = staged.split(
+            [t, t, t, b, b * self.width, len(padded.query_start_loc or [])]
+        )
+        self.input_ids[:t].copy_(ids)
+        self.positions[:t].copy_(pos)
+        self.slot_mapping[:t].copy_(slots)
         self.seq_lens[:b].copy_(lens)
         self.block_tables[:b].copy_(tables.view(b, self.width))
+        if s == VARLEN:
+            self.query_start_loc[VARLEN].copy_(starts)
         return padded.rows
 
-    def launch(self, key: tuple[int, int]) -> torch.Tensor:  # -> [b * s, H]
+    def launch(self, key: tuple[int, int]) -> torch.Tensor:  # -> [tokens, H]
         """Replay the graph of ``key``; its static output."""
         self.graphs[key].replay()
         return self.outputs[key]
@@ -315,15 +414,30 @@ class CudaGraphRunner:
         extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> torch.Tensor:  # -> [T, H]
         """Load the batch, replay the graph of ``key`` (``key_for(batch)``, not None), return
-        the hidden states of the batch's tokens in its order (stride 1: a view valid until the
-        next replay). ``extra`` holds per-token inputs the captured model reads from static
-        buffers of its own: (buffer [tokens, ...], values [T, ...]) pairs, copied to the
-        batch's padded rows."""
+        the hidden states of the batch's tokens in its order (stride 1 and mixed steps: a view
+        valid until the next replay). ``extra`` holds per-token inputs the captured model
+        reads from static buffers of its own: (buffer [tokens, ...], values [T, ...]) pairs,
+        copied to the batch's padded rows."""
+        return self.run(key, self.prepare(batch, key, extra))
+
+    def prepare(
+        self,
+        batch: Any,
+        key: tuple[int, int],
+        extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    ) -> tuple[int, torch.Tensor | None]:
+        """``replay``'s first half: load the inputs; (tokens, their padded rows [T] or None
+        when they lead in order)."""
         rows = self.load(batch, key)
         index = None
-        if key[1] != 1 or extra:
+        if key[1] not in (1, VARLEN) or extra:  # else the batch's tokens lead, in its order
             index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         for buffer, values in extra:
             buffer[index] = values.to(buffer.dtype)
+        return len(rows), index if key[1] not in (1, VARLEN) else None
+
+    def run(self, key: tuple[int, int], prepared: tuple[int, torch.Tensor | None]) -> torch.Tensor:
+        """``replay``'s second half: replay, and pick the batch's rows [T, H]."""
+        num_tokens, index = prepared
         hidden = self.launch(key)
-        return hidden[: len(rows)] if key[1] == 1 else hidden[index]
+        return hidden[:num_tokens] if index is None else hidden[index]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from paged_llm.runner.batch import (
     prompt_logprobs,
     to_step_inputs,
 )
-from paged_llm.runner.cuda_graphs import CudaGraphRunner, is_decode_batch
+from paged_llm.runner.cuda_graphs import VARLEN, CudaGraphRunner, is_decode_batch
 from paged_llm.runner.kv_cache import (
     KVCaches,
     allocate_kv_caches,
@@ -77,19 +78,26 @@ class ModelRunner:
         self.lora = lora
         self.pooler = pooler
         self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
-        # capture_cuda_graphs' arguments (sizes, max_model_len, strides): wake_up redoes it
-        self._graph_args: tuple[list[int], int, tuple[int, ...]] = ([], 0, (1,))
+        # capture_cuda_graphs' arguments (sizes, max_model_len, strides, mixed tokens): wake_up
+        # redoes it
+        self._graph_args: tuple[list[int], int, tuple[int, ...], tuple[int, ...]] = (
+            [], 0, (1,), ()
+        )  # fmt: skip
         self.sleeper = Sleeper()
         # other owners of this rank's device memory (a draft model): ``device_memory()``; their
         # weights and KV sleep with the target's and their graphs are captured beside its own
         self.memory_owners: list[Any] = [drafter] if drafter and drafter.runs_model else []
         self.cuda_graph_error: str | None = None  # why capturing failed, if it did
         # How each forward ran ("graph" replay of a decode graph, "graph_q<stride>" of a longer
-        # stride, "eager_decode", "eager_prefill": any other batch, a verification included),
+        # stride, "graph_mixed" of a mixed-step graph, "eager_decode", "eager_prefill": any
+        # other batch, a verification included),
         # counted and last: benchmarks attribute step time by kind.
         self.forward_kinds: collections.Counter[str] = collections.Counter()
         self.last_forward_kind: str | None = None
-        self.model_done = 0.0  # perf_counter() when execute's forward returned (profiles read it)
+        # perf_counter() marks that profiles read: the step's inputs are on the device (blocks
+        # moved, batch tensors or graph buffers loaded), and execute's forward returned
+        self.inputs_done = 0.0
+        self.model_done = 0.0
         self.kv_spec = kv_spec or KVCacheSpec(dtype)
         self.kv_caches: KVCaches = []
         self.cpu_caches: KVCaches = []
@@ -147,18 +155,24 @@ class ModelRunner:
         return caches, allocate_kv_scales(self.num_layers, num_blocks, *scale_args, device, pin)
 
     def capture_cuda_graphs(
-        self, sizes: list[int], max_model_len: int, strides: tuple[int, ...] = (1,)
+        self,
+        sizes: list[int],
+        max_model_len: int,
+        strides: tuple[int, ...] = (1,),
+        mixed_tokens: Sequence[int] = (),
     ) -> None:
         """Capture graphs for these batch buckets and query strides (after initialize_cache;
-        sizes [] = none), this rank's and those of the ``memory_owners`` that run a model of
-        their own (a draft model's). A capture that fails leaves that model eager, with a
-        warning: graphs only save time."""
-        self._graph_args = (list(sizes), max_model_len, tuple(strides))
+        sizes [] = none), and for mixed steps of these token counts, this rank's and those of
+        the ``memory_owners`` that run a model of their own (a draft model's; no mixed
+        steps). A capture that fails leaves that model eager, with a warning: graphs only
+        save time."""
+        self._graph_args = (list(sizes), max_model_len, tuple(strides), tuple(mixed_tokens))
         if not sizes:
             return
         self.cuda_graphs = self._capture(
-            self.model, self.kv_caches, self.kv_scales or None, sizes, max_model_len, strides
-        )
+            self.model, self.kv_caches, self.kv_scales or None, sizes, max_model_len, strides,
+            mixed_tokens,
+        )  # fmt: skip
         for owner in self._graph_owners():
             model, caches, owner_strides = owner.graph_inputs(sizes, tuple(strides))
             owner.cuda_graphs = self._capture(
@@ -177,11 +191,11 @@ class ModelRunner:
 
     def _capture(
         self, model: Any, kv_caches: KVCaches, kv_scales: KVCaches | None, sizes: list[int],
-        max_model_len: int, strides: tuple[int, ...],
+        max_model_len: int, strides: tuple[int, ...], mixed_tokens: Sequence[int] = (),
     ) -> CudaGraphRunner | None:  # fmt: skip
         graphs = CudaGraphRunner(
             model, self.backend, kv_caches, kv_scales, sizes, self.block_size, max_model_len,
-            self.device, strides,
+            self.device, strides, mixed_tokens,
         )  # fmt: skip
         try:
             graphs.capture()
@@ -310,15 +324,20 @@ class ModelRunner:
         states of pooling rows."""
         self.last_hidden = None
         if batch is None:
+            self.inputs_done = time.perf_counter()
             return None, None
         key = self.cuda_graphs.key_for(batch) if self.cuda_graphs is not None else None
         if key is not None:
             # "graph": a decode graph; "graph_q5": one of query stride 5 (k = 4 verifications)
-            self._count_forward("graph" if key[1] == 1 else f"graph_q{key[1]}")
-            hidden = self.cuda_graphs.replay(batch, key)  # [T, hidden]
+            kind = {1: "graph", VARLEN: "graph_mixed"}.get(key[1], f"graph_q{key[1]}")
+            self._count_forward(kind)
+            prepared = self.cuda_graphs.prepare(batch, key)
+            self.inputs_done = time.perf_counter()
+            hidden = self.cuda_graphs.run(key, prepared)  # [T, hidden]
         else:
             self._count_forward("eager_decode" if is_decode_batch(batch) else "eager_prefill")
             inputs = to_step_inputs(batch, self.block_size, self.device, self.backend)
+            self.inputs_done = time.perf_counter()
             ctx = ForwardContext(
                 inputs.attn_metadata, self.backend, self.kv_caches, self.kv_scales or None
             )

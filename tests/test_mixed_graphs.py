@@ -1,0 +1,137 @@
+"""CUDA graphs for mixed steps (prompt tokens beside decodes; ``cudagraph_mode="FULL"``), as far
+as a CPU can check them: the padding, the choice of graph, the configuration, and the exact
+padded static-buffer steps replayed eagerly (Triton kernels in the interpreter) against eager
+steps."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from graph_replay import replay_graphs_eagerly
+
+from paged_llm import LLM, SamplingParams
+from paged_llm.config import ModelConfig
+from paged_llm.runner.cuda_graphs import (
+    VARLEN,
+    CudaGraphRunner,
+    key_tokens,
+    mixed_capture_tokens,
+    pad_varlen,
+)
+
+
+def batch(query_lens, seq_lens, tables, ids=None):
+    """A HostBatch-like batch: each sequence's queries are the last of its context."""
+    positions = [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)]
+    return SimpleNamespace(
+        input_ids=ids or [7] * len(positions), positions=positions, query_lens=list(query_lens),
+        seq_lens=list(seq_lens), block_tables=[list(t) for t in tables],
+    )  # fmt: skip
+
+
+def test_mixed_padding_keeps_rows_writes_nowhere_and_adds_empty_sequences():
+    # block size 4: a decode at position 5 (block 9), a 3-token chunk at 0-2 (block 4)
+    b = batch([1, 3], [6, 3], [[3, 9], [4]], ids=[11, 12, 13, 14])
+    padded = pad_varlen(b, tokens=8, num_seqs=4, block_size=4, width=3)
+    assert padded.rows == [0, 1, 2, 3]  # the batch's tokens keep their rows
+    assert padded.input_ids == [11, 12, 13, 14, 0, 0, 0, 0]
+    assert padded.positions == [5, 0, 1, 2, 0, 0, 0, 0]
+    assert padded.slot_mapping == [37, 16, 17, 18, -1, -1, -1, -1]
+    assert padded.seq_lens == [6, 3, 0, 0]  # padding sequences: no context
+    assert padded.query_start_loc == [0, 1, 4, 4, 4]  # ... and no queries
+    assert padded.block_tables == [[3, 9, 0], [4, 0, 0], [0, 0, 0], [0, 0, 0]]
+    with pytest.raises(ValueError, match="at most 3 tokens"):
+        pad_varlen(b, tokens=3, num_seqs=4, block_size=4, width=3)
+    with pytest.raises(ValueError, match="1 to 1 sequences"):
+        pad_varlen(b, tokens=8, num_seqs=1, block_size=4, width=3)
+    with pytest.raises(ValueError, match="wider"):
+        pad_varlen(b, tokens=8, num_seqs=4, block_size=4, width=1)
+
+
+def test_mixed_keys_are_chosen_after_decode_and_verification_graphs():
+    assert mixed_capture_tokens(64) == [16, 32, 48, 64]
+    assert mixed_capture_tokens(40) == [16, 32]
+    graphs = CudaGraphRunner(None, None, [], None, [1, 2, 4], 4, 64, torch.device("cpu"),
+                             strides=(1, 3), mixed_tokens=[16, 32])  # fmt: skip
+    graphs.graphs = dict.fromkeys(graphs.keys)
+    assert (32, VARLEN) in graphs.keys and key_tokens((32, VARLEN)) == 32
+    assert key_tokens((4, 3)) == 12
+    assert graphs.key_for(batch([1, 1, 1], [5, 6, 7], [[0, 1]] * 3)) == (4, 1)  # decode
+    assert graphs.key_for(batch([1, 3], [5, 6], [[0, 1]] * 2)) == (2, 3)  # verification
+    assert graphs.key_for(batch([1, 9], [5, 9], [[0, 1]] * 2)) == (16, VARLEN)  # a prompt
+    assert graphs.key_for(batch([1, 20], [5, 20], [[0, 1]] * 2)) == (32, VARLEN)
+    assert graphs.key_for(batch([40], [40], [[0]])) is None  # more tokens than any graph
+    assert graphs.key_for(batch([1] * 5, [3] * 5, [[0]] * 5)) is None  # more than 4 sequences
+    # the static buffers hold the largest mixed step's tokens
+    assert graphs.input_ids.shape == (32,) and graphs.query_start_loc[VARLEN].shape == (5,)
+
+
+def test_cudagraph_mode_is_checked_and_picks_what_is_captured(tiny_llama, monkeypatch):
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        ModelConfig(cudagraph_mode="PIECEWISE")
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
+        ModelConfig(max_cudagraph_capture_size=0)
+    from paged_llm.engine import worker as worker_module
+
+    captured = {}
+    monkeypatch.setattr(worker_module, "cuda_graph_sizes", lambda *a, **k: [1, 2, 4])
+    monkeypatch.setattr(
+        "paged_llm.runner.model_runner.ModelRunner.capture_cuda_graphs",
+        lambda self, sizes, max_len, strides, mixed: captured.update(mixed=mixed),
+    )
+    kwargs = dict(cpu_kv_cache_gib=0.01, max_model_len=64, max_num_batched_tokens=100)
+    LLM(str(tiny_llama[0]), **kwargs)
+    assert captured["mixed"] == mixed_capture_tokens(100)  # the step budget caps them
+    LLM(str(tiny_llama[0]), max_cudagraph_capture_size=40, **kwargs)
+    assert captured["mixed"] == [16, 32]
+    LLM(str(tiny_llama[0]), cudagraph_mode="FULL_DECODE_ONLY", **kwargs)
+    assert captured["mixed"] == []
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_mixed_steps_replayed_from_padded_buffers_give_the_same_tokens(
+    tiny_llama, chunked, monkeypatch
+):
+    """Prompts arriving beside decodes (and, chunked, prompt chunks beside decodes) run
+    through mixed-step graphs: the same greedy tokens, and their logprobs, as eager steps."""
+    prompts = [[5, 9, 17, 33, 2 + i] * (2 * i + 1) for i in range(4)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+        for n in (6, 3, 8, 5)
+    ]
+    kwargs = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01, max_num_seqs=4,
+                  attention_backend="triton", dtype="float32")  # fmt: skip
+    if chunked:  # 12-token steps: the 35-token prompt runs in chunks beside decodes
+        kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=12)
+
+    def generate(llm):
+        # staggered arrivals, so prompts meet decodes in one step
+        engine, done = llm.llm_engine, {}
+
+        def step():
+            done.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+            step()
+        while engine.has_unfinished_requests():
+            step()
+        return [(done[str(i)].token_ids, done[str(i)].logprobs) for i in range(len(prompts))]
+
+    expected = generate(LLM(str(tiny_llama[0]), **kwargs))
+    llm = LLM(str(tiny_llama[0]), **kwargs)
+    graphs = replay_graphs_eagerly(llm, monkeypatch, [1, 2, 4], mixed_tokens=[16, 32, 48])
+    got = generate(llm)
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    for (_, lp_got), (_, lp_exp) in zip(got, expected):
+        for step_got, step_exp in zip(lp_got, lp_exp):
+            assert step_got.keys() == step_exp.keys()
+            for tok in step_got:
+                assert step_got[tok].logprob == pytest.approx(step_exp[tok].logprob, abs=1e-4)
+    kinds = llm.llm_engine.runner.forward_kinds
+    assert kinds["graph_mixed"] > 0 and kinds["graph"] > 0
+    assert "eager_prefill" not in kinds  # every step fits a mixed graph's 48 tokens
+    assert {k for k in graphs.replays if k[1] == VARLEN} <= {(16, VARLEN), (32, VARLEN),
+                                                              (48, VARLEN)}  # fmt: skip
