@@ -40,14 +40,11 @@ class HostBatch:
 
 @dataclass
 class StepInputs:
-    """The flattened batch of one step (decodes first)."""
+    """The device inputs of one step's forward (decodes first)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
-    sample_rows: torch.Tensor  # [R] int64: rows of T whose logits are needed
-    sampling: list[ScheduledRequest]  # the requests that sample this step, in row order
-    rows_per_request: list[int]  # 1, or 1 + number of draft tokens to verify
 
 
 def order_for_backend(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
@@ -108,7 +105,6 @@ def to_step_inputs(
     block_size: int,
     device: torch.device,
     backend: Any,  # attention.base.AttentionBackend: it builds the metadata it reads
-    sampling: list[ScheduledRequest] | None = None,
 ) -> StepInputs:
     """Device tensors and attention metadata of a host batch."""
     meta = backend.build_metadata(
@@ -118,9 +114,6 @@ def to_step_inputs(
         input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(batch.positions, dtype=torch.long, device=device),
         attn_metadata=meta,
-        sample_rows=torch.tensor(batch.sample_rows, dtype=torch.long, device=device),
-        sampling=sampling or [],
-        rows_per_request=batch.rows_per_request,
     )
 
 

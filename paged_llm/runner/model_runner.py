@@ -326,6 +326,10 @@ class ModelRunner:
         if batch is None:
             self.inputs_done = time.perf_counter()
             return None, None
+        # Every host-to-device copy comes before the model is launched: a copy from pageable
+        # memory waits for the stream, so one after the launch would wait for the whole
+        # forward (and leave nothing for async output processing to overlap).
+        head_rows, pool_rows = self._row_indices(batch)
         key = self.cuda_graphs.key_for(batch) if self.cuda_graphs is not None else None
         if key is not None:
             # "graph": a decode graph; "graph_q5": one of query stride 5 (k = 4 verifications)
@@ -337,12 +341,12 @@ class ModelRunner:
         else:
             self._count_forward("eager_decode" if is_decode_batch(batch) else "eager_prefill")
             inputs = to_step_inputs(batch, self.block_size, self.device, self.backend)
-            self.inputs_done = time.perf_counter()
             ctx = ForwardContext(
                 inputs.attn_metadata, self.backend, self.kv_caches, self.kv_scales or None
             )
             if self.lora is not None:
                 self.lora.activate(batch.lora_ids, batch.query_lens)
+            self.inputs_done = time.perf_counter()
             try:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
             finally:
@@ -350,17 +354,20 @@ class ModelRunner:
                     self.lora.deactivate()
         if self.keep_hidden:
             self.last_hidden = hidden
-        pooled = None
-        if batch.pool_spans:
-            pool_rows = [
-                r for _, first, _, n, _ in batch.pool_spans for r in range(first, first + n)
-            ]
-            pooled = hidden[torch.tensor(pool_rows, dtype=torch.long, device=self.device)]
-        if not batch.sample_rows and not batch.prompt_rows:
+        pooled = hidden[pool_rows] if pool_rows is not None else None  # [rows, H]
+        if head_rows is None:
             return None, pooled
+        return self.model.compute_logits(hidden[head_rows]), pooled  # [R + P, V]
+
+    def _row_indices(self, batch: HostBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Device indices of the rows whose logits are needed (sample rows, then prompt-
+        logprob rows; [R + P]) and of the pooling rows, None where there are none."""
         rows = batch.sample_rows + batch.prompt_rows
-        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows_t]), pooled  # [R + P, V], [rows, H]
+        pool = [r for _, first, _, n, _ in batch.pool_spans for r in range(first, first + n)]
+        return tuple(
+            torch.tensor(r, dtype=torch.long, device=self.device) if r else None
+            for r in (rows, pool)
+        )  # type: ignore[return-value]
 
     def _count_forward(self, kind: str) -> None:
         self.forward_kinds[kind] += 1
@@ -412,8 +419,9 @@ class ModelRunner:
             row += n_rows
         if greedy_verifies:
             results.update(self.sampler.verify_plain_greedy(logits, greedy_verifies))
-        if plain:
-            sampled = self.sampler(logits[plain_rows], plain)
+        if plain:  # indexing by a host list copies it to the device: skip it when it is all
+            every = len(plain_rows) == logits.shape[0]
+            sampled = self.sampler(logits if every else logits[plain_rows], plain)
             results.update((req.request_id, r) for req, r in zip(plain, sampled))
         return results, prompt, pooled
 

@@ -1,0 +1,57 @@
+"""Between launching a step's forward and sampling, the runner copies nothing from the host: a
+copy from pageable memory waits for the stream, i.e. for the whole forward, which would leave
+async output processing nothing to overlap (issue 39). The GPU check counts the syncs on a GPU
+(``experiments/gpu_e2e_variants.py``); here the order of the runner's calls is checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_llm import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("extra", [{}, {"prompt_logprobs": 1, "logprobs": 2}])
+def test_no_host_to_device_copy_between_launch_and_sampling(tiny_llama, monkeypatch, extra):
+    # the GPU path: the triton backend (in the interpreter here), whose layers copy nothing
+    llm = LLM(str(tiny_llama[0]), block_size=4, cpu_kv_cache_gib=0.01, async_output_proc=True,
+              attention_backend="triton")  # fmt: skip
+    runner = llm.llm_engine.runner
+    window = {"open": False}
+    copies: list[str] = []
+    model_forward, compute_logits = runner.model.forward, runner.model.compute_logits
+
+    def forward(*args, **kwargs):
+        window["open"] = True  # from here the device runs the step
+        return model_forward(*args, **kwargs)
+
+    def logits(hidden):
+        assert window["open"]
+        return compute_logits(hidden)
+
+    real_tensor = torch.tensor
+
+    def tensor(*args, **kwargs):
+        if window["open"] and kwargs.get("device") is not None:
+            copies.append(repr(args)[:60])
+        return real_tensor(*args, **kwargs)
+
+    real_execute = runner.execute
+
+    def execute(out, draft_probs=None, while_running=None):
+        def close():  # sampling starts after the host work beside the forward
+            window["open"] = False
+            if while_running is not None:
+                while_running()
+
+        return real_execute(out, draft_probs, while_running=close)
+
+    monkeypatch.setattr(runner.model, "forward", forward)
+    monkeypatch.setattr(runner.model, "compute_logits", logits)
+    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(torch, "tensor", tensor)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, **extra)
+    prompts = [{"prompt_token_ids": [5, 9, 17, 33, 2 + i] * (i + 1)} for i in range(3)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert copies == []
