@@ -545,13 +545,11 @@ def check_prefill(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     ref = paged_attention_reference(q, k, v, tables, q_lens, seq_lens, scale)
-    out = paged_prefill_attention_triton(
-        q, k, v, tables, starts.to(device), lens, max(q_lens), scale
-    )
+    out = paged_prefill_attention_triton(q, k, v, tables, starts.to(device), lens, scale)
     results = [_compare("paged_prefill", out, ref, dtype)]
     ref = paged_attention_reference(q, k, v, tables, q_lens, seq_lens, scale, sliding_window=21)
     out = paged_prefill_attention_triton(
-        q, k, v, tables, starts.to(device), lens, max(q_lens), scale, sliding_window=21
+        q, k, v, tables, starts.to(device), lens, scale, sliding_window=21
     )
     return results + [_compare("paged_prefill_window_21", out, ref, dtype)]
 

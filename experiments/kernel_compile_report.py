@@ -175,7 +175,7 @@ def _prefill(hq: int, hkv: int):
         k, v, tables, lens = _paged(2, 256, 16, hkv, 128, dtype)
         q = torch.empty(512, hq, 128, dtype=dtype)
         starts = torch.tensor([0, 256, 512], dtype=torch.int32)
-        paged_prefill_attention_triton(q, k, v, tables, starts, lens, 256, 0.1)
+        paged_prefill_attention_triton(q, k, v, tables, starts, lens, 0.1)
 
     return launch
 

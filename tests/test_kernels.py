@@ -26,7 +26,10 @@ from paged_llm.ops.paged_attention.reference import paged_attention_reference  #
 from paged_llm.ops.paged_attention.triton_decode import paged_decode_attention_triton  # noqa: E402
 from paged_llm.ops.paged_attention.triton_prefill import (  # noqa: E402
     paged_prefill_attention_triton,
+    prefill_grid,
+    query_block,
 )
+from paged_llm.quant.kv_cache import KV_CACHE_DTYPES  # noqa: E402
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-4),
@@ -121,21 +124,46 @@ def test_decode_default_tiles():
 # ---------------------------------------------------------------- prefill
 
 
-def check_prefill(query_lens, seq_lens, block_size, hq, hkv, head_dim, dtype, tile=16):
-    """Prefill kernel == reference causal attention of each sequence's last query_len tokens."""
-    k_cache, v_cache, block_tables, _ = paged_setup(seq_lens, block_size, hkv, head_dim, dtype)
-    query = torch.randn(sum(query_lens), hq, head_dim).to(dtype)
+def check_prefill(
+    query_lens, seq_lens, block_size, hq, hkv, head_dim, dtype, tile=16, block_n=None,
+    pad_seqs=0, pad_tokens=0, kv=None, sliding_window=None, seed=0,
+):  # fmt: skip
+    """Prefill kernel == reference causal attention of each sequence's last query_len tokens.
+
+    ``pad_seqs`` sequences with no queries and no context follow the real ones (as a CUDA
+    graph's padded step has them) and ``pad_tokens`` query rows follow the last sequence's:
+    those rows of a pre-filled ``out`` must stay as they were. ``kv`` quantizes the caches
+    (int8 / fp8_e4m3); slots no sequence owns keep NaN scales, so reading one shows."""
+    k_cache, v_cache, tables, _ = paged_setup(seq_lens, block_size, hkv, head_dim, dtype, seed=seed)
+    scales = {}
+    if kv:
+        spec = KV_CACHE_DTYPES[kv]
+        owned = ~k_cache[..., 0].isnan()  # [num_blocks, block_size, Hkv]
+        (k_cache, k_scale), (v_cache, v_scale) = (
+            (codes.view(c.shape), s.view(c.shape[:3]).masked_fill(~owned, float("nan")))
+            for c in (k_cache, v_cache)
+            for codes, s in [spec.quantize(c.nan_to_num().flatten(0, 1))]
+        )
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+    num_real = sum(query_lens)
+    query = torch.randn(num_real + pad_tokens, hq, head_dim).to(dtype)
     scale = head_dim**-0.5
     expected = paged_attention_reference(
-        query, k_cache, v_cache, block_tables, query_lens, seq_lens, scale
-    )
-    starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
-    out = paged_prefill_attention_triton(
-        query, k_cache, v_cache, block_tables, starts,
-        torch.tensor(seq_lens, dtype=torch.int32), max(query_lens), scale,
-        block_m=tile, block_n=tile,
+        query[:num_real], k_cache, v_cache, tables, query_lens, seq_lens, scale,
+        sliding_window=sliding_window, **scales,
     )  # fmt: skip
-    torch.testing.assert_close(out, expected, **TOL[dtype])
+    starts = [0, *itertools.accumulate(query_lens)] + [num_real] * pad_seqs
+    lens = list(seq_lens) + [0] * pad_seqs
+    tables = torch.cat([tables, tables.new_zeros(pad_seqs, tables.shape[1])])
+    out = torch.full_like(query, 7.0)  # a sentinel the padding rows must keep
+    result = paged_prefill_attention_triton(
+        query, k_cache, v_cache, tables, torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32), scale,
+        block_m=tile, block_n=block_n or tile, out=out, sliding_window=sliding_window, **scales,
+    )  # fmt: skip
+    assert result is out
+    torch.testing.assert_close(out[:num_real], expected, **TOL[dtype])
+    assert (out[num_real:] == 7.0).all(), "padding rows were written"
 
 
 PREFILL_SHAPES = {
@@ -159,8 +187,85 @@ def test_prefill_matches_reference(shape, block_size, hq, hkv, head_dim, dtype):
     check_prefill(query_lens, seq_lens, block_size, hq, hkv, head_dim, dtype)
 
 
+# Decodes among prefills, a chunk after a prefix, queries that straddle 16-wide tiles and
+# 8-token blocks (17, 33), a prefix that ends mid-block.
+MIXED = ([1, 17, 1, 33, 6], [9, 17, 40, 47, 21])
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "head_dim", "dtype", "tile", "block_n"),
+    [
+        (2, 2, 64, torch.float32, 16, 16),  # G = 1
+        (4, 2, 80, torch.float16, 16, 32),  # G = 2, head_dim padded to 128
+        (8, 2, 48, torch.float32, 32, 16),  # G = 4, 8 tokens per program
+        (6, 2, 64, torch.float16, 16, 16),  # G = 3: 5 tokens x 3 heads, row 16 masked
+        (6, 2, 48, torch.float32, 64, 64),  # G = 3: 21 tokens x 3 heads of 64 rows
+        (20, 1, 16, torch.float32, 16, 16),  # G = 20 > block_m: 32 rows, one token each
+    ],
+)
+def test_prefill_varlen_gqa_with_padding(hq, hkv, head_dim, dtype, tile, block_n):
+    check_prefill(*MIXED, 8, hq, hkv, head_dim, dtype, tile=tile, block_n=block_n,
+                  pad_seqs=2, pad_tokens=5)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_prefill_quantized_cache(kv):
+    check_prefill(*MIXED, 8, 6, 2, 32, torch.float32, kv=kv, pad_seqs=1, pad_tokens=3)
+
+
+def test_prefill_sliding_window_gqa_with_padding():
+    check_prefill(*MIXED, 8, 6, 2, 32, torch.float16, sliding_window=11, pad_seqs=1,
+                  pad_tokens=2)  # fmt: skip
+
+
 def test_prefill_bf16_and_default_tiles():
     check_prefill([7, 40], [30, 40], 16, 4, 2, 64, torch.bfloat16, tile=None)
+
+
+def test_prefill_only_padding_writes_nothing():
+    # a step whose sequences and rows are all padding: every program returns at once
+    k_cache, v_cache, _, _ = paged_setup([16], 16, 2, 32, torch.float32)
+    query, tables = torch.randn(6, 4, 32), torch.zeros(3, 1, dtype=torch.int32)
+    starts, lens = torch.zeros(4, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    out = torch.full_like(query, 7.0)
+    paged_prefill_attention_triton(query, k_cache, v_cache, tables, starts, lens, 0.5, out=out)
+    assert (out == 7.0).all()
+
+
+@pytest.mark.parametrize("block_q", [1, 5, 16])
+def test_prefill_programs_cover_every_query_block_once(block_q):
+    """The grid (from shapes only) has a program for every query block of every sequence,
+    whatever the lengths: emulate the kernel's binary search and early exit on the host."""
+    gen = torch.Generator().manual_seed(block_q)
+    num_tokens, num_seqs = 48, 7
+    for _ in range(50):
+        cuts = torch.randint(0, num_tokens + 1, (num_seqs - 1,), generator=gen).sort().values
+        real = int(torch.randint(0, num_tokens + 1, (1,), generator=gen))  # then padding rows
+        starts = [0, *[min(int(c), real) for c in cuts], real]
+        owners = []
+        grid = prefill_grid(num_tokens, num_seqs, 2, block_q)
+        assert grid == (num_tokens // block_q + num_seqs, 2)  # shapes only
+        for program in range(grid[0]):
+            firsts = [starts[b] // block_q + b for b in range(num_seqs)]
+            seq = max(b for b in range(num_seqs) if firsts[b] <= program)
+            q_block = program - firsts[seq]
+            if q_block * block_q < starts[seq + 1] - starts[seq]:
+                owners.append((seq, q_block))
+        expected = [(b, i) for b in range(num_seqs)
+                    for i in range(-(-(starts[b + 1] - starts[b]) // block_q))]  # fmt: skip
+        assert owners == expected
+
+
+def test_prefill_same_shapes_other_lengths():
+    """One launch shape (24 rows, 3 sequences, same table width) serves any split of the rows:
+    the kernel reads the split from device tensors only."""
+    for query_lens, seq_lens in [([20, 1, 3], [20, 30, 3]), ([1, 1, 22], [40, 2, 22]),
+                                 ([8, 8, 8], [8, 47, 8])]:  # fmt: skip
+        check_prefill(query_lens, seq_lens, 16, 6, 2, 16, torch.float32)
+    assert query_block(16, 3) == (16, 5) and query_block(64, 4) == (64, 16)
+    assert query_block(16, 20) == (32, 1)
+    with pytest.raises(ValueError, match="block_m"):
+        query_block(24, 1)
 
 
 # ---------------------------------------------------------------- copy_blocks

@@ -157,21 +157,26 @@ def test_triton_decode_splits_only_the_window(window, num_splits):
     torch.testing.assert_close(out, expected, **TOL)
 
 
-def test_triton_prefill_window_across_query_tiles():
-    """A 70-token prompt spans several BLOCK_M tiles, each starting its keys at its own
-    window; the window (21) is not a multiple of the 16-wide tiles."""
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (64, 32)])
+def test_triton_prefill_window_across_query_tiles(block_m, block_n):
+    """A 70-token prompt spans several query blocks (4 or 16 tokens x the 4 heads of the
+    group), each starting its keys at its own window; the window (21) is not a multiple of
+    the tiles. A padding sequence and two padding rows follow, and are left alone."""
     query_lens, seq_lens = [70, 5], [70, 50]
     k_cache, v_cache, tables, _ = paged_setup(seq_lens, 8, 1, 32, torch.float16)
-    query = torch.randn(75, 4, 32).half()
+    query = torch.randn(77, 4, 32).half()
     expected = paged_attention_reference(
-        query, k_cache, v_cache, tables, query_lens, seq_lens, 0.2, sliding_window=21
+        query[:75], k_cache, v_cache, tables, query_lens, seq_lens, 0.2, sliding_window=21
     )
-    out = paged_prefill_attention_triton(
-        query, k_cache, v_cache, tables, torch.tensor([0, 70, 75], dtype=torch.int32),
-        torch.tensor(seq_lens, dtype=torch.int32), 70, 0.2, block_m=16, block_n=16,
-        sliding_window=21,
+    out = torch.zeros_like(query)
+    paged_prefill_attention_triton(
+        query, k_cache, v_cache, torch.cat([tables, tables[:1]]),
+        torch.tensor([0, 70, 75, 75], dtype=torch.int32),
+        torch.tensor([*seq_lens, 0], dtype=torch.int32), 0.2, block_m=block_m, block_n=block_n,
+        out=out, sliding_window=21,
     )  # fmt: skip
-    torch.testing.assert_close(out, expected, atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(out[:75], expected, atol=3e-3, rtol=3e-3)
+    assert not out[75:].any()
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])

@@ -75,7 +75,6 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.block_tables[nd:],
                 meta.query_start_loc[nd:] - nd,
                 meta.seq_lens[nd:],
-                meta.max_query_len,
                 scale,
                 out=out[nd:],
                 sliding_window=sliding_window,

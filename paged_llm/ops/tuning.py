@@ -24,6 +24,7 @@ class KernelConfig:
 
     block_n: int  # attention: context positions per tile; matmul: output columns per program
     block_k: int = 0  # matmul: reduction tile (0 where the kernel has none)
+    block_m: int = 0  # prefill attention: query rows per program (0 where the kernel has none)
     num_warps: int = 4
     num_stages: int = 2
     split_k: int = 0  # matmul: K partitions; 0 picks one from the GPU size
@@ -42,6 +43,14 @@ TUNED: dict[str, dict[str, KernelConfig]] = {
         # H200, paper_repro/gpu_results/2026-11-30-h200-run1.json (kernel_sweep): best of 6
         # configs at batch 32/128 x context 2048/8192, 1.00-1.06x the copy bandwidth.
         "sm90": KernelConfig(block_n=64, num_warps=4, num_stages=3),
+    },
+    # block_m counts rows = query tokens x the query heads of one KV head (GQA packing, see
+    # ops/paged_attention/triton_prefill.py). The GPU rows are FlashAttention-2-style first
+    # guesses; the default row keeps tiles small for the CPU interpreter (and other GPUs).
+    "paged_prefill": {
+        "default": KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=2),  # untuned
+        "sm80": KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),  # untuned
+        "sm90": KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),  # untuned
     },
     # sm90 rows: H200 run 3 (paper_repro/gpu_results/2026-11-30-h200-run3.json, kernel_sweep,
     # timed inside CUDA graphs): the best tl.dot config of 5 and GEMV config of 7 on LLaMA-7B's
