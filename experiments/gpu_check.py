@@ -18,8 +18,8 @@ Sections, in order (later ones use the bandwidth measured first):
    torch reference on the device, in fp16, bf16 and fp32.
    ``parity`` (experiments/gpu_parity.py): greedy tokens of this engine vs transformers on the
    same device for Llama/Mistral/Qwen2/OPT in fp32 (must be identical), bf16 and fp16.
-   ``kernel_sweep`` (--extras; experiments/gpu_sweeps.py): launch configs of the decode
-   attention and quantized matmul kernels on LLaMA-7B shapes, the data behind
+   ``kernel_sweep`` (--extras; experiments/gpu_sweeps.py): launch configs of the decode and
+   varlen prefill attention and quantized matmul kernels on LLaMA-7B shapes, the data behind
    paged_llm/ops/tuning.py.
 3. ``decode_bandwidth``: the paged decode kernel's achieved bandwidth (K/V bytes read / time)
    at batch 1/32/128, contexts 512-8192, block sizes 16/32, as a fraction of the copy bandwidth.

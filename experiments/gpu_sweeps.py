@@ -1,9 +1,9 @@
 """Two sections of the GPU check that sweep rather than check (see experiments/gpu_check.py):
 
-* ``kernel_sweep``: the launch configs of the paged decode kernel and of the int8 / int4
-  decode matmuls, timed on LLaMA-7B shapes; the best row per shape is what
-  ``paged_llm/ops/tuning.py`` should hold for this GPU's architecture. bf16 ``F.linear`` on the
-  same shapes is timed beside the matmuls as their peer.
+* ``kernel_sweep``: the launch configs of the paged decode kernel, the varlen paged prefill
+  kernel and the int8 / int4 decode matmuls, timed on LLaMA-7B shapes; the best row per shape
+  is what ``paged_llm/ops/tuning.py`` should hold for this GPU's architecture. bf16
+  ``F.linear`` on the same shapes is timed beside the matmuls as their peer.
 * ``quant_decode``: decode output tokens/s of a LLaMA-7B-shaped engine (random weights) in
   bf16, int8, int4 (RTN, group 128) and fp8 at batch 1 and 32 (issue: gpt-fast reached 1.48x and
   1.88x of bf16 at batch 1 on an A100), with the weight-read bound BW / weight bytes.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import os
 import random
 import statistics
@@ -29,6 +30,33 @@ from experiments.gpu_check import Deadline, Plan, decode_setup, kv_bytes_read, t
 DECODE_FIELDS = ("block_n", "num_warps", "num_stages")  # of the paged decode kernel
 DECODE_CONFIGS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 3)]
 DECODE_SHAPES = [(32, 2048), (128, 2048), (32, 8192), (128, 8192)]  # (batch, context)
+# Of the varlen paged prefill kernel (block_m: rows = query tokens x the query heads of one KV
+# head). Candidates are block_m {32, 64, 128} x block_n {32, 64} x warps {4, 8} x stages
+# {2, 3}, the FlashAttention-2-like ones first; each compiles anew (seconds on the device), so
+# only the first PREFILL_MAX_CONFIGS are timed, on both workloads, within the sweep's share.
+PREFILL_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+_PREFILL_FIRST = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3),
+                  (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 3)]  # fmt: skip
+PREFILL_CONFIGS = _PREFILL_FIRST + [
+    c for c in itertools.product((32, 64, 128), (32, 64), (4, 8), (2, 3)) if c not in _PREFILL_FIRST
+]
+PREFILL_MAX_CONFIGS = 12
+# name -> (query lengths, context lengths): 4 prompts of 512 tokens; one 512-token chunk after
+# a 1536-token prefix beside 64 one-token decodes with contexts of about 1000 (decodes first,
+# as the engine orders a step).
+PREFILL_WORKLOADS = {
+    "prefill_4x512": ([512] * 4, [512] * 4),
+    "chunk512_prefix1536_64_decodes": (
+        [1] * 64 + [512],
+        [968 + (37 * i) % 64 for i in range(64)] + [2048],
+    ),
+}
+# The smoke run (CPU interpreter): the same mix in miniature, two configs.
+PREFILL_WORKLOADS_CPU = {
+    "prefill_2x24": ([24] * 2, [24] * 2),
+    "chunk16_prefix16_3_decodes": ([1] * 3 + [16], [20, 21, 23, 32]),
+}
+PREFILL_CONFIGS_CPU = [(16, 16, 4, 2), (32, 16, 4, 2)]
 # Of the quantized matmuls; split_k 0 = from the GPU size. Runs 1-2 on an H200 timed eager
 # launches, which Python's launch overhead dominated; kernels are now timed inside CUDA graphs
 # (time_op(graph=True)), as the engine runs them. Two paths: tl.dot (DOT_CONFIGS, every row
@@ -119,6 +147,90 @@ def _sweep_decode(plan: Plan, device: torch.device, dtype, deadline: Deadline, c
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"shapes": results, "best_overall": _best_overall(results, DECODE_FIELDS)}
+
+
+def _prefill_setup(query_lens, seq_lens, block_size, heads, dtype, device):
+    """(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens) over shuffled blocks."""
+    hq, hkv, d = heads
+    per_seq = [-(-s // block_size) for s in seq_lens]
+    order = torch.randperm(sum(per_seq)).split(per_seq)
+    width = max(per_seq)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for row, ids in zip(tables, order):
+        row[: len(ids)] = ids
+    k = torch.empty(sum(per_seq), block_size, hkv, d, device=device, dtype=dtype).normal_()
+    v = torch.empty_like(k).normal_()
+    q = torch.randn(sum(query_lens), hq, d, device=device, dtype=dtype)
+    starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return q, k, v, tables.to(device), starts.to(device), lens.to(device)
+
+
+def causal_attention_flops(query_lens: list[int], seq_lens: list[int], heads) -> int:
+    """4 * D * Hq * (sum over queries of the positions each attends): QK^T and PV, causal
+    (a query at position p sees p + 1 keys), nothing counted for masked-out work."""
+    hq, _, d = heads
+    keys = sum(q * s - q * (q - 1) // 2 for q, s in zip(query_lens, seq_lens))
+    return 4 * d * hq * keys
+
+
+def _sweep_prefill(plan: Plan, device: torch.device, dtype, deadline: Deadline) -> dict:
+    """Prefill launch configs on two workloads; every config is timed on both (configs outer)
+    so the best-overall choice compares like with like. A config that fails to compile or
+    launch is recorded with its error; one whose output leaves the reference's tolerance
+    (checked once per workload) is recorded and never chosen."""
+    from paged_llm.ops.paged_attention.reference import paged_attention_reference
+    from paged_llm.ops.paged_attention.triton_prefill import paged_prefill_attention_triton
+
+    cuda = device.type == "cuda"
+    workloads = PREFILL_WORKLOADS if cuda else PREFILL_WORKLOADS_CPU
+    configs = PREFILL_CONFIGS[:PREFILL_MAX_CONFIGS] if cuda else PREFILL_CONFIGS_CPU
+    heads, scale = plan.attn_heads, plan.attn_heads[2] ** -0.5
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-3, rtol=1e-3)
+    setups, results = {}, {}
+    for name, (q_lens, s_lens) in workloads.items():
+        inputs = _prefill_setup(q_lens, s_lens, 16, heads, dtype, device)
+        q, k, v, tables = inputs[:4]
+        ref = paged_attention_reference(q, k, v, tables, q_lens, s_lens, scale)
+        setups[name] = (inputs, ref, torch.empty_like(q))
+        results[name] = {
+            "sequences": len(q_lens),
+            "query_tokens": sum(q_lens),
+            "max_context": max(s_lens),
+            "flops": causal_attention_flops(q_lens, s_lens, heads),
+            "configs": [],
+        }
+    untimed = []
+    for config in configs:
+        if deadline.left() <= 0:
+            untimed.append(dict(zip(PREFILL_FIELDS, config)))
+            continue
+        overrides = dict(zip(PREFILL_FIELDS, config))
+        for name, (inputs, ref, out) in setups.items():
+            row: dict[str, Any] = dict(overrides)
+            call = partial(paged_prefill_attention_triton, *inputs, scale, out=out, **overrides)
+            try:
+                call()
+                err = (out.float() - ref.float()).abs()
+                row["max_abs_err"] = float(err.max())
+                if not bool((err <= tol["atol"] + tol["rtol"] * ref.float().abs()).all()):
+                    row["error"] = f"wrong output: max abs error {row['max_abs_err']:.3g}"
+                else:
+                    t = time_op(call, device, plan.timing_reps, graph=True)
+                    row.update(us=t * 1e6, seconds=t, TFLOPs=results[name]["flops"] / t / 1e12)
+            except Exception as err:  # e.g. out of shared memory or registers: recorded
+                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            results[name]["configs"].append(row)
+    shapes = []
+    for name, entry in results.items():
+        entry["best"] = _best(entry["configs"], "seconds")
+        shapes.append({"workload": name, **entry})
+    setups = None  # free the caches before the matmul sweep
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"block_size": 16, "workloads": shapes,
+            "best_overall": _best_overall(shapes, PREFILL_FIELDS),
+            "untimed": untimed, "out_of_time": bool(untimed)}  # fmt: skip
 
 
 def _best_overall(shapes: list[dict[str, Any]], fields: tuple[str, ...]) -> dict[str, Any] | None:
@@ -240,21 +352,26 @@ def _gemv_rows(results: list[dict[str, Any]], name: str) -> int:
 def section_kernel_sweep(
     plan: Plan, device: torch.device, deadline: Deadline, copy_bw: float | None
 ) -> dict[str, Any]:
-    """Launch-config sweeps of the decode attention and quantized matmul kernels."""
+    """Launch-config sweeps of the decode and prefill attention and quantized matmul kernels."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     share = Deadline.after(max(1.0, deadline.left() * 0.2))  # tuned in runs 1-2 already
     decode = _sweep_decode(plan, device, dtype, share, copy_bw)
+    # half of what is left: its rows are untuned, and every config compiles anew
+    prefill = _sweep_prefill(plan, device, dtype, Deadline.after(max(1.0, deadline.left() / 2)))
     matmul = _sweep_matmul(plan, device, dtype, deadline, copy_bw)
     return {
         "dtype": dtype,
         "heads": plan.attn_heads,
         "decode": decode,
+        "prefill": prefill,
         "matmul": matmul,
-        "applied": apply_best_configs(decode, matmul, device),
+        "applied": apply_best_configs(decode, matmul, device, prefill),
     }
 
 
-def apply_best_configs(decode: dict, matmul: dict, device: torch.device) -> dict[str, Any]:
+def apply_best_configs(
+    decode: dict, matmul: dict, device: torch.device, prefill: dict | None = None
+) -> dict[str, Any]:
     """Make the sweep's best configs this process's tuned rows for the device's architecture,
     so the later sections run with them; return what was applied (copy it into
     paged_llm/ops/tuning.py to keep it)."""
@@ -264,7 +381,8 @@ def apply_best_configs(decode: dict, matmul: dict, device: torch.device) -> dict
         return {}
     arch = tuning.arch_of(device)
     found = matmul.get("best_overall", {})
-    best = {"paged_decode": decode.get("best_overall")}
+    best = {"paged_decode": decode.get("best_overall"),
+            "paged_prefill": (prefill or {}).get("best_overall")}  # fmt: skip
     for name in ("int8", "int4"):
         best[f"{name}_gemv"] = found.get(f"{name}_gemv")
         dot = found.get(f"{name}_dot")
