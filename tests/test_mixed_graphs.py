@@ -135,3 +135,29 @@ def test_mixed_steps_replayed_from_padded_buffers_give_the_same_tokens(
     assert "eager_prefill" not in kinds  # every step fits a mixed graph's 48 tokens
     assert {k for k in graphs.replays if k[1] == VARLEN} <= {(16, VARLEN), (32, VARLEN),
                                                               (48, VARLEN)}  # fmt: skip
+
+
+def test_padding_rows_of_a_mixed_step_come_out_zero():
+    """Rows past the last query offset belong to no sequence: the triton backend leaves them
+    zero (finite for the layers after), and padding sequences write and read nothing."""
+    from paged_llm.attention.metadata import build_attention_metadata
+    from paged_llm.attention.triton_backend import TritonAttentionBackend
+
+    torch.manual_seed(0)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    k_cache, v_cache = torch.randn(2, 6, bs, hkv, d).unbind(0)
+    meta = build_attention_metadata([1, 3], [6, 3], [[3, 1], [4]], bs)
+    q, k, v = torch.randn(8, hq, d), torch.randn(8, hkv, d), torch.randn(8, hkv, d)
+    expected_caches = k_cache.clone(), v_cache.clone()
+    expected = TritonAttentionBackend().forward(q[:4], k[:4], v[:4], *expected_caches, meta, 0.25)
+    meta.padded_tokens, meta.num_decodes = True, 0  # as _mixed_context builds it
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((4,), -1)])
+    meta.query_start_loc = torch.tensor([0, 1, 4, 4], dtype=torch.int32)  # + an empty sequence
+    meta.seq_lens = torch.tensor([6, 3, 0], dtype=torch.int32)
+    meta.block_tables = torch.cat([meta.block_tables, torch.zeros(1, 2, dtype=torch.int32)])
+    meta.seq_lens_cpu = [6, 3, 0]
+    caches = k_cache.clone(), v_cache.clone()
+    out = TritonAttentionBackend().forward(q, k, v, *caches, meta, 0.25)
+    torch.testing.assert_close(out[:4], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[4:], torch.zeros(4, hq, d))
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected_caches))  # slot -1: unwritten

@@ -50,7 +50,9 @@ class TritonAttentionBackend(AttentionBackend):
         """Store K/V, then attend: decode kernel for the decodes, prefill kernel for the rest."""
         scales = {"k_scale": k_scale, "v_scale": v_scale}  # None unless the cache is quantized
         store_kv_triton(key, value, k_cache, v_cache, meta.slot_mapping, **scales)
-        out = torch.empty_like(query)
+        # A mixed-step graph's padding rows belong to no sequence and are never written: zeros
+        # keep them finite through the layers after (which work row by row).
+        out = torch.zeros_like(query) if meta.padded_tokens else torch.empty_like(query)
         nd = meta.num_decodes  # decodes come first, one token each, so they own rows [0, nd)
         if nd:
             paged_decode_attention_triton(

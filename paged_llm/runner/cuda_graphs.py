@@ -273,7 +273,7 @@ class CudaGraphRunner:
             query_start_loc=self.query_start_loc[stride][: b + 1],
             seq_lens=self.seq_lens[:b],
             block_tables=self.block_tables[:b],
-            max_query_len=stride,  # fixes the prefill kernel's grid at capture
+            max_query_len=stride,  # (the triton kernels' launches depend on shapes only)
             max_seq_len=self.max_model_len,  # fixes the decode kernel's split-K at capture
             num_decodes=b if stride == 1 else 0,
             query_lens_cpu=[stride] * b,
