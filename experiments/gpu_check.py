@@ -1165,6 +1165,22 @@ def write_profile_tables(prof: Any, path: Path, cuda: bool) -> None:
     )
 
 
+def engine_kwargs(plan: Plan, device: torch.device) -> dict[str, Any]:
+    """The engine arguments of the end-to-end runs (also experiments/gpu_e2e_variants.py)."""
+    kwargs: dict[str, Any] = dict(
+        dtype=plan.dtype,
+        max_num_seqs=plan.max_num_seqs,
+        seed=0,
+        max_model_len=plan.max_total,
+        max_num_batched_tokens=max(4096, plan.max_total),
+        device=str(device),
+        plugins=["paged_llm.engine.profile.StepPhaseProfile"],  # where step time goes
+    )
+    if device.type == "cpu":
+        kwargs["cpu_kv_cache_gib"] = 0.05
+    return kwargs
+
+
 def _attempt_engine(
     plan: Plan,
     device: torch.device,
@@ -1184,17 +1200,7 @@ def _attempt_engine(
     from paged_llm import LLM, SamplingParams
 
     start = time.perf_counter()
-    kwargs = dict(
-        dtype=plan.dtype,
-        max_num_seqs=plan.max_num_seqs,
-        seed=0,
-        max_model_len=plan.max_total,
-        max_num_batched_tokens=max(4096, plan.max_total),
-        device=str(device),
-    )
-    if device.type == "cpu":
-        kwargs["cpu_kv_cache_gib"] = 0.05
-    kwargs["plugins"] = ["paged_llm.engine.profile.StepPhaseProfile"]  # where step time goes
+    kwargs = engine_kwargs(plan, device)
     model_arg = str(model_dir) if model_dir else plan.model
     try:
         llm = LLM(model_arg, **kwargs)

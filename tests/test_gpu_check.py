@@ -377,3 +377,22 @@ def test_spec_profile_smoke_writes_phases(tmp_path):
     busy = doc["ngram_beside_busy_thread"]
     assert busy["alone_tokens_per_s"] > 0 and busy["beside_busy_thread_tokens_per_s"] > 0
     assert json.loads((tmp_path / "spec_profile.json").read_text())["runs"] == doc["runs"]
+
+
+def test_e2e_variants_smoke_writes_each_variant(tmp_path):
+    """experiments/gpu_e2e_variants.py (issue 39's before/after on a GPU) on the CPU: every
+    variant runs the same requests and reports its rate, bound fraction, phases and kinds."""
+    from experiments import gpu_e2e_variants
+
+    doc = gpu_e2e_variants.main(["--smoke", "--budget", "60", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "gpu_e2e_variants.json").read_text())
+    assert written["what"].startswith("real engine runs") and written["device"] == "cpu"
+    assert list(written["variants"]) == list(gpu_e2e_variants.VARIANTS)
+    for name, row in doc["variants"].items():
+        assert "error" not in row, row
+        assert row["output_tokens_per_s"] > 0 and row["fraction_of_bound"] > 0
+        assert "inputs" in row["step_phases"]["phases"] and row["steps_by_kind"]
+        if name != "decode_graphs":  # the same greedy tokens as the first variant
+            assert row["same_tokens_as_first"] == 1.0
+    with pytest.raises(SystemExit):
+        gpu_e2e_variants.main(["--smoke", "--variants", "nope", "--out", str(tmp_path)])

@@ -1,0 +1,198 @@
+"""The GPU check's end-to-end workload under engine variants, in one process, one after the
+other: where issue 39's changes move the fraction of the bandwidth bound.
+
+    python3 -m experiments.gpu_e2e_variants --out $OUT                # ~5 min on an H200
+    python3 -m experiments.gpu_e2e_variants --smoke --out /tmp/e2e    # CPU, tiny, interpreter
+
+Variants (``VARIANTS``; ``--variants`` picks some), each a fresh engine on the same requests:
+
+* ``decode_graphs``: CUDA graphs for decode steps only (``cudagraph_mode=FULL_DECODE_ONLY``),
+  as the engine ran on the H200 in run 11 (0.33 of the bound): the peer;
+* ``mixed_graphs``: steps with prompt tokens replay graphs too (``FULL``, the default);
+* ``mixed_graphs_async``: and async output processing (``async_output_proc=True``).
+
+For each: output tokens/s and its fraction of the bound B x BW / (weight bytes + B x context x
+KV bytes per token) (BW measured first in the same run), steps by how they ran
+(``steps_by_kind``: ``graph``, ``graph_mixed``, ``eager_prefill``, ...), the step's time by
+engine phase (``step_phases``), host syncs per step (``syncs_per_step``: CUDA's sync debug
+mode over ``SYNC_STEPS`` steps, counting the warnings it raises; the sampled ids are one) and
+the share of requests whose greedy tokens equal the first variant's (bf16 on random weights:
+a graph's varlen kernel and the eager decode kernel may round a near-tie differently). The
+JSON is rewritten after every variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from experiments.gpu_check import (
+    DTYPE_NAMES,
+    PLANS,
+    Deadline,
+    Plan,
+    _free,
+    _json_default,
+    _time_copy,
+    bandwidth_bound,
+    build_workload,
+    engine_kwargs,
+    run_ours,
+    save_tiny_llama,
+)
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "decode_graphs": {"cudagraph_mode": "FULL_DECODE_ONLY"},
+    "mixed_graphs": {"cudagraph_mode": "FULL"},
+    "mixed_graphs_async": {"cudagraph_mode": "FULL", "async_output_proc": True},
+}
+SYNC_STEPS = 20  # steps watched by the sync debug mode (it slows them; not timed)
+
+
+def count_syncs(engine: Any, steps: int) -> dict[str, Any]:
+    """Host syncs per step over ``steps`` steps of the engine's current requests (CUDA only:
+    ``torch.cuda.set_sync_debug_mode`` warns on each synchronizing call)."""
+    if not torch.cuda.is_available():
+        return {"note": "CUDA only"}
+    counts = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        for _ in range(steps):
+            if not engine.has_unfinished_requests():
+                break
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return {"steps": len(counts), "mean": statistics.mean(counts) if counts else None,
+            "max": max(counts, default=None)}  # fmt: skip
+
+
+def run_variant(
+    name: str, plan: Plan, device: torch.device, model: str, work: Any, deadline: Deadline
+) -> tuple[dict[str, Any], list[Any]]:
+    """One variant: build, warm up, count syncs, time the workload; (record, outputs)."""
+    from paged_llm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    kwargs = engine_kwargs(plan, device) | VARIANTS[name]
+    llm = LLM(model, **kwargs)
+    engine = llm.llm_engine
+    record: dict[str, Any] = {"engine_args": VARIANTS[name], "build_s": time.perf_counter() - start,
+                              "cuda_graph_error": engine.runner.cuda_graph_error}  # fmt: skip
+    warm = work.head(plan.warmup_requests)  # compiles the kernels before anything is timed
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for i, prompt in enumerate(warm.prompts):
+        engine.add_request(f"warm{i}", {"prompt_token_ids": prompt}, params)
+    record["syncs_per_step"] = count_syncs(engine, SYNC_STEPS)
+    while engine.has_unfinished_requests():
+        engine.step()
+    phases = engine.core.plugins[-1]
+    phases.reset()
+    ours = run_ours(engine, work, deadline)
+    record["step_phases"] = phases.summary()
+    outputs = ours.pop("outputs")
+    record.update(ours)
+    llm.shutdown()
+    del llm, engine
+    _free(device)
+    return record, outputs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the variants; write ``gpu_e2e_variants.json`` under ``--out``."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny model, interpreter")
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds for all variants")
+    ap.add_argument("--requests", type=int, default=None, help="default: the plan's (1000)")
+    ap.add_argument("--trace", default=None, help="ShareGPT length trace (CSV)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args(argv)
+    names = args.variants.split(",")
+    if unknown := [n for n in names if n not in VARIANTS]:
+        ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    plan = PLANS["smoke" if args.smoke else "full"]
+    if args.requests:
+        plan = replace(plan, num_requests=args.requests)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    from paged_llm.models import presets
+    from paged_llm.models.loader import load_config
+
+    model_dir = save_tiny_llama(out_dir / "tiny-llama") if plan.model == "tiny-llama" else None
+    hf_config = load_config(model_dir) if model_dir else presets.preset_config(plan.model)
+    work = build_workload(plan, hf_config.vocab_size, args.trace)
+    dtype = DTYPE_NAMES.get(plan.dtype) or getattr(torch, plan.dtype)
+    copy_bw = 2 * 2**20 * plan.copy_mib / _time_copy(plan.copy_mib * 2**20, device, 3) / 1e9
+    doc: dict[str, Any] = {
+        "what": "real engine runs (not simulated), one process, variants in order",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "model": plan.model,
+        "dtype": str(dtype),
+        "workload": {
+            "source": work.source,
+            "requests": len(work.prompts),
+            "output_tokens": work.output_tokens,
+        },  # fmt: skip
+        "copy_bandwidth_GBps": copy_bw,
+        "variants": {},
+    }
+    out_path = out_dir / "gpu_e2e_variants.json"
+    first_outputs = None
+    for i, name in enumerate(names):
+        left = args.budget - (time.perf_counter() - start)
+        share = Deadline.after(max(1.0, left / (len(names) - i) - 30))  # ~30 s to build
+        try:
+            record, outputs = run_variant(name, plan, device, str(model_dir or plan.model),
+                                          work, share)  # fmt: skip
+        except Exception as err:  # the next variant still runs
+            import traceback
+
+            doc["variants"][name] = {"error": f"{type(err).__name__}: {err}",
+                                     "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
+            _free(device)
+            continue
+        mean_in = sum(map(len, work.prompts)) / len(work.prompts)
+        context = mean_in + statistics.mean(work.output_lens) / 2
+        batch = record["mean_running_batch"] or 1.0
+        bound = bandwidth_bound(hf_config, dtype, copy_bw, batch, context)
+        record["bandwidth_bound_tokens_per_s"] = bound
+        record["fraction_of_bound"] = record["output_tokens_per_s"] / bound
+        if first_outputs is None:
+            first_outputs = outputs
+        else:
+            both = [(a, b) for a, b in zip(first_outputs, outputs) if a and b]
+            record["same_tokens_as_first"] = (
+                sum(a == b for a, b in both) / len(both) if both else None
+            )
+        doc["variants"][name] = record
+        doc["elapsed_s"] = time.perf_counter() - start
+        out_path.write_text(json.dumps(doc, indent=1, default=_json_default))
+    doc["elapsed_s"] = time.perf_counter() - start
+    out_path.write_text(json.dumps(doc, indent=1, default=_json_default))
+    for name, r in doc["variants"].items():
+        if "error" in r:
+            print(f"{name}: ERROR {r['error']}")
+        else:
+            print(f"{name}: {r['output_tokens_per_s']:.0f} tok/s, "
+                  f"{r['fraction_of_bound']:.2f} of the bound, kinds "
+                  f"{ {k: v['steps'] for k, v in r['steps_by_kind'].items()} }")  # fmt: skip
+    return doc
+
+
+if __name__ == "__main__":
+    main()
