@@ -161,3 +161,20 @@ def test_padding_rows_of_a_mixed_step_come_out_zero():
     torch.testing.assert_close(out[:4], expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[4:], torch.zeros(4, hq, d))
     assert all(torch.equal(a, b) for a, b in zip(caches, expected_caches))  # slot -1: unwritten
+
+
+def test_a_failed_mixed_capture_keeps_the_decode_graphs(monkeypatch):
+    graphs = CudaGraphRunner(None, None, [], None, [1, 2], 4, 64, torch.device("cpu"),
+                             mixed_tokens=[16, 32])  # fmt: skip
+
+    def capture_one(key, pool):
+        if key == (16, VARLEN):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graphs.graphs[key], graphs.outputs[key] = "graph", "output"
+
+    monkeypatch.setattr(graphs, "_capture_one", capture_one)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    graphs.capture()
+    assert sorted(graphs.graphs) == [(1, 1), (2, 1)]  # the 32-token graph went too
+    assert graphs.key_for(batch([1, 9], [5, 9], [[0, 1]] * 2)) is None  # runs eagerly
+    assert graphs.key_for(batch([1, 1], [5, 9], [[0, 1]] * 2)) == (2, 1)

@@ -248,7 +248,8 @@ class CudaGraphRunner:
         self.width = -(-(max_model_len + self.strides[-1] - 1) // block_size)
         self.keys = [(b, s) for s in self.strides for b in self.sizes
                      if s == 1 or b * s <= MAX_CAPTURE_TOKENS]  # fmt: skip
-        self.keys += [(t, VARLEN) for t in sorted(set(mixed_tokens))]
+        self.mixed_sizes = sorted(set(mixed_tokens))  # token buckets of mixed steps
+        self.keys += [(t, VARLEN) for t in self.mixed_sizes]
         top = self.sizes[-1]
         tokens = max(key_tokens(k) for k in self.keys)
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
@@ -370,9 +371,8 @@ class CudaGraphRunner:
             return bucket, stride
         if bucket is None:  # more sequences than the static buffers hold
             return None
-        tokens = len(batch.input_ids)
-        mixed = [k for k in self.graphs if k[1] == VARLEN and k[0] >= tokens]
-        return min(mixed, default=None)
+        tokens = bucket_for(len(batch.input_ids), self.mixed_sizes)
+        return (tokens, VARLEN) if (tokens, VARLEN) in self.graphs else None
 
     def load(self, batch: Any, key: tuple[int, int]) -> list[int]:
         """Copy a HostBatch, padded, into the static buffers of ``key`` (from ``key_for``);
