@@ -55,3 +55,26 @@ def test_no_host_to_device_copy_between_launch_and_sampling(tiny_llama, monkeypa
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     assert copies == []
+
+
+def test_int_tensor_matches_torch_tensor_and_outlives_its_buffer():
+    import gc
+
+    from paged_llm.utils.host import int_tensor
+
+    values = [0, -1, 2**40, 7] * 1000
+    view = int_tensor(values)[1:5]
+    gc.collect()  # the array behind the tensor is kept alive by it
+    assert torch.equal(view, torch.tensor(values[1:5])) and view.dtype == torch.int64
+    assert int_tensor([]).shape == (0,)
+
+
+def test_step_inputs_bench_writes_json(tmp_path):
+    from experiments import bench_step_inputs
+
+    doc = bench_step_inputs.main(["--reps", "1", "--out", str(tmp_path / "b.json")])
+    assert doc["what"].startswith("real host-side") and doc["hardware"]["cpu"]
+    rows = doc["cases"]
+    assert rows["decode_256"]["graph_key"] == [256, 1]
+    assert rows["mixed_255_plus_257"]["graph_key"] == [512, 0]  # (tokens, VARLEN)
+    assert all(r["int_tensor_ms"] > 0 and r["torch_tensor_ms"] > 0 for r in rows.values())

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_llm.core.kv.paged import NULL_BLOCK
+from paged_llm.utils.host import int_tensor
 
 
 @dataclass
@@ -86,13 +87,16 @@ def build_attention_metadata(
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
+    # One host-to-device copy for all four (each copy from pageable memory waits for the
+    # stream), then int32 casts on the device.
+    flat = slots + starts + list(seq_lens) + [b for row in padded for b in row]
+    sizes = [len(slots), len(starts), len(seq_lens), len(padded) * max_blocks]
+    slot_t, starts_t, lens_t, tables_t = int_tensor(flat).to(device).split(sizes)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
-            len(block_tables), max_blocks
-        ),
+        slot_mapping=slot_t,
+        query_start_loc=starts_t.to(torch.int32),
+        seq_lens=lens_t.to(torch.int32),
+        block_tables=tables_t.to(torch.int32).view(len(block_tables), max_blocks),
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
         num_decodes=num_decodes,

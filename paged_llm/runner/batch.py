@@ -13,6 +13,7 @@ from paged_llm.attention.metadata import AttentionMetadata
 from paged_llm.core.scheduler import ScheduledRequest
 from paged_llm.outputs import LogprobEntry
 from paged_llm.runner.sampler import logprob_entries
+from paged_llm.utils.host import int_tensor
 
 
 @dataclass
@@ -110,11 +111,8 @@ def to_step_inputs(
     meta = backend.build_metadata(
         batch.query_lens, batch.seq_lens, batch.block_tables, block_size, device
     )
-    return StepInputs(
-        input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(batch.positions, dtype=torch.long, device=device),
-        attn_metadata=meta,
-    )
+    input_ids, positions = int_tensor(batch.input_ids + batch.positions).to(device).chunk(2)
+    return StepInputs(input_ids=input_ids, positions=positions, attn_metadata=meta)
 
 
 # (index of the first prompt token scored, then per token: its logprob and the top-k's)

@@ -59,6 +59,7 @@ from torch import nn
 from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata, device_block_table
 from paged_llm.layers.attention import ForwardContext
+from paged_llm.utils.host import int_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,12 @@ class PaddedBatch:
     positions: list[int]  # [bucket * stride]
     slot_mapping: list[int]  # [bucket * stride], -1 for padding tokens
     seq_lens: list[int]  # [bucket]
-    block_tables: list[list[int]]  # [bucket][width], zero-padded
+    # [rows][w], zero-padded to the widest of them: with stride 1 and in mixed steps only the
+    # real sequences' rows, up to the batch's widest table (what the static buffer holds
+    # past them is never read: the kernels read a sequence's blocks below its context length,
+    # and padding sequences have none), so a step copies what it uses, not bucket x width;
+    # with a longer stride every row of the bucket (padding sequences read block 0)
+    block_tables: list[list[int]]
     rows: list[int]  # [T]: the padded row of each of the batch's tokens, in its order
     query_start_loc: list[int] | None = None  # [bucket + 1]: mixed steps (strides fix it)
 
@@ -138,7 +144,8 @@ def is_decode_batch(batch: Any) -> bool:
 
 def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int) -> PaddedBatch:
     """Pad a HostBatch whose queries are 1 to ``stride`` tokens long to ``bucket`` sequences of
-    ``stride`` tokens, and its block tables to ``width``.
+    ``stride`` tokens, and its block tables (``PaddedBatch.block_tables`` says which rows and
+    how wide; none may be wider than ``width``).
 
     Padding writes nowhere (slot -1). With stride 1 (decode graphs) padding sequences have
     context length 0, which the decode kernel reads nothing for. With a longer stride the
@@ -168,20 +175,27 @@ def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int)
         rows += range(i * stride, i * stride + q)
         first += q
     pad = bucket - n
-    tables = [device_block_table(t) + [0] * (width - len(t)) for t in batch.block_tables]
     if stride == 1:
+        tables = _tables(batch.block_tables)
         seq_lens = list(batch.seq_lens) + [0] * pad
     else:
         seq_lens = [s + stride - q for s, q in zip(batch.seq_lens, batch.query_lens)]
         seq_lens += [stride] * pad
+        tables = _tables(batch.block_tables, width) + [[0] * width] * pad
     return PaddedBatch(
         input_ids=ids + [0] * (pad * stride),
         positions=positions + [0] * (pad * stride),
         slot_mapping=slots + [-1] * (pad * stride),
         seq_lens=seq_lens,
-        block_tables=tables + [[0] * width] * pad,
+        block_tables=tables,
         rows=rows,
     )
+
+
+def _tables(tables: list[list[int]], width: int = 0) -> list[list[int]]:
+    """Block tables as the kernels read them, zero-padded to ``width`` or the widest."""
+    w = max(width, *(len(t) for t in tables))
+    return [device_block_table(t) + [0] * (w - len(t)) for t in tables]
 
 
 def pad_varlen(batch: Any, tokens: int, num_seqs: int, block_size: int, width: int) -> PaddedBatch:
@@ -203,13 +217,12 @@ def pad_varlen(batch: Any, tokens: int, num_seqs: int, block_size: int, width: i
         first += q
         starts.append(first)
     pad, pad_seqs = tokens - t, num_seqs - n
-    tables = [device_block_table(t) + [0] * (width - len(t)) for t in batch.block_tables]
     return PaddedBatch(
         input_ids=list(batch.input_ids) + [0] * pad,
         positions=list(batch.positions) + [0] * pad,
         slot_mapping=slots + [-1] * pad,
         seq_lens=list(batch.seq_lens) + [0] * pad_seqs,
-        block_tables=tables + [[0] * width] * pad_seqs,
+        block_tables=_tables(batch.block_tables),
         rows=list(range(t)),
         query_start_loc=starts + [t] * pad_seqs,
     )
@@ -389,15 +402,16 @@ class CudaGraphRunner:
         flat = [*padded.input_ids, *padded.positions, *padded.slot_mapping, *padded.seq_lens]
         flat += [block for table in padded.block_tables for block in table]
         flat += padded.query_start_loc or []
-        staged = torch.tensor(flat, dtype=torch.int64).to(self.device)
+        staged = int_tensor(flat).to(self.device)
+        rows, w = len(padded.block_tables), len(padded.block_tables[0])
         ids, pos, slots, lens, tables, starts = staged.split(
-            [t, t, t, b, b * self.width, len(padded.query_start_loc or [])]
+            [t, t, t, b, rows * w, len(padded.query_start_loc or [])]
         )
         self.input_ids[:t].copy_(ids)
         self.positions[:t].copy_(pos)
         self.slot_mapping[:t].copy_(slots)
         self.seq_lens[:b].copy_(lens)
-        self.block_tables[:b].copy_(tables.view(b, self.width))
+        self.block_tables[:rows, :w].copy_(tables.view(rows, w))
         if s == VARLEN:
             self.query_start_loc[VARLEN].copy_(starts)
         return padded.rows
