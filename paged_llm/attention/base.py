@@ -24,8 +24,11 @@ class AttentionBackend(ABC):
     requires_contiguous_blocks: bool = False
     # Backends that store into and read from a quantized cache with scales.
     supports_quantized_kv: bool = False
-    # Backends whose decode path has no host syncs and reads no per-step host-side values, so
-    # a captured CUDA graph replays it correctly (``runner/cuda_graphs.py`` captures only these).
+    # Backends whose forward has no host syncs and reads no per-step host-side values, so a
+    # captured CUDA graph replays it correctly (``runner/cuda_graphs.py`` captures only these).
+    # Mixed-step graphs (cudagraph_mode FULL) also need it to take padding: sequences with no
+    # queries and no context, and, with ``meta.padded_tokens``, rows past the last query
+    # offset, whose output must be left finite (zero).
     cuda_graph_safe: bool = False
 
     def check_device(self, device: torch.device) -> None:
