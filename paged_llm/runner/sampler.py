@@ -19,6 +19,7 @@ from paged_llm.runner.logits_processors import (
     process_logits,
 )
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.utils.host import int_tensor
 
 
 @dataclass
@@ -267,17 +268,26 @@ def logprob_entries(
     each with its rank in the row (1 = most likely; the number of strictly likelier tokens
     plus one, as vLLM counts)."""
     ks = [top_k] * len(tokens) if isinstance(top_k, int) else list(top_k)
-    index = torch.tensor(list(tokens), dtype=torch.long, device=logprobs.device)
-    chosen_t = logprobs[torch.arange(len(index), device=logprobs.device), index]  # [N]
-    ranks = ((logprobs > chosen_t[:, None]).sum(-1) + 1).tolist()
-    entries = [{t: Logprob(lp, rank)} for t, lp, rank in zip(tokens, chosen_t.tolist(), ranks)]
-    most = max(ks, default=0)
+    n, most = len(tokens), max(ks, default=0)
+    # the token ids go over without waiting for the stream; everything comes back in one copy
+    index = int_tensor(list(tokens)).to(logprobs.device, non_blocking=True)
+    chosen_t = logprobs[torch.arange(n, device=logprobs.device), index]  # [N]
+    ranks_t = (logprobs > chosen_t[:, None]).sum(-1) + 1  # [N]
+    parts = [chosen_t.double(), ranks_t.double()]  # doubles hold float32s and token ids exactly
     if most > 0:
-        top = torch.topk(logprobs, most)
-        for entry, k, ids, values in zip(entries, ks, top.indices.tolist(), top.values.tolist()):
+        top = torch.topk(logprobs, most)  # [N, most]
+        parts += [top.values.double().flatten(), top.indices.double().flatten()]
+    host = torch.cat(parts).cpu().tolist()
+    chosen, ranks = host[:n], [int(r) for r in host[n : 2 * n]]
+    entries = [{t: Logprob(lp, rank)} for t, lp, rank in zip(tokens, chosen, ranks)]
+    if most > 0:
+        values, ids = host[2 * n : 2 * n + n * most], host[2 * n + n * most :]
+        for row, (entry, k) in enumerate(zip(entries, ks)):
+            row_ids = [int(t) for t in ids[row * most : row * most + k]]
+            row_values = values[row * most : row * most + k]
             entry.update(
                 (t, entry[t] if t in entry else Logprob(lp, r))  # ties keep the chosen's rank
-                for r, (t, lp) in enumerate(zip(ids[:k], values[:k]), start=1)
+                for r, (t, lp) in enumerate(zip(row_ids, row_values), start=1)
             )
     return entries
 
