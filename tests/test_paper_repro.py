@@ -181,6 +181,9 @@ def test_quick_runs_all_three(tmp_path):
 
     paths = run_quick(tmp_path)
     assert {p.name for p in paths} >= {"fig2.json", "fig12.json", "fig13.json", "fig12.png"}
+    for name in ("fig2", "fig12", "fig13"):  # a mean with an interval, never one draw
+        seeds = json.loads((tmp_path / name / f"{name}.json").read_text())["seeds"]
+        assert seeds["n"] == 3 and seeds["interval"].startswith("Student-t")
 
 
 @pytest.mark.slow
