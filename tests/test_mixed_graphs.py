@@ -90,6 +90,21 @@ def test_cudagraph_mode_is_checked_and_picks_what_is_captured(tiny_llama, monkey
     assert captured["mixed"] == []
 
 
+def staggered(llm, prompts, params):
+    """(token ids, logprobs) of each request, one arriving per step, so prompts meet decodes."""
+    engine, done = llm.llm_engine, {}
+
+    def step():
+        done.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+        step()
+    while engine.has_unfinished_requests():
+        step()
+    return [(done[str(i)].token_ids, done[str(i)].logprobs) for i in range(len(prompts))]
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_mixed_steps_replayed_from_padded_buffers_give_the_same_tokens(
     tiny_llama, chunked, monkeypatch
@@ -106,24 +121,10 @@ def test_mixed_steps_replayed_from_padded_buffers_give_the_same_tokens(
     if chunked:  # 12-token steps: the 35-token prompt runs in chunks beside decodes
         kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=12)
 
-    def generate(llm):
-        # staggered arrivals, so prompts meet decodes in one step
-        engine, done = llm.llm_engine, {}
-
-        def step():
-            done.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
-
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
-            step()
-        while engine.has_unfinished_requests():
-            step()
-        return [(done[str(i)].token_ids, done[str(i)].logprobs) for i in range(len(prompts))]
-
-    expected = generate(LLM(str(tiny_llama[0]), **kwargs))
+    expected = staggered(LLM(str(tiny_llama[0]), **kwargs), prompts, params)
     llm = LLM(str(tiny_llama[0]), **kwargs)
     graphs = replay_graphs_eagerly(llm, monkeypatch, [1, 2, 4], mixed_tokens=[16, 32, 48])
-    got = generate(llm)
+    got = staggered(llm, prompts, params)
     assert [g[0] for g in got] == [e[0] for e in expected]
     for (_, lp_got), (_, lp_exp) in zip(got, expected):
         for step_got, step_exp in zip(lp_got, lp_exp):
@@ -178,3 +179,23 @@ def test_a_failed_mixed_capture_keeps_the_decode_graphs(monkeypatch):
     assert sorted(graphs.graphs) == [(1, 1), (2, 1)]  # the 32-token graph went too
     assert graphs.key_for(batch([1, 9], [5, 9], [[0, 1]] * 2)) is None  # runs eagerly
     assert graphs.key_for(batch([1, 1], [5, 9], [[0, 1]] * 2)) == (2, 1)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_steps_with_prompts_replay_mixed_graphs(tiny_llama, method, monkeypatch):
+    """Verifications beside arriving prompts run through the target's mixed graphs (the
+    drafter keeps its own graphs): the same greedy tokens as the engine without graphs."""
+    prompts = [[5, 9, 17, 33, 2 + i] * (i + 2) for i in range(3)]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 3
+    kwargs = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01, max_num_seqs=4,
+                  attention_backend="triton", dtype="float32")  # fmt: skip
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":  # the target drafting for itself
+        spec["model"] = str(tiny_llama[0])
+    expected = staggered(LLM(str(tiny_llama[0]), **kwargs), prompts, params)
+    llm = LLM(str(tiny_llama[0]), speculative_config=spec, **kwargs)
+    replay_graphs_eagerly(llm, monkeypatch, [1, 2, 4], strides=(1, 4), mixed_tokens=[16, 32])
+    got = staggered(llm, prompts, params)
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    kinds = llm.llm_engine.runner.forward_kinds
+    assert kinds["graph_mixed"] > 0 and llm.llm_engine.spec_stats.num_draft_tokens > 0
