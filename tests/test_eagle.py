@@ -13,7 +13,7 @@ from test_spec import PROMPTS, assert_same_logprobs, greedy, ids_of, save_llama
 from paged_llm import LLM, SamplingParams
 from paged_llm.models.eagle import random_eagle_head
 from paged_llm.recipes.eagle import EagleHeadReference, shifted_features, target_features
-from paged_llm.runner.cuda_graphs import capture_sizes
+from paged_llm.runner.cuda_graphs import capture_sizes, mixed_capture_tokens
 
 SHARED = [7, 8, 9, 10, 11, 12, 13, 14, 15]  # a common prefix longer than two blocks of 4
 PREFIXED = [SHARED + [20 + i, 3 * i + 1] for i in range(4)]
@@ -152,6 +152,26 @@ def test_drafts_through_replayed_graphs_equal_the_reference(pair, monkeypatch):
         assert drafts == reference_drafts(hf, ref, tokens, len(drafts)), tokens
     assert any(s == 4 for _, s in graphs.replays)
     assert {s for _, s in llm.llm_engine.drafter.cuda_graphs.replays} == {1, 5}
+
+
+def test_drafts_through_mixed_graphs_equal_the_reference(pair, monkeypatch):
+    """Prompts arriving one per step beside verifications: the target replays mixed-step graphs
+    and the head reads its features from their static output; drafts equal the reference."""
+    llm = eagle_llm(pair, max_num_seqs=4, attention_backend="triton")
+    replay_graphs_eagerly(llm, monkeypatch, capture_sizes(4), strides=(1, 4),
+                          mixed_tokens=mixed_capture_tokens(64))  # fmt: skip
+    seen = recorded_proposals(llm)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy(10))
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    _, _, hf, ref = pair
+    assert len(seen) > 10
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(hf, ref, tokens, len(drafts)), tokens
+    assert engine.runner.forward_kinds["graph_mixed"] > 0
 
 
 @pytest.mark.parametrize("k", [1, 4])
