@@ -199,3 +199,42 @@ def test_speculative_steps_with_prompts_replay_mixed_graphs(tiny_llama, method, 
     assert [g[0] for g in got] == [e[0] for e in expected]
     kinds = llm.llm_engine.runner.forward_kinds
     assert kinds["graph_mixed"] > 0 and llm.llm_engine.spec_stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "engine_args, extra_params",
+    [
+        ({"kv_cache_dtype": "int8"}, {}),  # a quantized cache: scales stored and read
+        ({"enable_prefix_caching": True}, {}),  # second round: queries after cached prefixes
+        ({}, {"prompt_logprobs": 2}),  # every prompt row's logits
+    ],
+    ids=["int8_kv", "prefix_cache", "prompt_logprobs"],
+)
+def test_mixed_graphs_with_engine_features(tiny_llama, monkeypatch, engine_args, extra_params):
+    prompts = [[5, 9, 17, 33, 2 + i] * (2 * i + 2) for i in range(3)]
+    params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, **extra_params)] * 3
+    kwargs = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01, max_num_seqs=4,
+                  attention_backend="triton", dtype="float32", **engine_args)  # fmt: skip
+
+    def run(llm):
+        first = staggered(llm, prompts, params)
+        second = [o.prompt_logprobs for o in llm.generate(  # a second round of the same prompts
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
+        return first, second
+
+    expected = run(LLM(str(tiny_llama[0]), **kwargs))
+    llm = LLM(str(tiny_llama[0]), **kwargs)
+    replay_graphs_eagerly(llm, monkeypatch, [1, 2, 4], mixed_tokens=[16, 32, 48, 64])
+    got = run(llm)
+    assert [g[0] for g in got[0]] == [e[0] for e in expected[0]]
+    assert all((e is not None) == bool(extra_params) for e in expected[1])
+    for prompt_got, prompt_exp in zip(got[1], expected[1]):
+        if prompt_exp is None:
+            assert prompt_got is None
+            continue
+        for row_got, row_exp in zip(prompt_got[1:], prompt_exp[1:]):
+            assert row_got.keys() == row_exp.keys()
+            assert all(abs(row_got[t].logprob - row_exp[t].logprob) < 1e-4 for t in row_got)
+    assert llm.llm_engine.runner.forward_kinds["graph_mixed"] > 0
+    if engine_args.get("enable_prefix_caching"):
+        assert llm.llm_engine.scheduler.kv.prefix_hits > 0
