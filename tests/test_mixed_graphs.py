@@ -238,3 +238,19 @@ def test_mixed_graphs_with_engine_features(tiny_llama, monkeypatch, engine_args,
     assert llm.llm_engine.runner.forward_kinds["graph_mixed"] > 0
     if engine_args.get("enable_prefix_caching"):
         assert llm.llm_engine.scheduler.kv.prefix_hits > 0
+
+
+def test_embeddings_through_mixed_graphs_equal_eager_ones(tiny_llama, monkeypatch):
+    """A pooling model's prompt steps replay mixed graphs: the same embeddings."""
+    prompts = [{"prompt_token_ids": [5, 9, 17, 33, 2 + i] * (i + 2)} for i in range(3)]
+    kwargs = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01, max_num_seqs=4,
+                  attention_backend="triton", dtype="float32", runner="pooling",
+                  pooler_config={"pooling_type": "MEAN"})  # fmt: skip
+    expected = LLM(str(tiny_llama[0]), **kwargs).embed(prompts, use_tqdm=False)
+    llm = LLM(str(tiny_llama[0]), **kwargs)
+    replay_graphs_eagerly(llm, monkeypatch, [1, 2, 4], mixed_tokens=[16, 32, 48])
+    got = llm.embed(prompts, use_tqdm=False)
+    for g, e in zip(got, expected):
+        g_emb, e_emb = torch.tensor(g.outputs.embedding), torch.tensor(e.outputs.embedding)
+        torch.testing.assert_close(g_emb, e_emb, rtol=1e-5, atol=1e-5)
+    assert llm.llm_engine.runner.forward_kinds["graph_mixed"] > 0
