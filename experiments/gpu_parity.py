@@ -62,9 +62,9 @@ def _ours(model_dir: Path, prompts: list[list[int]], dtype: str, device: torch.d
               max_num_seqs=8, block_size=16, **extra)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    graphs = llm.llm_engine.runner.forward_kinds.get("graph", 0)
+    kinds = dict(llm.llm_engine.runner.forward_kinds)  # graph, graph_mixed (the prompts), eager
     llm.shutdown()
-    return [list(o.outputs[0].token_ids) for o in outs], graphs
+    return [list(o.outputs[0].token_ids) for o in outs], kinds
 
 
 def _theirs(model_dir: Path, prompts: list[list[int]], dtype: str, device: torch.device) -> list:
@@ -93,14 +93,16 @@ def section_parity(
                 continue
             row: dict[str, Any] = {"arch": arch, "dtype": dtype}
             try:
-                ours, graph_steps = _ours(model_dir, prompts, dtype, device)
+                ours, kinds = _ours(model_dir, prompts, dtype, device)
                 theirs = _theirs(model_dir, prompts, dtype, device)
                 same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
                 row.update(
                     tokens_identical=ours == theirs,
                     token_agreement=same / sum(len(t) for t in theirs),
                     first_mismatch_step=_first_mismatch(ours, theirs),
-                    graph_steps=graph_steps,
+                    graph_steps=kinds.get("graph", 0),
+                    mixed_graph_steps=kinds.get("graph_mixed", 0),  # the prompts' step(s)
+                    forward_kinds=kinds,
                 )
             except Exception as err:  # recorded; the other cases still run
                 row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
