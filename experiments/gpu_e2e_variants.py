@@ -79,9 +79,11 @@ def count_syncs(engine: Any, steps: int) -> dict[str, Any]:
 
 
 def run_variant(
-    name: str, plan: Plan, device: torch.device, model: str, work: Any, deadline: Deadline
+    name: str, plan: Plan, device: torch.device, model: str, work: Any, run_s: float
 ) -> tuple[dict[str, Any], list[Any]]:
-    """One variant: build, warm up, count syncs, time the workload; (record, outputs)."""
+    """One variant: build, warm up, count syncs, time the workload for at most ``run_s``
+    seconds (from the timed run's start: building and compiling come first); (record,
+    outputs)."""
     from paged_llm import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -99,7 +101,7 @@ def run_variant(
         engine.step()
     phases = engine.core.plugins[-1]
     phases.reset()
-    ours = run_ours(engine, work, deadline)
+    ours = run_ours(engine, work, Deadline.after(run_s))
     record["step_phases"] = phases.summary()
     outputs = ours.pop("outputs")
     record.update(ours)
@@ -115,6 +117,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny model, interpreter")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds for all variants")
+    ap.add_argument("--run-seconds", type=float, default=None,
+                    help="cap on each variant's timed run (default: its share of the budget, "
+                         "less 30 s for building)")  # fmt: skip
     ap.add_argument("--requests", type=int, default=None, help="default: the plan's (1000)")
     ap.add_argument("--trace", default=None, help="ShareGPT length trace (CSV)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -155,10 +160,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     first_outputs = None
     for i, name in enumerate(names):
         left = args.budget - (time.perf_counter() - start)
-        share = Deadline.after(max(1.0, left / (len(names) - i) - 30))  # ~30 s to build
+        share = max(1.0, left / (len(names) - i) - 30)  # ~30 s to build
+        run_s = min(share, args.run_seconds) if args.run_seconds else share
         try:
             record, outputs = run_variant(name, plan, device, str(model_dir or plan.model),
-                                          work, share)  # fmt: skip
+                                          work, run_s)  # fmt: skip
         except Exception as err:  # the next variant still runs
             import traceback
 
