@@ -136,3 +136,21 @@ def test_the_flag_is_vllms_inverted_and_checked():
     assert EngineConfig.from_kwargs(disable_async_output_proc=False).scheduler.async_output_proc
     with pytest.raises(ValueError, match="async_output_proc must be a bool"):
         EngineConfig.from_kwargs(async_output_proc="yes")
+
+
+def test_a_kept_phase_profile_does_not_keep_the_engine_alive(tiny_llama):
+    """The GPU check keeps the profile after shutting the engine down; with async outputs a
+    step holds a closure over the engine, so the profile keeps marks only (an H100 run ran out
+    of memory building the next engine while the profile held the last one's KV pools)."""
+    import gc
+    import weakref
+
+    llm = LLM(str(tiny_llama[0]), cpu_kv_cache_gib=0.01, async_output_proc=True,
+              plugins=["paged_llm.engine.profile.StepPhaseProfile"])  # fmt: skip
+    llm.generate([{"prompt_token_ids": [5, 9, 17]}], SamplingParams(max_tokens=3))
+    profile = llm.llm_engine.core.plugins[-1]
+    runner = weakref.ref(llm.llm_engine.runner)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    assert runner() is None and profile.summary()["steps"] > 0

@@ -44,7 +44,10 @@ class StepPhaseProfile(EnginePlugin):
         """Start counting afresh (e.g. after a warm-up)."""
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
-        self._previous: StepState | None = None  # its "outputs" mark is set after its hooks
+        # The previous step's marks (its "outputs" mark is set after its hooks), not the step:
+        # a StepState can hold a closure over the engine (async outputs), and a profile kept
+        # after the engine's shutdown must not keep the engine's memory alive with it.
+        self._previous: dict[str, float] | None = None
 
     def after_update(self, step: StepState) -> None:
         """Add this step's phases, and the previous step's outputs and the caller's time."""
@@ -55,11 +58,11 @@ class StepPhaseProfile(EnginePlugin):
             if begin in m and end in m:
                 self.seconds[name] += m[end] - m[begin]
         if self._previous is not None:
-            before = self._previous.marks
+            before = self._previous
             done = before.get("outputs", before["updated"])
             self.seconds["outputs"] += done - before["updated"]
             self.seconds["caller"] += m["start"] - done
-        self._previous = step
+        self._previous = m
         self.steps += 1
 
     def summary(self) -> dict[str, Any]:
