@@ -137,6 +137,10 @@ class SchedulerConfig:
     # processing; its flag ``disable_async_output_proc`` is accepted too). Tokens are the same.
     async_output_proc: bool = False
 
+    def token_budget(self, max_model_len: int) -> int:
+        """Tokens one step may schedule: max_num_batched_tokens, else max(max_model_len, 2048)."""
+        return self.max_num_batched_tokens or max(max_model_len, 2048)
+
     def __post_init__(self) -> None:
         _check_optional_count("max_num_batched_tokens", self.max_num_batched_tokens)
         if not isinstance(self.async_output_proc, bool):

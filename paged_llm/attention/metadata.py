@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -59,6 +60,33 @@ def device_block_table(table: list[int]) -> list[int]:
     return table
 
 
+def slot_mapping(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> list[int]:  # [T]
+    """The KV slot of every query token: each sequence's last query_len positions."""
+    slots: list[int] = []
+    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+        if q_len > s_len:
+            raise ValueError(f"query length {q_len} exceeds sequence length {s_len}")
+        if len(table) * block_size < s_len:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {s_len} tokens")
+        for pos in range(s_len - q_len, s_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return slots
+
+
+def query_starts(query_lens: list[int]) -> list[int]:  # [B + 1]
+    """Cumulative query lengths: where each sequence's tokens start in the flat batch."""
+    return [0, *itertools.accumulate(query_lens)]
+
+
+def padded_block_tables(tables: list[list[int]], width: int = 0) -> list[list[int]]:
+    """Block tables as the kernels read them (``device_block_table``), zero-padded to
+    ``width`` or to the widest of them."""
+    w = max([width, *(len(t) for t in tables)])
+    return [device_block_table(t) + [0] * (w - len(t)) for t in tables]
+
+
 def build_attention_metadata(
     query_lens: list[int],
     seq_lens: list[int],
@@ -69,24 +97,15 @@ def build_attention_metadata(
     """Build metadata from host lists (sequences must already be ordered decodes first)."""
     if not (len(query_lens) == len(seq_lens) == len(block_tables)):
         raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-    slots: list[int] = []
-    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
-        if q_len > s_len:
-            raise ValueError(f"query length {q_len} exceeds sequence length {s_len}")
-        if len(table) * block_size < s_len:
-            raise ValueError(f"block table of {len(table)} blocks cannot hold {s_len} tokens")
-        for pos in range(s_len - q_len, s_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    slots = slot_mapping(query_lens, seq_lens, block_tables, block_size)
     num_decodes = 0
     for q_len in query_lens:
         if q_len != 1:
             break
         num_decodes += 1
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    padded = [device_block_table(t) + [0] * (max_blocks - len(t)) for t in block_tables]
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
+    padded = padded_block_tables(block_tables)
+    max_blocks = len(padded[0]) if padded else 0
+    starts = query_starts(query_lens)
     # One host-to-device copy for all four (each copy from pageable memory waits for the
     # stream), then int32 casts on the device.
     flat = slots + starts + list(seq_lens) + [b for row in padded for b in row]

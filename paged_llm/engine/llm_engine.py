@@ -53,7 +53,7 @@ def engine_scheduler(worker: Worker) -> Scheduler:
     )  # fmt: skip
     limits = SchedulerLimits(
         max_num_seqs=sc.max_num_seqs,
-        max_num_batched_tokens=sc.max_num_batched_tokens or max(worker.max_model_len, 2048),
+        max_num_batched_tokens=sc.token_budget(worker.max_model_len),
         enable_chunked_prefill=sc.enable_chunked_prefill,
         preemption_mode=sc.preemption_mode,
         num_lookahead_slots=worker.drafter.k if worker.drafter is not None else 0,

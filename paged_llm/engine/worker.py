@@ -104,7 +104,7 @@ class Worker:
         strides = (1, 1 + self.drafter.k) if self.drafter is not None else (1,)
         mixed: list[int] = []
         if graph_sizes and mc.cudagraph_mode == "FULL":
-            budget = sc.max_num_batched_tokens or max(self.max_model_len, 2048)
+            budget = sc.token_budget(self.max_model_len)
             mixed = mixed_capture_tokens(min(mc.max_cudagraph_capture_size, budget))
         self.runner.capture_cuda_graphs(graph_sizes, self.max_model_len, strides, mixed)
         if self.held is not None:  # everything a sleep frees is allocated by now

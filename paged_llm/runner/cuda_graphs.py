@@ -57,7 +57,12 @@ import torch
 from torch import nn
 
 from paged_llm.attention.base import AttentionBackend
-from paged_llm.attention.metadata import AttentionMetadata, device_block_table
+from paged_llm.attention.metadata import (
+    AttentionMetadata,
+    padded_block_tables,
+    query_starts,
+    slot_mapping,
+)
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.utils.host import int_tensor
 
@@ -176,12 +181,12 @@ def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int)
         first += q
     pad = bucket - n
     if stride == 1:
-        tables = _tables(batch.block_tables)
+        tables = padded_block_tables(batch.block_tables)
         seq_lens = list(batch.seq_lens) + [0] * pad
     else:
         seq_lens = [s + stride - q for s, q in zip(batch.seq_lens, batch.query_lens)]
         seq_lens += [stride] * pad
-        tables = _tables(batch.block_tables, width) + [[0] * width] * pad
+        tables = padded_block_tables(batch.block_tables, width) + [[0] * width] * pad
     return PaddedBatch(
         input_ids=ids + [0] * (pad * stride),
         positions=positions + [0] * (pad * stride),
@@ -190,12 +195,6 @@ def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int)
         block_tables=tables,
         rows=rows,
     )
-
-
-def _tables(tables: list[list[int]], width: int = 0) -> list[list[int]]:
-    """Block tables as the kernels read them, zero-padded to ``width`` or the widest."""
-    w = max(width, *(len(t) for t in tables))
-    return [device_block_table(t) + [0] * (w - len(t)) for t in tables]
 
 
 def pad_varlen(batch: Any, tokens: int, num_seqs: int, block_size: int, width: int) -> PaddedBatch:
@@ -209,22 +208,16 @@ def pad_varlen(batch: Any, tokens: int, num_seqs: int, block_size: int, width: i
                          f"got {n} and {t}")  # fmt: skip
     if any(len(table) > width for table in batch.block_tables):
         raise ValueError(f"a block table is wider than the captured {width} blocks")
-    slots, starts = [], [0]
-    first = 0
-    for q, table in zip(batch.query_lens, batch.block_tables):
-        for p in batch.positions[first : first + q]:
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        first += q
-        starts.append(first)
+    slots = slot_mapping(batch.query_lens, batch.seq_lens, batch.block_tables, block_size)
     pad, pad_seqs = tokens - t, num_seqs - n
     return PaddedBatch(
         input_ids=list(batch.input_ids) + [0] * pad,
         positions=list(batch.positions) + [0] * pad,
         slot_mapping=slots + [-1] * pad,
         seq_lens=list(batch.seq_lens) + [0] * pad_seqs,
-        block_tables=_tables(batch.block_tables),
+        block_tables=padded_block_tables(batch.block_tables),
         rows=list(range(t)),
-        query_start_loc=starts + [t] * pad_seqs,
+        query_start_loc=query_starts(batch.query_lens) + [t] * pad_seqs,
     )
 
 
@@ -443,12 +436,13 @@ class CudaGraphRunner:
         """``replay``'s first half: load the inputs; (tokens, their padded rows [T] or None
         when they lead in order)."""
         rows = self.load(batch, key)
+        in_order = key[1] in (1, VARLEN)  # the batch's tokens lead, in its order
         index = None
-        if key[1] not in (1, VARLEN) or extra:  # else the batch's tokens lead, in its order
+        if not in_order or extra:
             index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         for buffer, values in extra:
             buffer[index] = values.to(buffer.dtype)
-        return len(rows), index if key[1] not in (1, VARLEN) else None
+        return len(rows), None if in_order else index
 
     def run(self, key: tuple[int, int], prepared: tuple[int, torch.Tensor | None]) -> torch.Tensor:
         """``replay``'s second half: replay, and pick the batch's rows [T, H]."""

@@ -39,6 +39,7 @@ from paged_llm.runner.sleep import (
     device_free_bytes,
     trim_host_heap,
 )
+from paged_llm.utils.host import int_tensor
 
 logger = logging.getLogger(__name__)
 WAKE_MARGIN_BYTES = 256 * 2**20  # for the CUDA graphs captured again after waking
@@ -364,10 +365,7 @@ class ModelRunner:
         logprob rows; [R + P]) and of the pooling rows, None where there are none."""
         rows = batch.sample_rows + batch.prompt_rows
         pool = [r for _, first, _, n, _ in batch.pool_spans for r in range(first, first + n)]
-        return tuple(
-            torch.tensor(r, dtype=torch.long, device=self.device) if r else None
-            for r in (rows, pool)
-        )  # type: ignore[return-value]
+        return tuple(int_tensor(r).to(self.device) if r else None for r in (rows, pool))  # type: ignore[return-value]
 
     def _count_forward(self, kind: str) -> None:
         self.forward_kinds[kind] += 1
