@@ -24,6 +24,7 @@ import torch
 
 from experiments.throughput import hardware
 from paged_llm.attention.metadata import build_attention_metadata
+from paged_llm.runner.batch import BlockTableRows
 from paged_llm.runner.cuda_graphs import CudaGraphRunner, mixed_capture_tokens
 from paged_llm.utils.host import int_tensor
 
@@ -36,6 +37,8 @@ def host_batch(num_decodes: int, prompt: int, seed: int = 0) -> Any:
     contexts = [rng.randint(200, 1800) for _ in range(num_decodes)] + ([prompt] if prompt else [])
     queries = [1] * num_decodes + ([prompt] if prompt else [])
     tables = [rng.sample(range(20000), -(-c // BLOCK_SIZE)) for c in contexts]
+    rows = BlockTableRows()  # the tables as the runner hands them on (int64 rows)
+    tables = [rows.row(str(i), t) for i, t in enumerate(tables)]
     positions = [p for q, c in zip(queries, contexts) for p in range(c - q, c)]
     return SimpleNamespace(input_ids=[5] * len(positions), positions=positions,
                            query_lens=queries, seq_lens=contexts, block_tables=tables)  # fmt: skip

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged_llm.core.kv.paged import NULL_BLOCK
-from paged_llm.utils.host import int_tensor
+from paged_llm.utils.host import int_tensor, padded_int_rows
 
 
 @dataclass
@@ -52,14 +51,6 @@ class AttentionMetadata:
         return int(sum(self.query_lens_cpu))
 
 
-def device_block_table(table: list[int]) -> list[int]:
-    """A block table as the kernels get it: entries freed by a sliding window (NULL_BLOCK, a
-    prefix of the table) become block 0, a valid id that the window keeps them from reading."""
-    if table and table[0] == NULL_BLOCK:
-        return [max(b, 0) for b in table]
-    return table
-
-
 def slot_mapping(
     query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
 ) -> list[int]:  # [T]
@@ -80,11 +71,11 @@ def query_starts(query_lens: list[int]) -> list[int]:  # [B + 1]
     return [0, *itertools.accumulate(query_lens)]
 
 
-def padded_block_tables(tables: list[list[int]], width: int = 0) -> list[list[int]]:
-    """Block tables as the kernels read them (``device_block_table``), zero-padded to
-    ``width`` or to the widest of them."""
-    w = max([width, *(len(t) for t in tables)])
-    return [device_block_table(t) + [0] * (w - len(t)) for t in tables]
+def padded_block_tables(tables: list[list[int]], width: int = 0) -> torch.Tensor:
+    """Block tables as the kernels read them, zero-padded to ``width`` or to the widest of
+    them: a CPU int64 tensor [B, W]. Entries freed by a sliding window (NULL_BLOCK, the only
+    negative id) become block 0, a valid id that the window keeps the kernels from reading."""
+    return padded_int_rows(tables, width).clamp_min_(0)
 
 
 def build_attention_metadata(
@@ -103,14 +94,14 @@ def build_attention_metadata(
         if q_len != 1:
             break
         num_decodes += 1
-    padded = padded_block_tables(block_tables)
-    max_blocks = len(padded[0]) if padded else 0
+    padded = padded_block_tables(block_tables)  # [B, max_blocks]
+    max_blocks = padded.shape[1]
     starts = query_starts(query_lens)
     # One host-to-device copy for all four (each copy from pageable memory waits for the
     # stream), then int32 casts on the device.
-    flat = slots + starts + list(seq_lens) + [b for row in padded for b in row]
-    sizes = [len(slots), len(starts), len(seq_lens), len(padded) * max_blocks]
-    slot_t, starts_t, lens_t, tables_t = int_tensor(flat).to(device).split(sizes)
+    flat = torch.cat([int_tensor(slots + starts + list(seq_lens)), padded.view(-1)])
+    sizes = [len(slots), len(starts), len(seq_lens), padded.numel()]
+    slot_t, starts_t, lens_t, tables_t = flat.to(device).split(sizes)
     return AttentionMetadata(
         slot_mapping=slot_t,
         query_start_loc=starts_t.to(torch.int32),

@@ -132,6 +132,18 @@ class Request:
         """Prompt followed by outputs."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens ``start`` to ``end`` (exclusive) of the prompt, then the outputs, then the
+        drafts: a step's query tokens, without joining the whole sequence each step."""
+        out: list[int] = []
+        for part in (self.prompt_token_ids, self.output_token_ids, self.spec_token_ids):
+            if start < len(part) and end > 0:
+                out += part[max(start, 0) : end]
+            start, end = start - len(part), end - len(part)
+            if end <= 0:
+                break
+        return out
+
     @property
     def is_finished(self) -> bool:
         """True once the request reached a terminal state."""

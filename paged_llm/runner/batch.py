@@ -4,6 +4,8 @@ prompt logprobs read back from its logits."""
 
 from __future__ import annotations
 
+import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,7 @@ class HostBatch:
     positions: list[int]  # [T]
     query_lens: list[int]  # [B]
     seq_lens: list[int]  # [B] context length including this step's tokens
-    block_tables: list[list[int]]  # [B] physical block ids
+    block_tables: list[Sequence[int]]  # [B] physical block ids (lists, or BlockTableRows' rows)
     sample_rows: list[int]  # [R] rows of T whose logits are needed
     rows_per_request: list[int]  # per sampling request: 1, or 1 + number of draft tokens
     # prompt_logprobs: rows of T whose logits score the next prompt token ([P], computed after
@@ -48,6 +50,36 @@ class StepInputs:
     attn_metadata: AttentionMetadata
 
 
+class BlockTableRows:
+    """The scheduled requests' block tables as ``array.array("q")`` rows, kept from step to
+    step: a table unchanged since the last step (a decode's, 15 steps in 16) is recognised by
+    a list comparison and not converted again, and the padded table tensor is then built by
+    memcpy (``utils.host.padded_int_rows``). A changed table gets a new row, so a batch's rows
+    never change after it is built."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[list[int], array.array]] = {}  # id -> (table copy, row)
+
+    def row(self, request_id: str, table: list[int]) -> array.array:
+        """The request's table as a row of int64s."""
+        kept = self._rows.get(request_id)
+        if kept is None or kept[0] != table:
+            kept = self._rows[request_id] = (list(table), array.array("q", table))
+        return kept[1]
+
+    def keep_only(self, request_ids: set[str]) -> None:
+        """Drop every row but these (the runner's bound on rows of requests it was never told
+        are gone)."""
+        self._rows = {rid: kept for rid, kept in self._rows.items() if rid in request_ids}
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's row."""
+        self._rows.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 def order_for_backend(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
     """Shortest queries first (stable): decodes lead, as AttentionMetadata requires, and short
     multi-token queries (speculative verifications) follow them, where the CPU backend's kernel
@@ -56,10 +88,13 @@ def order_for_backend(scheduled: list[ScheduledRequest]) -> list[ScheduledReques
 
 
 def flatten_batch(
-    scheduled: list[ScheduledRequest],
+    scheduled: list[ScheduledRequest], table_rows: BlockTableRows | None = None
 ) -> tuple[HostBatch, list[ScheduledRequest]]:
-    """The scheduled requests' flat host batch, and the requests that sample, in row order."""
+    """The scheduled requests' flat host batch, and the requests that sample, in row order;
+    ``table_rows`` (kept by the caller between steps) turns the block tables into rows."""
     ordered = order_for_backend(scheduled)
+    if table_rows is not None and len(table_rows) > 2 * len(scheduled) + 64:
+        table_rows.keep_only({s.request.request_id for s in scheduled})
     ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, tables, rows, sampling, per_req = [], [], [], [], [], []
@@ -71,11 +106,13 @@ def flatten_batch(
     for s in ordered:
         req, start = s.request, s.request.num_computed_tokens
         end = start + s.num_new_tokens
-        ids.extend((req.all_token_ids + req.spec_token_ids)[start:end])
+        ids += req.token_ids_between(start, end)
         positions.extend(range(start, end))
         query_lens.append(s.num_new_tokens)
         seq_lens.append(end)
-        tables.append(s.block_table)
+        tables.append(
+            s.block_table if table_rows is None else table_rows.row(req.request_id, s.block_table)
+        )
         lora_ids.append(req.lora_int_id)
         if req.is_pooling:
             first_row = len(ids) - s.num_new_tokens

@@ -132,12 +132,12 @@ class PaddedBatch:
     positions: list[int]  # [bucket * stride]
     slot_mapping: list[int]  # [bucket * stride], -1 for padding tokens
     seq_lens: list[int]  # [bucket]
-    # [rows][w], zero-padded to the widest of them: with stride 1 and in mixed steps only the
-    # real sequences' rows, up to the batch's widest table (what the static buffer holds
-    # past them is never read: the kernels read a sequence's blocks below its context length,
-    # and padding sequences have none), so a step copies what it uses, not bucket x width;
-    # with a longer stride every row of the bucket (padding sequences read block 0)
-    block_tables: list[list[int]]
+    # [rows, w] int64 (CPU), zero-padded to the widest of them: with stride 1 and in mixed
+    # steps only the real sequences' rows, up to the batch's widest table (what the static
+    # buffer holds past them is never read: the kernels read a sequence's blocks below its
+    # context length, and padding sequences have none), so a step copies what it uses, not
+    # bucket x width; with a longer stride every row of the bucket (padding sequences read block 0)
+    block_tables: torch.Tensor
     rows: list[int]  # [T]: the padded row of each of the batch's tokens, in its order
     query_start_loc: list[int] | None = None  # [bucket + 1]: mixed steps (strides fix it)
 
@@ -169,6 +169,19 @@ def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int)
         )
     if any(len(t) > width for t in batch.block_tables):
         raise ValueError(f"a block table is wider than the captured {width} blocks")
+    pad = bucket - n
+    if stride == 1:  # one token per sequence: the batch's own rows, then the padding's
+        return PaddedBatch(
+            input_ids=list(batch.input_ids) + [0] * pad,
+            positions=list(batch.positions) + [0] * pad,
+            slot_mapping=slot_mapping(
+                batch.query_lens, batch.seq_lens, batch.block_tables, block_size
+            )
+            + [-1] * pad,  # fmt: skip
+            seq_lens=list(batch.seq_lens) + [0] * pad,
+            block_tables=padded_block_tables(batch.block_tables),
+            rows=list(range(n)),
+        )
     ids, positions, slots, rows = [], [], [], []
     first = 0
     for i, (q, table) in enumerate(zip(batch.query_lens, batch.block_tables)):
@@ -179,20 +192,13 @@ def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int)
         slots += [-1] * (stride - q)
         rows += range(i * stride, i * stride + q)
         first += q
-    pad = bucket - n
-    if stride == 1:
-        tables = padded_block_tables(batch.block_tables)
-        seq_lens = list(batch.seq_lens) + [0] * pad
-    else:
-        seq_lens = [s + stride - q for s, q in zip(batch.seq_lens, batch.query_lens)]
-        seq_lens += [stride] * pad
-        tables = padded_block_tables(batch.block_tables, width) + [[0] * width] * pad
+    seq_lens = [s + stride - q for s, q in zip(batch.seq_lens, batch.query_lens)]
     return PaddedBatch(
         input_ids=ids + [0] * (pad * stride),
         positions=positions + [0] * (pad * stride),
         slot_mapping=slots + [-1] * (pad * stride),
-        seq_lens=seq_lens,
-        block_tables=tables,
+        seq_lens=seq_lens + [stride] * pad,
+        block_tables=padded_block_tables(list(batch.block_tables) + [[]] * pad, width),
         rows=rows,
     )
 
@@ -393,13 +399,11 @@ class CudaGraphRunner:
         # One host-to-device copy for all of them: a copy from pageable memory waits for the
         # stream, and a speculative step replays several graphs.
         flat = [*padded.input_ids, *padded.positions, *padded.slot_mapping, *padded.seq_lens]
-        flat += [block for table in padded.block_tables for block in table]
-        flat += padded.query_start_loc or []
-        staged = int_tensor(flat).to(self.device)
-        rows, w = len(padded.block_tables), len(padded.block_tables[0])
-        ids, pos, slots, lens, tables, starts = staged.split(
-            [t, t, t, b, rows * w, len(padded.query_start_loc or [])]
-        )
+        starts = padded.query_start_loc or []
+        staged = torch.cat([int_tensor(flat), padded.block_tables.view(-1), int_tensor(starts)])
+        staged = staged.to(self.device)
+        rows, w = padded.block_tables.shape
+        ids, pos, slots, lens, tables, starts = staged.split([t, t, t, b, rows * w, len(starts)])
         self.input_ids[:t].copy_(ids)
         self.positions[:t].copy_(pos)
         self.slot_mapping[:t].copy_(slots)

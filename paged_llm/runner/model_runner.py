@@ -16,6 +16,7 @@ from paged_llm.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.quant.kv_cache import SCALE_DTYPE, KVCacheSpec
 from paged_llm.runner.batch import (
+    BlockTableRows,
     HostBatch,
     PromptLogprobs,
     flatten_batch,
@@ -75,6 +76,7 @@ class ModelRunner:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.sampler = Sampler(seed)
+        self.table_rows = BlockTableRows()  # block tables as int64 rows, kept across steps
         self.parallel = parallel
         self.lora = lora
         self.pooler = pooler
@@ -273,6 +275,7 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         """Drop a finished or aborted sequence's sampler (and pooler) state."""
         self.sampler.forget(request_id)
+        self.table_rows.forget(request_id)
         if self.pooler is not None:
             self.pooler.forget(request_id)
 
@@ -281,7 +284,9 @@ class ModelRunner:
     ) -> tuple[HostBatch | None, list[ScheduledRequest], torch.Tensor | None, torch.Tensor | None]:
         """Move blocks, run the batch; return it, its sampling requests, their logits and the
         hidden states of its pooling rows."""
-        batch, sampling = flatten_batch(out.scheduled) if out.scheduled else (None, [])
+        batch, sampling = (
+            flatten_batch(out.scheduled, self.table_rows) if out.scheduled else (None, [])
+        )
         if self.parallel is None:
             return batch, sampling, *self.run_batch(out.block_ops, batch)
         with self.parallel.step(out.block_ops, batch):  # every other rank runs the same step

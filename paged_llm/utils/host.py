@@ -16,3 +16,19 @@ def int_tensor(values: Sequence[int]) -> torch.Tensor:  # [len(values)] int64, o
     if not values:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
+def padded_int_rows(rows: Sequence[Sequence[int]], width: int = 0) -> torch.Tensor:
+    """Ragged rows of ints as one zero-padded CPU int64 tensor [len(rows), W], W the widest row
+    or ``width`` if wider. Rows given as ``array.array("q")`` (``runner.batch.BlockTableRows``)
+    are copied by memcpy, not int by int: a step's block tables are 256 sequences x ~60
+    blocks, every step."""
+    w = max([width, *(len(r) for r in rows)])
+    zeros = array.array("q", bytes(8 * w))
+    flat = array.array("q")
+    for r in rows:
+        flat.extend(r)
+        flat.extend(zeros[: w - len(r)])
+    if not flat:
+        return torch.zeros(len(rows), w, dtype=torch.int64)
+    return torch.frombuffer(flat, dtype=torch.int64).view(len(rows), w)
