@@ -71,6 +71,8 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # when each output token was sampled: in the finished request's output only (a copy in
+    # every running output would cost O(output length) per request per step)
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
 

@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         """True for the three terminal states."""
-        return self.value in ("stop", "length", "abort")
+        return self._value_ in ("stop", "length", "abort")  # _value_: no descriptor, per step
 
 
 @dataclass(eq=False)  # identity semantics: requests are compared and hashed by object

@@ -122,12 +122,14 @@ class OutputProcessor(EnginePlugin):
     def _completion(index: int, tracked: Tracked, delta: bool = False) -> CompletionOutput:
         """One sequence's output: all of it, or (``delta``) what is new since the last one."""
         req = tracked.request
-        text, token_ids, logprobs = tracked.text, list(req.output_token_ids), tracked.logprobs
-        if delta:
+        text, token_ids, logprobs = tracked.text, req.output_token_ids, tracked.logprobs
+        if delta:  # take copies only what is new
             holdback = stop_holdback(req.sampling_params)
             text, token_ids, logprobs = tracked.sent.take(
                 text, token_ids, logprobs, req.is_finished, holdback
             )
+        else:
+            token_ids = list(token_ids)
         return CompletionOutput(
             index=index,
             text=text,
@@ -163,19 +165,21 @@ class OutputProcessor(EnginePlugin):
                 metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time,
                                        finished_time=req.finished_time),
             )  # fmt: skip
-        finished = not group.unforked and all(t.request.is_finished for t in group.members)
+        members = group.members
+        finished = not group.unforked and all(t.request.is_finished for t in members)
         kind = req.sampling_params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        times = [t.request.finished_time for t in group.members if t.request.finished_time]
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
-            finished_time=max(times) if finished and times else None,
-            token_times=list(req.token_times),
-            num_preemptions=sum(t.request.num_preemptions for t in group.members),
+            num_preemptions=sum(t.request.num_preemptions for t in members),
         )
+        if finished:  # the whole history once, not a growing copy in every step's output
+            times = [t.request.finished_time for t in members if t.request.finished_time]
+            metrics.finished_time = max(times) if times else None
+            metrics.token_times = list(req.token_times)
         params = req.sampling_params
         prompt_logprobs = group.prompt_logprobs
         if kind is RequestOutputKind.DELTA:

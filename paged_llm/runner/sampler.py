@@ -228,8 +228,10 @@ class Sampler:
     ) -> list[SampleResult]:
         """Choose one token per row."""
         logits = logits.float()
-        for row, req in enumerate(requests):  # a no-op for requests without constraints
-            process_request_rows(logits[row : row + 1], req, [req.output_token_ids])
+        for row, req in enumerate(requests):  # most requests have no constraints: no row view
+            if req.guide is not None or needs_processing(req.sampling_params,
+                                                         req.num_output_tokens):  # fmt: skip
+                process_request_rows(logits[row : row + 1], req, [req.output_token_ids])
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.tracks_logprobs for p in params)
         logprobs = logits.log_softmax(-1) if want_logprobs else None

@@ -145,16 +145,21 @@ class PagedKVCacheManager(KVCacheManager):
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Append just enough blocks for the new tokens, copying shared blocks they write."""
-        if self._blocks_needed(request, num_new_tokens) > self.pool.num_free:
+        # (_blocks_needed's rule, computed once: every running request calls this every step)
+        shared = self._shared_blocks_to_write(request, num_new_tokens)
+        table = self.block_tables.get(request.request_id)
+        need = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(table or ())
+        if max(0, need) + len(shared) > self.pool.num_free:
             return False
-        table = self.block_tables.setdefault(request.request_id, [])
-        for i in self._shared_blocks_to_write(request, num_new_tokens):
+        if table is None:
+            table = self.block_tables[request.request_id] = []
+        for i in shared:
             (fresh,) = self.pool.allocate(1)
             self._log("copy", [(table[i], fresh)])
             self.pool.release([table[i]])
             table[i] = fresh
-        need = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
-        table.extend(self.pool.allocate(max(0, need)))
+        if need > 0:
+            table.extend(self.pool.allocate(need))
         return True
 
     def _log(self, kind: str, pairs: list[tuple[int, int]]) -> None:
