@@ -5,6 +5,8 @@ async output processing nothing to overlap (issue 39). The GPU check counts the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -78,3 +80,26 @@ def test_step_inputs_bench_writes_json(tmp_path):
     assert rows["decode_256"]["graph_key"] == [256, 1]
     assert rows["mixed_255_plus_257"]["graph_key"] == [512, 0]  # (tokens, VARLEN)
     assert all(r["int_tensor_ms"] > 0 and r["torch_tensor_ms"] > 0 for r in rows.values())
+
+
+def test_host_step_bench_writes_each_kind(tmp_path):
+    """experiments/bench_host_step.py on a few requests: every output kind's phases, the
+    host sum over the phases a GPU waits through, and what and where it measured."""
+    from experiments import bench_host_step
+
+    out = tmp_path / "h.json"
+    argv = ["--requests", "3", "--steps", "2", "--repeats", "2", "--out", str(out)]
+    doc = bench_host_step.main(argv)
+    assert json.loads(out.read_text()) == doc
+    assert doc["what"].startswith("real host-side") and doc["hardware"]["cpu"]
+    assert "bench_host_step --requests 3" in doc["command"]
+    assert list(doc["kinds"]) == list(bench_host_step.KINDS)
+    for row in doc["kinds"].values():
+        phases = row["phases_ms"]
+        assert {"schedule", "inputs", "forward", "sample", "update"} <= set(phases)
+        expected = sum(phases.get(p, 0.0) for p in bench_host_step.HOST_PHASES)
+        assert row["batch"] == 3 and len(row["host_ms_windows"]) == 2
+        # medians of two windows are their means: the phases' sum is the host sum's median
+        assert 0 < row["host_ms"] == pytest.approx(expected)
+    with pytest.raises(SystemExit, match="unknown output kinds"):
+        bench_host_step.main(["--kinds", "streaming", "--out", str(out)])

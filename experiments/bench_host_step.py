@@ -1,0 +1,153 @@
+"""The engine's host time per decode step, on the CPU: everything a step does outside the
+model's forward (issue 39: on the H100 the GPU idled ~4 ms per step while the host scheduled,
+built inputs and made outputs).
+
+The real engine (``LLM``, CPU backend) runs a tiny random Llama (2 layers, hidden 64: its
+forward is cheap, and the host work does not depend on the model's size) on ``--requests``
+requests at batch ``--requests``, prompts of 300-900 random tokens, greedy, ``ignore_eos``; once
+every request decodes, ``--steps`` steps are profiled by ``StepPhaseProfile``, ``--repeats``
+times. Per phase it reports the median over repeats of ms per step; ``host_ms`` sums the phases
+a GPU waits through (schedule, plugins, inputs, update, outputs, caller). ``sample`` is apart:
+on the CPU it includes the LM head's argmax.
+
+    python -m experiments.bench_host_step --out docs/results/host_step-<date>-cpu.json
+
+The peer is the same command on the commit before a change, run in the same minute (its
+``git`` field says which). Output kinds: ``cumulative`` (``LLMEngine.step``'s default, as the
+GPU check's loop reads it), ``delta`` (a streaming server) and ``final_only`` (``LLM.generate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from experiments.throughput import hardware
+from paged_llm.sampling_params import RequestOutputKind, SamplingParams
+
+HOST_PHASES = ("schedule", "plugins", "inputs", "update", "outputs", "caller")
+KINDS = {"cumulative": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA,
+         "final_only": RequestOutputKind.FINAL_ONLY}  # fmt: skip
+MAX_MODEL_LEN = 2048
+
+
+def save_tiny_model(out_dir: Path) -> Path:
+    """A 2-layer random transformers Llama with room for 2048 positions."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=MAX_MODEL_LEN,
+                         architectures=["LlamaForCausalLM"])  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def decoding(engine: Any) -> bool:
+    """Every request admitted and past its prompt."""
+    sched = engine.scheduler
+    return not sched.waiting and all(r.num_output_tokens > 0 for r in sched.running)
+
+
+def measure(model_dir: Path, kind: str, requests: int, steps: int, repeats: int) -> dict:
+    """Median ms per step of each phase over ``repeats`` windows of ``steps`` decode steps."""
+    from paged_llm import LLM
+
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", seed=0, max_num_seqs=requests,
+              max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=4096, cpu_kv_cache_gib=1.0,
+              plugins=["paged_llm.engine.profile.StepPhaseProfile"])  # fmt: skip
+    engine = llm.llm_engine
+    rng = random.Random(0)
+    max_tokens = (steps + 2) * repeats + 8  # nobody finishes inside the windows
+    params = replace(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                     output_kind=KINDS[kind])  # fmt: skip
+    for i in range(requests):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(300, 900))]
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    while not decoding(engine):
+        engine.step()
+    profile = engine.core.plugins[-1]
+    windows = []
+    for _ in range(repeats):
+        engine.step()  # the profile's caller/outputs phases need a step before
+        profile.reset()
+        for _ in range(steps):
+            engine.step()
+        windows.append({k: v["ms_per_step"] for k, v in profile.summary()["phases"].items()})
+    llm.shutdown()
+    phases = {k: statistics.median(w.get(k, 0.0) for w in windows) for k in windows[0]}
+    host = [sum(w.get(k, 0.0) for k in HOST_PHASES) for w in windows]
+    return {
+        "host_ms": statistics.median(host),
+        "host_ms_windows": host,
+        "phases_ms": phases,
+        "batch": requests,
+    }
+
+
+def git_commit() -> str | None:
+    """The commit measured (with ``+dirty`` for uncommitted changes)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measure each output kind; write the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    args = ap.parse_args(argv)
+    kinds = args.kinds.split(",")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise SystemExit(f"unknown output kinds {unknown}; choose from {sorted(KINDS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_tiny_model(Path(tmp) / "tiny_llama")
+        rows = {k: measure(model_dir, k, args.requests, args.steps, args.repeats)
+                for k in kinds}  # fmt: skip
+    doc = {
+        "what": "real host-side timings of the engine's decode steps on the CPU (tiny model)",
+        "hardware": hardware("cpu"),
+        "git": git_commit(),
+        "command": shlex.join(
+            [
+                "python",
+                "-m",
+                "experiments.bench_host_step",
+                *(sys.argv[1:] if argv is None else argv),
+            ]
+        ),
+        "host_phases": list(HOST_PHASES),
+        "kinds": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(json.dumps({k: {"host_ms": round(r["host_ms"], 3),
+                          **{p: round(v, 3) for p, v in r["phases_ms"].items()}}
+                      for k, r in rows.items()}, indent=1))  # fmt: skip
+    return doc
+
+
+if __name__ == "__main__":
+    main()
