@@ -81,3 +81,32 @@ def test_flatten_batch_bounds_the_rows_it_keeps():
     req = Request("now", [1, 2, 3], SamplingParams(), max_model_len=64)
     batch, _ = flatten_batch([ScheduledRequest(req, 3, [5])], rows)
     assert len(rows) == 1 and list(batch.block_tables[0]) == [5]
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 6), st.integers(0, 3),
+                                st.integers(0, 4), st.sampled_from([None, 2])),
+                      min_size=1, max_size=6))  # fmt: skip
+def test_flatten_batch_decode_fast_path_builds_the_general_batch(specs):
+    """Plain decodes take a shortcut in flatten_batch; with the shortcut off, every batch (plain
+    decodes beside prompt chunks, drafts and prompt logprobs) comes out the same."""
+    import paged_llm.runner.batch as batch_module
+
+    scheduled = []
+    for i, (prompt, outputs, drafts, behind, prompt_logprobs) in enumerate(specs):
+        req = Request(f"r{i}", list(range(10, 10 + prompt)),
+                      SamplingParams(prompt_logprobs=prompt_logprobs), max_model_len=64,
+                      output_token_ids=list(range(50, 50 + outputs)),
+                      spec_token_ids=list(range(90, 90 + drafts)))  # fmt: skip
+        total = req.num_tokens + drafts
+        req.num_computed_tokens = max(0, req.num_tokens - 1 - behind)
+        n = total - req.num_computed_tokens
+        scheduled.append(ScheduledRequest(req, n, list(range(total // 4 + 1))))
+    fast, fast_sampling = flatten_batch(scheduled)
+    original = batch_module.plain_decode
+    batch_module.plain_decode = lambda *a: False
+    try:
+        general, general_sampling = flatten_batch(scheduled)
+    finally:
+        batch_module.plain_decode = original
+    assert fast == general and fast_sampling == general_sampling

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from paged_llm.attention.metadata import AttentionMetadata
+from paged_llm.core.request import Request
 from paged_llm.core.scheduler import ScheduledRequest
 from paged_llm.outputs import LogprobEntry
 from paged_llm.runner.sampler import logprob_entries
@@ -87,6 +88,13 @@ def order_for_backend(scheduled: list[ScheduledRequest]) -> list[ScheduledReques
     return sorted(scheduled, key=lambda s: s.num_new_tokens)
 
 
+def plain_decode(req: Request, start: int, end: int) -> bool:
+    """Whether computing tokens ``start`` to ``end`` of ``req`` is a plain decode: its last
+    output token alone, no drafts, so it samples the next token and scores no prompt token."""
+    return (end == start + 1 == req.num_tokens and start >= req.num_prompt_tokens
+            and not req.spec_token_ids and req.pooling_params is None)  # fmt: skip
+
+
 def flatten_batch(
     scheduled: list[ScheduledRequest], table_rows: BlockTableRows | None = None
 ) -> tuple[HostBatch, list[ScheduledRequest]]:
@@ -106,14 +114,21 @@ def flatten_batch(
     for s in ordered:
         req, start = s.request, s.request.num_computed_tokens
         end = start + s.num_new_tokens
-        ids += req.token_ids_between(start, end)
-        positions.extend(range(start, end))
-        query_lens.append(s.num_new_tokens)
-        seq_lens.append(end)
         tables.append(
             s.block_table if table_rows is None else table_rows.row(req.request_id, s.block_table)
         )
         lora_ids.append(req.lora_int_id)
+        query_lens.append(s.num_new_tokens)
+        seq_lens.append(end)
+        if plain_decode(req, start, end):  # most of a step's requests: one row that samples
+            rows.append(len(ids))
+            ids.append(req.output_token_ids[-1])
+            positions.append(start)
+            sampling.append(s)
+            per_req.append(1)
+            continue
+        ids += req.token_ids_between(start, end)
+        positions.extend(range(start, end))
         if req.is_pooling:
             first_row = len(ids) - s.num_new_tokens
             pool_spans.append((req.request_id, first_row, start, s.num_new_tokens,
