@@ -17,8 +17,9 @@ KV bytes per token) (BW measured first in the same run), steps by how they ran
 engine phase (``step_phases``), host syncs per step (``syncs_per_step``: CUDA's sync debug
 mode over ``SYNC_STEPS`` steps, counting the warnings it raises; the sampled ids are one) and
 the share of requests whose greedy tokens equal the first variant's (bf16 on random weights:
-a graph's varlen kernel and the eager decode kernel may round a near-tie differently). The
-JSON is rewritten after every variant.
+a graph's varlen kernel and the eager decode kernel may round a near-tie differently), and
+the host's speed before and after the variant (``host_probe_ms``: a pure-Python scheduler
+step; variants compare only where it stayed put). The JSON is rewritten after every variant.
 """
 
 from __future__ import annotations
@@ -60,6 +61,17 @@ DEFAULT_VARIANTS = ("decode_graphs", "mixed_graphs", "mixed_graphs_async")
 SYNC_STEPS = 20  # steps watched by the sync debug mode (it slows them; not timed)
 
 
+def host_probe_ms() -> float:
+    """The host's Python speed now: median ms of a scheduler step (schedule + update) with 256
+    running decodes, no device. Taken before and after each variant: in run 14 every host
+    phase of the async variant ran ~55% slower than the variant before it (the host, not
+    the variant), and run 15's host was 2-3x slower throughout."""
+    from experiments.sched_overhead import measure
+
+    return measure(num_running=256, iterations=40, policy="paged", block_size=16,
+                   prompt_len=512, max_model_len=2048)["median_ms"]  # fmt: skip
+
+
 def count_syncs(engine: Any, steps: int) -> dict[str, Any]:
     """Host syncs per step over ``steps`` steps of the engine's current requests (CUDA only:
     ``torch.cuda.set_sync_debug_mode`` warns on each synchronizing call)."""
@@ -89,6 +101,7 @@ def run_variant(
     outputs)."""
     from paged_llm import LLM, SamplingParams
 
+    probe = host_probe_ms()
     start = time.perf_counter()
     kwargs = engine_kwargs(plan, device) | VARIANTS[name]
     llm = LLM(model, **kwargs)
@@ -106,6 +119,7 @@ def run_variant(
     phases.reset()
     ours = run_ours(engine, work, Deadline.after(run_s))
     record["step_phases"] = phases.summary()
+    record["host_probe_ms"] = {"before": probe, "after": host_probe_ms()}
     outputs = ours.pop("outputs")
     record.update(ours)
     llm.shutdown()

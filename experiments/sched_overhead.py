@@ -8,10 +8,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from typing import TYPE_CHECKING
 
 from paged_llm.core.kv import POLICIES
 from paged_llm.core.request import Request
@@ -19,6 +16,9 @@ from paged_llm.core.scheduler import Scheduler, SchedulerLimits
 from paged_llm.metrics.run_info import run_info
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.utils.registry import build
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 def measure(
@@ -60,9 +60,12 @@ def measure(
     }
 
 
-@hydra.main(config_path="../configs", config_name="sched_overhead", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry point."""
+def run(cfg: DictConfig) -> None:
+    """Hydra entry point (hydra is imported only here: ``measure`` also serves the GPU scripts,
+    whose machine has no hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
     result = measure(**{k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"})
     result.update(run_info("real"))
     out = Path(HydraConfig.get().runtime.output_dir) / "sched_overhead.json"
@@ -71,6 +74,13 @@ def main(cfg: DictConfig) -> None:
         f"{result['num_running']} running ({result['policy']}): mean {result['mean_ms']:.3f} ms, "
         f"p99 {result['p99_ms']:.3f} ms per iteration -> {out}"
     )
+
+
+def main() -> None:
+    """``python -m experiments.sched_overhead [overrides]``."""
+    import hydra
+
+    hydra.main(config_path="../configs", config_name="sched_overhead", version_base="1.3")(run)()
 
 
 if __name__ == "__main__":
