@@ -61,12 +61,14 @@ def decoding(engine: Any) -> bool:
     return not sched.waiting and all(r.num_output_tokens > 0 for r in sched.running)
 
 
-def measure(model_dir: Path, kind: str, requests: int, steps: int, repeats: int) -> dict:
+def measure(model_dir: Path, kind: str, requests: int, steps: int, repeats: int,
+            prefix_caching: bool = False) -> dict:  # fmt: skip
     """Median ms per step of each phase over ``repeats`` windows of ``steps`` decode steps."""
     from paged_llm import LLM
 
     llm = LLM(str(model_dir), dtype="float32", device="cpu", seed=0, max_num_seqs=requests,
               max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=4096, cpu_kv_cache_gib=1.0,
+              enable_prefix_caching=prefix_caching,
               plugins=["paged_llm.engine.profile.StepPhaseProfile"])  # fmt: skip
     engine = llm.llm_engine
     rng = random.Random(0)
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--prefix-caching", action="store_true", help="enable_prefix_caching=True")
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     unknown = sorted(set(kinds) - set(KINDS))
@@ -124,8 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"unknown output kinds {unknown}; choose from {sorted(KINDS)}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_tiny_model(Path(tmp) / "tiny_llama")
-        rows = {k: measure(model_dir, k, args.requests, args.steps, args.repeats)
-                for k in kinds}  # fmt: skip
+        rows = {k: measure(model_dir, k, args.requests, args.steps, args.repeats,
+                           args.prefix_caching) for k in kinds}  # fmt: skip
     doc = {
         "what": "real host-side timings of the engine's decode steps on the CPU (tiny model)",
         "hardware": hardware("cpu"),
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 *(sys.argv[1:] if argv is None else argv),
             ]
         ),
+        "prefix_caching": args.prefix_caching,
         "host_phases": list(HOST_PHASES),
         "kinds": rows,
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from hypothesis import given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from paged_llm.core.block_pool import BlockPool
@@ -133,3 +133,60 @@ def test_connector_lookup_plans_each_missing_save_once():
     lookup.fork("a", "b")
     lookup.forget("a")
     assert list(lookup.keys) == ["b"]
+
+
+def register_every_block(cache: PrefixCache, request: Request, table: list[int], start: int):
+    """The register before it offered only what is new: every uncached full computed block
+    from ``start`` on, every step."""
+    hashes = cache.block_hashes(request, request.num_computed_tokens)
+    tokens, bs = request.all_token_ids, cache.block_size
+    for i in range(start, min(len(hashes), len(table))):
+        if not cache.pool.is_cached(table[i]):
+            cache.pool.register(table[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=5 * BS),
+                     min_size=1, max_size=8),
+    tokens=st.lists(st.integers(0, 1), min_size=40, max_size=40),
+    num_blocks=st.integers(8, 14),
+    mode=st.sampled_from(["recompute", "swap"]),
+    window=st.sampled_from([None, 3]),
+)  # fmt: skip
+# r4's block goes out with it (swap), is taken for r3 (its cached content evicted) and comes
+# back as the same block id: it must be offered again
+@example(prompts=[[0], [0], [0], [0] * 10, [1]], tokens=[0] * 40, num_blocks=8, mode="swap",
+         window=None)  # fmt: skip
+def test_register_offers_what_offering_every_block_would(prompts, tokens, num_blocks, mode,
+                                                         window):  # fmt: skip
+    """Two schedulers on the same requests and tokens, one registering every uncached block
+    each step and one only what is new (PrefixCache.register): the pool caches the same
+    blocks under the same keys after every step, through preemptions, swaps, window frees
+    and evictions."""
+    from paged_llm.core.kv.paged import PagedKVCacheManager
+    from paged_llm.core.scheduler import Scheduler, SchedulerLimits
+
+    engines = []
+    for reference in (False, True):
+        kv = PagedKVCacheManager(num_blocks, BS, max_model_len=16, num_cpu_blocks=8,
+                                 enable_prefix_caching=True, sliding_window=window)  # fmt: skip
+        if reference:
+            kv.prefix_cache.register = register_every_block.__get__(kv.prefix_cache)
+        sched = Scheduler(kv, SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=16,
+                                              preemption_mode=mode))  # fmt: skip
+        for n, prompt in enumerate(prompts):
+            sched.add_request(Request(f"r{n}", prompt, SamplingParams(max_tokens=4),
+                                      max_model_len=16))  # fmt: skip
+        engines.append((sched, kv))
+    for step, token in enumerate(tokens):
+        outs = [sched.schedule(float(step)) for sched, _ in engines]
+        assert [[(s.request.request_id, s.block_table) for s in o.scheduled] for o in outs][0] == [
+            [(s.request.request_id, s.block_table) for s in o.scheduled] for o in outs
+        ][1]
+        for (sched, _), out in zip(engines, outs):
+            sched.update_from_output(out, {s.request.request_id: [token] for s in out.scheduled
+                                           if s.samples}, float(step))  # fmt: skip
+        assert engines[0][1].pool._block_key == engines[1][1].pool._block_key
+    sched, kv = engines[0]
+    event(f"preempted: {sched.num_preemptions_total > 0}, cached: {bool(kv.pool._block_key)}")

@@ -313,7 +313,11 @@ class PagedKVCacheManager(KVCacheManager):
     # ---- swapping (core/kv/swap.py) -----------------------------------------------------------
     def swap_out(self, requests: list[Request]) -> list[tuple[int, int]] | None:
         """All-or-nothing: move the requests' blocks to CPU, each shared block once."""
-        return self._swap.swap_out(requests, self.block_tables)
+        mapping = self._swap.swap_out(requests, self.block_tables)
+        if mapping is not None:  # their device blocks are free now: cached ones may go
+            for r in requests:
+                self.prefix_cache.forget_offers(r.request_id)
+        return mapping
 
     def can_swap_in(self, requests: list[Request], num_new_tokens: int) -> bool:
         """True when the swapped blocks and the next tokens' blocks fit on the device."""

@@ -32,6 +32,9 @@ class PrefixCache:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.hashes: dict[str, list[int]] = {}  # request -> chained hashes of its full blocks
+        # request -> (its table object, full blocks offered, indices whose offer the pool
+        # declined) at the last offer; valid while the request holds its blocks
+        self.offered: dict[str, tuple[list[int], int, list[int]]] = {}
         self.queries = 0  # blocks looked up
         self.hits = 0  # of which found (on the device or in a lower tier)
 
@@ -130,13 +133,37 @@ class PrefixCache:
 
     def register(self, request: Request, table: list[int], start: int) -> None:
         """Offer every full, computed block of the request from table index ``start`` on (the
-        ones before were freed by a sliding window, registered already) to the cache."""
+        ones before were freed by a sliding window, registered already) to the cache.
+
+        Runs for every request every step, so it offers only what is new: the blocks filled
+        since the last offer, and those the pool declined then (an identical block was
+        cached; it may be gone now). A block the pool took stays cached while the request
+        holds it (eviction takes free blocks only), and while the table object is the same
+        its full blocks stay put (a copy-on-write replaces only blocks being written, a
+        window frees them below ``start``, a truncation cuts past them); a swap-out, which
+        gives the blocks up, drops the record (``forget_offers``)."""
+        full = request.num_computed_tokens // self.block_size
+        kept = self.offered.get(request.request_id)
+        first, declined = (kept[1], kept[2]) if kept is not None and kept[0] is table else (0, [])
+        if first == full and not declined:
+            return  # most steps: a block fills every block_size tokens
         hashes = self.block_hashes(request, request.num_computed_tokens)
-        tokens = request.all_token_ids
+        end = min(len(hashes), len(table))
+        tokens = None  # joined only when a block is offered
         bs = self.block_size
-        for i in range(start, min(len(hashes), len(table))):
+        still_declined = []
+        for i in [*declined, *range(first, end)]:
+            if i < start or i >= end or self.pool.is_cached(table[i]):
+                continue
+            tokens = tokens if tokens is not None else request.all_token_ids
+            self.pool.register(table[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
             if not self.pool.is_cached(table[i]):
-                self.pool.register(table[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+                still_declined.append(i)
+        self.offered[request.request_id] = (table, end, still_declined)
+
+    def forget_offers(self, request_id: str) -> None:
+        """The request gave its blocks up (swapped out): offer every block again once back."""
+        self.offered.pop(request_id, None)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares the parent's tokens so far, hence its hashes."""
@@ -146,3 +173,4 @@ class PrefixCache:
     def forget(self, request_id: str) -> None:
         """Drop a finished request's hashes."""
         self.hashes.pop(request_id, None)
+        self.offered.pop(request_id, None)
