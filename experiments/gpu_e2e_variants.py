@@ -9,7 +9,10 @@ Variants (``VARIANTS``; ``--variants`` picks some), each a fresh engine on the s
 * ``decode_graphs``: CUDA graphs for decode steps only (``cudagraph_mode=FULL_DECODE_ONLY``),
   as the engine ran on the H200 in run 11 (0.33 of the bound): the peer;
 * ``mixed_graphs``: steps with prompt tokens replay graphs too (``FULL``, the default);
-* ``mixed_graphs_async``: and async output processing (``async_output_proc=True``).
+* ``mixed_graphs_async``: and async output processing (``async_output_proc=True``);
+* ``mixed_graphs_final_only`` (not run by default): ``mixed_graphs`` with outputs read as
+  ``LLM.generate`` (and vLLM's offline throughput benchmark) reads them, only at the finish,
+  instead of every running request's tokens so far after every step.
 
 For each: output tokens/s and its fraction of the bound B x BW / (weight bytes + B x context x
 KV bytes per token) (BW measured first in the same run), steps by how they ran
@@ -50,10 +53,14 @@ from experiments.gpu_check import (
     save_tiny_llama,
 )
 
+# engine arguments, and optionally how the loop reads outputs ("output_kind", run_ours': the
+# default "cumulative", as runs 1-15 did, or "final_only", as LLM.generate and vLLM's offline
+# throughput benchmark)
 VARIANTS: dict[str, dict[str, Any]] = {
     "decode_graphs": {"cudagraph_mode": "FULL_DECODE_ONLY"},
     "mixed_graphs": {"cudagraph_mode": "FULL"},
     "mixed_graphs_async": {"cudagraph_mode": "FULL", "async_output_proc": True},
+    "mixed_graphs_final_only": {"cudagraph_mode": "FULL", "output_kind": "final_only"},
     # not run by default: graphs for steps of up to 2048 tokens (4x the graphs' captures)
     "mixed_graphs_2048": {"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 2048},
 }
@@ -103,7 +110,9 @@ def run_variant(
 
     probe = host_probe_ms()
     start = time.perf_counter()
-    kwargs = engine_kwargs(plan, device) | VARIANTS[name]
+    variant = dict(VARIANTS[name])
+    output_kind = variant.pop("output_kind", "cumulative")
+    kwargs = engine_kwargs(plan, device) | variant
     llm = LLM(model, **kwargs)
     engine = llm.llm_engine
     record: dict[str, Any] = {"engine_args": VARIANTS[name], "build_s": time.perf_counter() - start,
@@ -117,7 +126,7 @@ def run_variant(
         engine.step()
     phases = engine.core.plugins[-1]
     phases.reset()
-    ours = run_ours(engine, work, Deadline.after(run_s))
+    ours = run_ours(engine, work, Deadline.after(run_s), output_kind)
     record["step_phases"] = phases.summary()
     record["host_probe_ms"] = {"before": probe, "after": host_probe_ms()}
     outputs = ours.pop("outputs")

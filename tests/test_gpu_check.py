@@ -400,3 +400,34 @@ def test_e2e_variants_smoke_writes_each_variant(tmp_path):
             assert row["same_tokens_as_first"] == 1.0
     with pytest.raises(SystemExit):
         gpu_e2e_variants.main(["--smoke", "--variants", "nope", "--out", str(tmp_path)])
+
+
+def test_run_ours_counts_the_same_tokens_from_final_only_outputs(tiny_llama):
+    """The end-to-end loop reading outputs as LLM.generate does (only at the finish) gets the
+    same tokens and counts as reading every step's cumulative outputs, also when the deadline
+    cuts the run short (the unfinished requests' progress is read from the engine)."""
+    from experiments.gpu_check import Deadline, Workload, run_ours
+
+    work = Workload([[1, 2, 3], [4, 5], [6, 7, 8, 9]], [5, 9, 3], "test")
+    runs = {}
+    for kind in ("cumulative", "final_only"):
+        llm = LLM(str(tiny_llama[0]), dtype="float32", seed=0, max_num_seqs=2)
+        runs[kind] = run_ours(llm.llm_engine, work, Deadline.after(60), kind)
+    assert runs["cumulative"]["outputs"] == runs["final_only"]["outputs"]
+    assert runs["cumulative"]["generated_tokens"] == runs["final_only"]["generated_tokens"] == 17
+    assert runs["final_only"]["output_kind"] == "final_only"
+
+    class StepCounter:  # a deadline that passes after three steps
+        def __init__(self):
+            self.calls = 0
+
+        def left(self):
+            self.calls += 1
+            return 1.0 if self.calls <= 3 else 0.0
+
+    cut = {}
+    for kind in ("cumulative", "final_only"):
+        llm = LLM(str(tiny_llama[0]), dtype="float32", seed=0, max_num_seqs=2)
+        cut[kind] = run_ours(llm.llm_engine, work, StepCounter(), kind)
+        assert cut[kind]["partial"] and not llm.llm_engine.has_unfinished_requests()
+    assert cut["cumulative"]["generated_tokens"] == cut["final_only"]["generated_tokens"] > 0
