@@ -99,3 +99,28 @@ def test_draws_follow_the_masked_distribution():
     chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
     quantile = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}[int(kept.sum()) - 1]  # 99.9%
     assert chi2 < quantile
+
+
+def test_random_sampling_stays_on_the_logits_device(monkeypatch):
+    """Drawing tokens keeps the [N, V] rows where the logits are (on a GPU: no copy of the
+    vocabulary-wide rows to the host, no CPU softmax); only the chosen ids come back, in one
+    ``tolist``. Seeded requests still draw the same tokens, whatever else shares the batch."""
+    from paged_llm.core.request import Request
+    from paged_llm.runner.sampler import Sampler
+    from paged_llm.sampling_params import SamplingParams
+
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0)).expand(6, -1)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3),
+              SamplingParams(temperature=1.2, top_k=5, seed=4)] * 2  # fmt: skip
+    requests = [Request(f"r{i}", [1], p) for i, p in enumerate(params)]
+
+    def no_host_copy(self, *args, **kwargs):
+        raise AssertionError("the sampler copied a tensor to the host")
+
+    monkeypatch.setattr(torch.Tensor, "cpu", no_host_copy)
+    results = Sampler(seed=0)(logits.clone(), requests)
+    monkeypatch.undo()
+    assert results[0].token_id == results[3].token_id == int(logits[0].argmax())
+    assert [r.token_id for r in results[1:3]] == [r.token_id for r in results[4:6]]  # same seeds
+    alone = Sampler(seed=1)(logits[1:3].clone(), requests[1:3])  # other rows, other engine seed
+    assert [r.token_id for r in alone] == [r.token_id for r in results[1:3]]

@@ -132,13 +132,14 @@ def _keep_top(
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The distributions sampling draws from: row i of logits [R, V] (CPU, float32) scaled by
-    params[i].temperature and masked by its top_k / top_p / min_p, then softmaxed."""
-    temperature = torch.tensor([p.temperature for p in params])[:, None]
+    """The distributions sampling draws from: row i of logits [R, V] (float32, on any device)
+    scaled by params[i].temperature and masked by its top_k / top_p / min_p, then softmaxed."""
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=dev)[:, None]
     vocab = logits.shape[-1]  # a top_k of the vocabulary or more keeps every token
-    top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.long)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.long, device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
     return mask_rows(logits / temperature, top_k, top_p, min_p).softmax(-1)
 
 
@@ -147,20 +148,26 @@ class Sampler:
 
     def __init__(self, seed: int = 0) -> None:
         self._seed_rng = torch.Generator().manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        # (request, device type) -> its generator: plain sampling draws on the logits' device,
+        # speculative verification on the CPU
+        self._generators: dict[tuple[str, str], torch.Generator] = {}
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        gen = self._generators.get(request_id)
+    def _generator(
+        self, request_id: str, params: SamplingParams, device: torch.device | str = "cpu"
+    ) -> torch.Generator:
+        key = (request_id, torch.device(device).type)
+        gen = self._generators.get(key)
         if gen is None:
             seed = params.seed
             if seed is None:
                 seed = int(torch.randint(2**62, (1,), generator=self._seed_rng))
-            gen = self._generators[request_id] = torch.Generator().manual_seed(seed)
+            gen = self._generators[key] = torch.Generator(device=device).manual_seed(seed)
         return gen
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's random state."""
-        self._generators.pop(request_id, None)
+        for device_type in {t for rid, t in self._generators if rid == request_id}:
+            self._generators.pop((request_id, device_type))
 
     def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """The distribution sampling draws from for rows of logits [R, V] (CPU, float32)."""
@@ -235,19 +242,20 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.tracks_logprobs for p in params)
         logprobs = logits.log_softmax(-1) if want_logprobs else None
-        tokens = logits.argmax(-1).tolist()  # the greedy rows' tokens; the others are drawn
+        picked = logits.argmax(-1)  # [N]: the greedy rows' tokens; the others are drawn
         drawn = [row for row, p in enumerate(params) if not p.greedy]
-        if drawn:  # torch.Generator here lives on the CPU; each request draws from its own
-            probs = sampling_probs(logits[drawn].cpu(), [params[row] for row in drawn])
+        if drawn:  # on the logits' device (no [N, V] copy to the host); a generator per request
+            probs = sampling_probs(logits[drawn], [params[row] for row in drawn])
             # argmax of p / E with E ~ Exp(1) draws token i with probability p_i (as vLLM
             # samples); one fill per row from its generator, one argmax for the batch
             noise = torch.empty_like(probs)
             for i, row in enumerate(drawn):
-                noise[i].exponential_(generator=self._generator(requests[row].request_id,
-                                                                params[row]))  # fmt: skip
+                gen = self._generator(requests[row].request_id, params[row], probs.device)
+                noise[i].exponential_(generator=gen)
             noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 would make a banned 0 / 0 NaN
-            for row, token in zip(drawn, (probs / noise).argmax(-1).tolist()):
-                tokens[row] = token
+            drawn_rows = int_tensor(drawn).to(picked.device, non_blocking=True)
+            picked[drawn_rows] = (probs / noise).argmax(-1)
+        tokens = picked.tolist()  # the step's one wait for the device
         entries: list[LogprobEntry | None] = [None] * len(requests)
         if logprobs is not None:  # one batched call for every row that reports logprobs
             rows = [row for row, p in enumerate(params) if p.tracks_logprobs]
