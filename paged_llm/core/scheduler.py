@@ -182,7 +182,7 @@ class Scheduler:
         return cap is None or len(self.running) < cap
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        drafting = self.drafts_next_step()
+        drafting = bool(self.limits.num_lookahead_slots) and self.drafts_next_step()
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop together with its group
