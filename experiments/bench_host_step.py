@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from experiments.throughput import hardware
+from paged_llm.engine.profile import HOST_PHASES
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
-HOST_PHASES = ("schedule", "plugins", "inputs", "update", "outputs", "caller")
 KINDS = {"cumulative": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA,
          "final_only": RequestOutputKind.FINAL_ONLY}  # fmt: skip
 MAX_MODEL_LEN = 2048
@@ -81,16 +81,17 @@ def measure(model_dir: Path, kind: str, requests: int, steps: int, repeats: int,
     while not decoding(engine):
         engine.step()
     profile = engine.core.plugins[-1]
-    windows = []
+    windows, host = [], []
     for _ in range(repeats):
         engine.step()  # the profile's caller/outputs phases need a step before
         profile.reset()
         for _ in range(steps):
             engine.step()
-        windows.append({k: v["ms_per_step"] for k, v in profile.summary()["phases"].items()})
+        summary = profile.summary()
+        windows.append({k: v["ms_per_step"] for k, v in summary["phases"].items()})
+        host.append(summary["host_ms_per_step"])
     llm.shutdown()
     phases = {k: statistics.median(w.get(k, 0.0) for w in windows) for k in windows[0]}
-    host = [sum(w.get(k, 0.0) for k in HOST_PHASES) for w in windows]
     return {
         "host_ms": statistics.median(host),
         "host_ms_windows": host,

@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{name}: ERROR {r['error']}")
         else:
             print(f"{name}: {r['output_tokens_per_s']:.0f} tok/s, "
-                  f"{r['fraction_of_bound']:.2f} of the bound, kinds "
+                  f"{r['fraction_of_bound']:.2f} of the bound, host "
+                  f"{r['step_phases']['host_ms_per_step']:.2f} ms/step, kinds "
                   f"{ {k: v['steps'] for k, v in r['steps_by_kind'].items()} }")  # fmt: skip
     return doc
 

@@ -10,7 +10,7 @@ from paged_llm import LLM, SamplingParams
 from paged_llm.beam_search import BeamSearchParams
 from paged_llm.engine.core import EngineCore
 from paged_llm.engine.plugins import EnginePlugin, StepState
-from paged_llm.engine.profile import PHASES
+from paged_llm.engine.profile import HOST_PHASES, PHASES
 
 PROMPTS = [{"prompt_token_ids": [5, 9, 17, 33, 2 + i] * (i + 1)} for i in range(3)]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -139,6 +139,8 @@ def test_the_phase_profile_accounts_for_every_step(tiny_llama):
     assert phases["forward"]["seconds"] > phases["update"]["seconds"]  # the model dominates
     assert phases["outputs"]["seconds"] > 0  # text and RequestOutputs take measurable time
     assert phases["inputs"]["seconds"] > 0  # the batch's tensors, apart from the model's time
+    host = sum(phases[name]["ms_per_step"] for name in HOST_PHASES)
+    assert profile["host_ms_per_step"] == pytest.approx(host)
     # a driver with its own forward (beam search) has no sampling phase of the runner's
     beam = llm.llm_engine.core.plugins[-1]
     beam.reset()

@@ -16,6 +16,9 @@ Phases, from the step's marks (engine/plugins.StepState):
   RequestOutputs (LLMEngine.step; absent when another driver steps the core);
 * ``caller``: from the outputs (or the update) to the next step's start: the caller's loop.
 
+``host_ms_per_step`` sums the phases a GPU waits through (``HOST_PHASES``: all but
+``forward`` and ``sample``): the host time issue 39 measures (experiments/bench_host_step.py).
+
 With a forward other than the runner's, ``inputs``, ``forward`` and ``sample`` are one phase,
 ``forward``.
 """
@@ -32,6 +35,8 @@ PHASES = (("schedule", "start", "scheduled"), ("plugins", "scheduled", "prepared
           ("inputs", "prepared", "inputs"), ("forward", "inputs", "model"),
           ("sample", "model", "forwarded"),
           ("update", "forwarded", "updated"))  # fmt: skip
+# The phases of host work a GPU waits through (sampling waits for the GPU, so it is not one)
+HOST_PHASES = ("schedule", "plugins", "inputs", "update", "outputs", "caller")
 
 
 class StepPhaseProfile(EnginePlugin):
@@ -66,10 +71,13 @@ class StepPhaseProfile(EnginePlugin):
         self.steps += 1
 
     def summary(self) -> dict[str, Any]:
-        """Per phase: total seconds, mean milliseconds per step and share of the total."""
+        """Per phase: total seconds, mean milliseconds per step and share of the total; and
+        ``host_ms_per_step``, the mean over steps of the HOST_PHASES' sum."""
         total = sum(self.seconds.values()) or 1.0
+        host = sum(self.seconds.get(name, 0.0) for name in HOST_PHASES)
         return {
             "steps": self.steps,
+            "host_ms_per_step": 1e3 * host / max(self.steps, 1),
             "phases": {
                 name: {
                     "seconds": s,
