@@ -171,25 +171,15 @@ def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int)
         raise ValueError(f"a block table is wider than the captured {width} blocks")
     pad = bucket - n
     if stride == 1:  # one token per sequence: the batch's own rows, then the padding's
-        return PaddedBatch(
-            input_ids=list(batch.input_ids) + [0] * pad,
-            positions=list(batch.positions) + [0] * pad,
-            slot_mapping=slot_mapping(
-                batch.query_lens, batch.seq_lens, batch.block_tables, block_size
-            )
-            + [-1] * pad,  # fmt: skip
-            seq_lens=list(batch.seq_lens) + [0] * pad,
-            block_tables=padded_block_tables(batch.block_tables),
-            rows=list(range(n)),
-        )
+        return pad_in_order(batch, pad, pad, block_size)
+    real_slots = slot_mapping(batch.query_lens, batch.seq_lens, batch.block_tables, block_size)
     ids, positions, slots, rows = [], [], [], []
     first = 0
-    for i, (q, table) in enumerate(zip(batch.query_lens, batch.block_tables)):
+    for i, q in enumerate(batch.query_lens):
         pos = batch.positions[first : first + q]
         ids += list(batch.input_ids[first : first + q]) + [0] * (stride - q)
         positions += list(pos) + [pos[-1]] * (stride - q)
-        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
-        slots += [-1] * (stride - q)
+        slots += real_slots[first : first + q] + [-1] * (stride - q)
         rows += range(i * stride, i * stride + q)
         first += q
     seq_lens = [s + stride - q for s, q in zip(batch.seq_lens, batch.query_lens)]
@@ -200,6 +190,20 @@ def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int)
         seq_lens=seq_lens + [stride] * pad,
         block_tables=padded_block_tables(list(batch.block_tables) + [[]] * pad, width),
         rows=rows,
+    )
+
+
+def pad_in_order(batch: Any, pad_tokens: int, pad_seqs: int, block_size: int) -> PaddedBatch:
+    """The batch's tokens and sequences keep their rows, and padding follows them: tokens 0 at
+    position 0 with slot -1 (written nowhere), sequences of context length 0 (read nothing)."""
+    slots = slot_mapping(batch.query_lens, batch.seq_lens, batch.block_tables, block_size)
+    return PaddedBatch(
+        input_ids=list(batch.input_ids) + [0] * pad_tokens,
+        positions=list(batch.positions) + [0] * pad_tokens,
+        slot_mapping=slots + [-1] * pad_tokens,
+        seq_lens=list(batch.seq_lens) + [0] * pad_seqs,
+        block_tables=padded_block_tables(batch.block_tables),
+        rows=list(range(len(batch.input_ids))),
     )
 
 
@@ -214,17 +218,9 @@ def pad_varlen(batch: Any, tokens: int, num_seqs: int, block_size: int, width: i
                          f"got {n} and {t}")  # fmt: skip
     if any(len(table) > width for table in batch.block_tables):
         raise ValueError(f"a block table is wider than the captured {width} blocks")
-    slots = slot_mapping(batch.query_lens, batch.seq_lens, batch.block_tables, block_size)
-    pad, pad_seqs = tokens - t, num_seqs - n
-    return PaddedBatch(
-        input_ids=list(batch.input_ids) + [0] * pad,
-        positions=list(batch.positions) + [0] * pad,
-        slot_mapping=slots + [-1] * pad,
-        seq_lens=list(batch.seq_lens) + [0] * pad_seqs,
-        block_tables=padded_block_tables(batch.block_tables),
-        rows=list(range(t)),
-        query_start_loc=query_starts(batch.query_lens) + [t] * pad_seqs,
-    )
+    padded = pad_in_order(batch, tokens - t, num_seqs - n, block_size)
+    padded.query_start_loc = query_starts(batch.query_lens) + [t] * (num_seqs - n)
+    return padded
 
 
 class CudaGraphRunner:
@@ -443,7 +439,7 @@ class CudaGraphRunner:
         in_order = key[1] in (1, VARLEN)  # the batch's tokens lead, in its order
         index = None
         if not in_order or extra:
-            index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+            index = int_tensor(rows).to(self.device, non_blocking=True)
         for buffer, values in extra:
             buffer[index] = values.to(buffer.dtype)
         return len(rows), None if in_order else index

@@ -148,26 +148,26 @@ class Sampler:
 
     def __init__(self, seed: int = 0) -> None:
         self._seed_rng = torch.Generator().manual_seed(seed)
-        # (request, device type) -> its generator: plain sampling draws on the logits' device,
-        # speculative verification on the CPU
-        self._generators: dict[tuple[str, str], torch.Generator] = {}
+        # request -> device type -> its generator: plain sampling draws on the logits'
+        # device, speculative verification on the CPU
+        self._generators: dict[str, dict[str, torch.Generator]] = {}
 
     def _generator(
         self, request_id: str, params: SamplingParams, device: torch.device | str = "cpu"
     ) -> torch.Generator:
-        key = (request_id, torch.device(device).type)
-        gen = self._generators.get(key)
+        own = self._generators.setdefault(request_id, {})
+        device_type = torch.device(device).type
+        gen = own.get(device_type)
         if gen is None:
             seed = params.seed
             if seed is None:
                 seed = int(torch.randint(2**62, (1,), generator=self._seed_rng))
-            gen = self._generators[key] = torch.Generator(device=device).manual_seed(seed)
+            gen = own[device_type] = torch.Generator(device=device).manual_seed(seed)
         return gen
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's random state."""
-        for device_type in {t for rid, t in self._generators if rid == request_id}:
-            self._generators.pop((request_id, device_type))
+        self._generators.pop(request_id, None)
 
     def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """The distribution sampling draws from for rows of logits [R, V] (CPU, float32)."""
@@ -185,7 +185,7 @@ class Sampler:
 
         params = request.sampling_params
         logits = logits.float()
-        if request.guide is not None or needs_processing(params, request.num_output_tokens):
+        if has_constraints(request, request.num_output_tokens):
             # row i scores the token after drafts[:i], so its history includes them
             out = request.output_token_ids
             histories = [out + drafts[:i] for i in range(len(drafts) + 1)]
@@ -236,8 +236,7 @@ class Sampler:
         """Choose one token per row."""
         logits = logits.float()
         for row, req in enumerate(requests):  # most requests have no constraints: no row view
-            if req.guide is not None or needs_processing(req.sampling_params,
-                                                         req.num_output_tokens):  # fmt: skip
+            if has_constraints(req, req.num_output_tokens):
                 process_request_rows(logits[row : row + 1], req, [req.output_token_ids])
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.tracks_logprobs for p in params)
@@ -302,12 +301,18 @@ def logprob_entries(
     return entries
 
 
+def has_constraints(request: Request, num_output_tokens: int) -> bool:
+    """Whether a row after ``num_output_tokens`` tokens needs ``process_request_rows``: logits
+    processing or a grammar (most requests have neither)."""
+    return request.guide is not None or needs_processing(request.sampling_params,
+                                                         num_output_tokens)  # fmt: skip
+
+
 def is_plain_greedy(request: Request, num_drafted: int = 0) -> bool:
     """Greedy, with no logits processing and no grammar for the token after its outputs and
     ``num_drafted`` drafts: its choice is the plain argmax of the logits."""
-    params = request.sampling_params
     n = request.num_output_tokens + num_drafted
-    return params.greedy and request.guide is None and not needs_processing(params, n)
+    return request.sampling_params.greedy and not has_constraints(request, n)
 
 
 def process_request_rows(
