@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from experiments.gpu_check import save_tiny_llama
 from experiments.throughput import hardware
 from paged_llm.engine.profile import HOST_PHASES
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
@@ -38,21 +39,6 @@ from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 KINDS = {"cumulative": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA,
          "final_only": RequestOutputKind.FINAL_ONLY}  # fmt: skip
 MAX_MODEL_LEN = 2048
-
-
-def save_tiny_model(out_dir: Path) -> Path:
-    """A 2-layer random transformers Llama with room for 2048 positions."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=MAX_MODEL_LEN,
-                         architectures=["LlamaForCausalLM"])  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(str(out_dir))
-    return out_dir
 
 
 def decoding(engine: Any) -> bool:
@@ -127,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"unknown output kinds {unknown}; choose from {sorted(KINDS)}")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_tiny_model(Path(tmp) / "tiny_llama")
+        model_dir = save_tiny_llama(Path(tmp) / "tiny_llama", MAX_MODEL_LEN)
         rows = {k: measure(model_dir, k, args.requests, args.steps, args.repeats,
                            args.prefix_caching) for k in kinds}  # fmt: skip
     doc = {

@@ -907,7 +907,7 @@ def build_workload(plan: Plan, vocab_size: int, trace: str | None, seed: int = 0
     return Workload(prompts, [p.output_len for p in pairs], source)
 
 
-def save_tiny_llama(out_dir: Path) -> Path:
+def save_tiny_llama(out_dir: Path, max_positions: int = 128) -> Path:
     """A tiny random transformers Llama (smoke mode: both engines load the same weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -918,7 +918,7 @@ def save_tiny_llama(out_dir: Path) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=max_positions,
         initializer_range=0.2,
         architectures=["LlamaForCausalLM"],
     )
