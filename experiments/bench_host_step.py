@@ -15,6 +15,8 @@ on the CPU it includes the LM head's argmax.
 The peer is the same command on the commit before a change, run in the same minute (its
 ``git`` field says which). Output kinds: ``cumulative`` (``LLMEngine.step``'s default, as the
 GPU check's loop reads it), ``delta`` (a streaming server) and ``final_only`` (``LLM.generate``).
+``--async-scheduling``: the same work, pipelined (on a GPU ``outputs`` and ``caller`` then
+overlap the next forward; on the CPU nothing overlaps, so this shows the pipeline's own cost).
 """
 
 from __future__ import annotations
@@ -48,13 +50,13 @@ def decoding(engine: Any) -> bool:
 
 
 def measure(model_dir: Path, kind: str, requests: int, steps: int, repeats: int,
-            prefix_caching: bool = False) -> dict:  # fmt: skip
+            prefix_caching: bool = False, async_scheduling: bool = False) -> dict:  # fmt: skip
     """Median ms per step of each phase over ``repeats`` windows of ``steps`` decode steps."""
     from paged_llm import LLM
 
     llm = LLM(str(model_dir), dtype="float32", device="cpu", seed=0, max_num_seqs=requests,
               max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=4096, cpu_kv_cache_gib=1.0,
-              enable_prefix_caching=prefix_caching,
+              enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling,
               plugins=["paged_llm.engine.profile.StepPhaseProfile"])  # fmt: skip
     engine = llm.llm_engine
     rng = random.Random(0)
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--prefix-caching", action="store_true", help="enable_prefix_caching=True")
+    ap.add_argument("--async-scheduling", action="store_true", help="async_scheduling=True")
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     unknown = sorted(set(kinds) - set(KINDS))
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_tiny_llama(Path(tmp) / "tiny_llama", MAX_MODEL_LEN)
         rows = {k: measure(model_dir, k, args.requests, args.steps, args.repeats,
-                           args.prefix_caching) for k in kinds}  # fmt: skip
+                           args.prefix_caching, args.async_scheduling) for k in kinds}  # fmt: skip
     doc = {
         "what": "real host-side timings of the engine's decode steps on the CPU (tiny model)",
         "hardware": hardware("cpu"),
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ]
         ),
         "prefix_caching": args.prefix_caching,
+        "async_scheduling": args.async_scheduling,
         "host_phases": list(HOST_PHASES),
         "kinds": rows,
     }

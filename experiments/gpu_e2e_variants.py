@@ -10,6 +10,8 @@ Variants (``VARIANTS``; ``--variants`` picks some), each a fresh engine on the s
   as the engine ran on the H200 in run 11 (0.33 of the bound): the peer;
 * ``mixed_graphs``: steps with prompt tokens replay graphs too (``FULL``, the default);
 * ``mixed_graphs_async``: and async output processing (``async_output_proc=True``);
+* ``mixed_graphs_async_sched``: and async scheduling instead (``async_scheduling=True``: step
+  N + 1 planned, built and launched while the GPU runs step N; outputs a step later);
 * ``mixed_graphs_final_only`` (not run by default): ``mixed_graphs`` with outputs read as
   ``LLM.generate`` (and vLLM's offline throughput benchmark) reads them, only at the finish,
   instead of every running request's tokens so far after every step.
@@ -60,11 +62,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "decode_graphs": {"cudagraph_mode": "FULL_DECODE_ONLY"},
     "mixed_graphs": {"cudagraph_mode": "FULL"},
     "mixed_graphs_async": {"cudagraph_mode": "FULL", "async_output_proc": True},
+    "mixed_graphs_async_sched": {"cudagraph_mode": "FULL", "async_scheduling": True},
     "mixed_graphs_final_only": {"cudagraph_mode": "FULL", "output_kind": "final_only"},
     # not run by default: graphs for steps of up to 2048 tokens (4x the graphs' captures)
     "mixed_graphs_2048": {"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 2048},
 }
-DEFAULT_VARIANTS = ("decode_graphs", "mixed_graphs", "mixed_graphs_async")
+DEFAULT_VARIANTS = ("decode_graphs", "mixed_graphs", "mixed_graphs_async_sched")
 SYNC_STEPS = 20  # steps watched by the sync debug mode (it slows them; not timed)
 
 

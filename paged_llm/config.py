@@ -136,6 +136,11 @@ class SchedulerConfig:
     # forward; each step() then returns the previous step's outputs (vLLM's async output
     # processing; its flag ``disable_async_output_proc`` is accepted too). Tokens are the same.
     async_output_proc: bool = False
+    # vLLM's async scheduling: plan and launch step N + 1 while the device runs step N; its
+    # sampled ids feed N + 1's inputs on the device and reach the host a step later (also
+    # making N's outputs then). Tokens are the same; a step that samples with logits
+    # processing, a grammar or logprobs waits for its tokens (docs/architecture.md)
+    async_scheduling: bool = False
 
     def token_budget(self, max_model_len: int) -> int:
         """Tokens one step may schedule: max_num_batched_tokens, else max(max_model_len, 2048)."""
@@ -143,8 +148,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check_optional_count("max_num_batched_tokens", self.max_num_batched_tokens)
-        if not isinstance(self.async_output_proc, bool):
-            raise ValueError(f"async_output_proc must be a bool, got {self.async_output_proc!r}")
+        for name in ("async_output_proc", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -191,6 +197,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.kv_transfer_config = as_kv_transfer_config(self.kv_transfer_config)
+        self.check_async_scheduling()
+
+    def check_async_scheduling(self) -> None:
+        """Refuse what async scheduling cannot feed from the device: drafts are proposed from
+        the tokens on the host, and other tensor-parallel ranks have no sampled ids."""
+        if not self.scheduler.async_scheduling:
+            return
+        if self.speculative_config:
+            raise ValueError("async_scheduling cannot be combined with speculative decoding")
+        if self.model.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size=1")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -215,6 +232,7 @@ class EngineConfig:
                 raise ValueError(f"unknown engine argument '{key}'")
         for name, section in sections.items():  # replace() re-runs each section's checks
             setattr(cfg, name, replace(section, **changes[name]))
+        cfg.check_async_scheduling()
         return cfg
 
 

@@ -149,7 +149,7 @@ def engine_configs(draw):
     budget, sequence limit, policy, queue order (FCFS or priority), preemption, prefix caching
     (with or without a CPU tier), KV dtype, attention backend
     (the CPU default, torch, contiguous), weight quantization, model dtype, speculation,
-    async output processing."""
+    async output processing, async scheduling."""
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     max_model_len = draw(st.sampled_from([48, 64, 96]))
     policy = draw(st.sampled_from(["paged", "paged", "orca_max", "orca_pow2", "orca_oracle",
@@ -176,6 +176,8 @@ def engine_configs(draw):
     cfg["dtype"] = draw(st.sampled_from(["float32", "float32", "float32", "bfloat16"]))
     cfg["async_output_proc"] = draw(st.booleans())  # outputs a step later, the same tokens
     method = draw(st.sampled_from([None, None, "ngram", "draft_model"]))
+    if not method:  # plans step N + 1 before N's tokens are on the host; the same tokens
+        cfg["async_scheduling"] = draw(st.booleans())
     if method:
         k = draw(st.integers(1, 4))
         cfg["speculative_config"] = {"method": method, "num_speculative_tokens": k}

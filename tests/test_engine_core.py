@@ -63,6 +63,11 @@ class FakeScheduler:
         self.log.append(f"update {sampled}")
         return []
 
+    def resolve_placeholders(self, tokens, now):
+        """Record the tokens written over placeholders; finish every request."""
+        self.log.append(f"resolve {[(r.request_id, t) for r, t in tokens]}")
+        return [r for r, _ in tokens]
+
 
 class Named(EnginePlugin):
     def __init__(self, name: str, log: list[str]) -> None:
@@ -87,7 +92,8 @@ def test_the_core_calls_the_hooks_in_order_around_the_forward():
     assert log == ["schedule", "a.before", "b.before", "forward", "update {'r': [7]}",
                    "a.after", "b.after"]  # fmt: skip
     assert step.now == 1.0
-    assert [m for m in step.marks] == ["start", "scheduled", "prepared", "forwarded", "updated"]
+    assert [m for m in step.marks] == ["start", "scheduled", "prepared", "forwarded", "updating",
+                                       "updated"]  # fmt: skip
     marks = list(step.marks.values())
     assert marks == sorted(marks)
     log.clear()
@@ -165,3 +171,37 @@ def test_a_backend_that_needs_contiguous_caches_is_refused_under_paged_blocks(ti
     llm = LLM(str(tiny_llama[0]), attention_backend="contiguous", policy="orca_max",
               block_size=4, cpu_kv_cache_gib=0.01)  # fmt: skip
     assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_deferred_steps_plugins_run_when_its_tokens_are_resolved():
+    """Async scheduling: the update takes placeholders and the plug-ins wait; ``resolve`` (a
+    call later) writes the tokens in, adds the requests they finish, then calls the plug-ins."""
+    from types import SimpleNamespace
+
+    from paged_llm.core.request import PLACEHOLDER_TOKEN
+
+    log: list[str] = []
+    req = SimpleNamespace(request_id="r")
+
+    class Deferred:
+        requests = [req]
+
+        def collect(self):
+            log.append("collect")
+            return [(req, 7)], {"r": "result"}
+
+    def forward(step):
+        log.append("forward")
+        step.deferred = Deferred()
+        step.sampled = {"r": [PLACEHOLDER_TOKEN]}
+
+    core = EngineCore(FakeScheduler(log), forward, [Named("a", log)], lambda: 2.0)
+    step = core.launch()
+    core.update(step)
+    assert log == ["schedule", "a.before", "forward", "update {'r': [-1]}"]  # no a.after yet
+    core.resolve(step)
+    assert log[4:] == ["collect", "resolve [('r', 7)]", "a.after"]
+    assert step.sampled == {"r": [7]} and step.results == {"r": "result"}
+    assert step.finished == [req] and step.deferred is None
+    core.resolve(step)  # resolved once only
+    assert log[7:] == []

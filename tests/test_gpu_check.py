@@ -431,3 +431,29 @@ def test_run_ours_counts_the_same_tokens_from_final_only_outputs(tiny_llama):
         cut[kind] = run_ours(llm.llm_engine, work, StepCounter(), kind)
         assert cut[kind]["partial"] and not llm.llm_engine.has_unfinished_requests()
     assert cut["cumulative"]["generated_tokens"] == cut["final_only"]["generated_tokens"] > 0
+
+
+def test_run_ours_counts_only_tokens_on_the_host_under_async_scheduling(tiny_llama):
+    """With async scheduling the loop gets the same tokens; a run cut by the deadline counts
+    the tokens that reached the host, not the placeholders of the step still in flight."""
+    from experiments.gpu_check import Deadline, Workload, run_ours
+
+    work = Workload([[1, 2, 3], [4, 5], [6, 7, 8, 9]], [5, 9, 3], "test")
+
+    def engine(**kw):
+        return LLM(str(tiny_llama[0]), dtype="float32", seed=0, max_num_seqs=2, **kw).llm_engine
+
+    sync = run_ours(engine(), work, Deadline.after(60))
+    pipelined = run_ours(engine(async_scheduling=True), work, Deadline.after(60))
+    assert pipelined["outputs"] == sync["outputs"] and pipelined["generated_tokens"] == 17
+
+    def after(steps):  # a deadline that passes after ``steps`` steps
+        calls = iter(range(steps + 1))
+        return type("Cut", (), {"left": lambda self: 1.0 if next(calls, steps) < steps else 0.0})()
+
+    cut = run_ours(engine(async_scheduling=True), work, after(3))
+    # three calls launched three steps; the third's tokens were still on the device
+    assert (
+        cut["partial"]
+        and cut["generated_tokens"] == run_ours(engine(), work, after(2))["generated_tokens"] == 4
+    )

@@ -14,10 +14,13 @@ from paged_llm import LLM, SamplingParams
 
 
 @pytest.mark.parametrize("extra", [{}, {"prompt_logprobs": 1, "logprobs": 2}])
-def test_no_host_to_device_copy_between_launch_and_sampling(tiny_llama, monkeypatch, extra):
+@pytest.mark.parametrize("overlap", ["async_output_proc", "async_scheduling"])
+def test_no_host_to_device_copy_between_launch_and_sampling(
+    tiny_llama, monkeypatch, extra, overlap
+):
     # the GPU path: the triton backend (in the interpreter here), whose layers copy nothing
-    llm = LLM(str(tiny_llama[0]), block_size=4, cpu_kv_cache_gib=0.01, async_output_proc=True,
-              attention_backend="triton")  # fmt: skip
+    llm = LLM(str(tiny_llama[0]), block_size=4, cpu_kv_cache_gib=0.01, attention_backend="triton",
+              **{overlap: True})  # fmt: skip
     runner = llm.llm_engine.runner
     window = {"open": False}
     copies: list[str] = []
@@ -40,13 +43,13 @@ def test_no_host_to_device_copy_between_launch_and_sampling(tiny_llama, monkeypa
 
     real_execute = runner.execute
 
-    def execute(out, draft_probs=None, while_running=None):
+    def execute(out, draft_probs=None, while_running=None, **kwargs):
         def close():  # sampling starts after the host work beside the forward
             window["open"] = False
             if while_running is not None:
                 while_running()
 
-        return real_execute(out, draft_probs, while_running=close)
+        return real_execute(out, draft_probs, while_running=close, **kwargs)
 
     monkeypatch.setattr(runner.model, "forward", forward)
     monkeypatch.setattr(runner.model, "compute_logits", logits)

@@ -12,6 +12,11 @@ from typing import Any
 
 from paged_llm.sampling_params import SamplingParams
 
+# Async scheduling: an output token that is sampled but still on the device. The scheduler
+# plans the next step as if it were known (the runner feeds the real id from the device) and
+# ``Scheduler.resolve_placeholders`` writes it in once it reaches the host.
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     """Where a request is in its life."""
@@ -72,6 +77,9 @@ class Request:
     # prompt has run. pool_all_tokens: its pooling reads every prompt position's hidden state
     pooling_params: Any = None
     pool_all_tokens: bool = False
+    # async scheduling: its last output token is a placeholder that reaches max_output_tokens,
+    # so nothing more may run; the real token finishes it (by length, or a stop string)
+    final_token_pending: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

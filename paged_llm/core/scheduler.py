@@ -14,7 +14,7 @@ from collections import deque
 
 from paged_llm.core.kv.base import KVCacheManager
 from paged_llm.core.queue_policy import queue_policy_class
-from paged_llm.core.request import Request, RequestStatus
+from paged_llm.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from paged_llm.core.scheduler_output import (  # re-exported: most code imports them from here
     IterationStats,
     ScheduledRequest,
@@ -186,7 +186,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop together with its group
-            if req.num_computed_tokens >= req.num_tokens:
+            if req.num_computed_tokens >= req.num_tokens or req.final_token_pending:
                 continue  # up to date, waiting for an outside decision (a beam's next token)
             n = self._num_new_tokens(req, budget)
             if n == 0:
@@ -401,6 +401,10 @@ class Scheduler:
                 continue
             tokens = sampled.get(req.request_id, ())
             for token in tokens:
+                if token == PLACEHOLDER_TOKEN:  # still on the device: resolve_placeholders
+                    req.output_token_ids.append(token)
+                    req.final_token_pending = req.num_output_tokens >= req.max_output_tokens
+                    break
                 req.append_token(token, now)
                 status = req.check_stop()
                 if status is not None:
@@ -415,6 +419,26 @@ class Scheduler:
             req.spec_token_ids = []
             self.kv.truncate(req, req.num_tokens)
             self.kv.on_computed(req)
+        return finished
+
+    def resolve_placeholders(self, tokens: list[tuple[Request, int]], now: float) -> list[Request]:
+        """Async scheduling: write each request's sampled token over the placeholder that
+        ``update_from_output`` appended (a step later, the next step already planned and
+        launched) and finish requests it stops; return the finished. A request aborted or
+        finished since keeps its outputs as they are."""
+        finished = []
+        for req, token in tokens:
+            if req.is_finished:
+                continue
+            if req.output_token_ids[-1] != PLACEHOLDER_TOKEN:
+                raise RuntimeError(f"request {req.request_id} has no placeholder to resolve")
+            req.output_token_ids.pop()
+            req.final_token_pending = False
+            req.append_token(token, now)
+            status = req.check_stop()
+            if status is not None:
+                self._finish(req, status, now)
+                finished.append(req)
         return finished
 
 

@@ -100,9 +100,11 @@ class LLMEngine:
         plugins += [self.spec] if self.spec is not None else []
         # configured plug-ins see the engine's parts (the core is built from the plug-ins)
         plugins += [build("engine plugin", p, {}, engine=self) for p in config.plugins]
-        self.core = EngineCore(self.scheduler, RunnerForward(w.runner), plugins, clock)
+        forward = RunnerForward(w.runner, defer=config.scheduler.async_scheduling)
+        self.core = EngineCore(self.scheduler, forward, plugins, clock)
         self._counter = itertools.count()
-        self._pending: Any = None  # async_output_proc: the step whose outputs come next
+        # async_output_proc / async_scheduling: the step whose outputs come next
+        self._pending: Any = None
         if self.parallel is not None:
             self.parallel.finish_startup(self.runner)  # ranks > 0 serve rank 0's steps here
 
@@ -235,7 +237,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return outputs of requests that progressed.
         With ``async_output_proc`` the outputs are the previous step's, made while the device
-        runs this step's forward (and a last call, with nothing left to run, returns them)."""
+        runs this step's forward (and a last call, with nothing left to run, returns them);
+        with ``async_scheduling`` too, and the previous step's tokens also reach the host then."""
+        if self.config.scheduler.async_scheduling:
+            return self._pipelined_step()
         if not self.config.scheduler.async_output_proc:
             step = self.core.step()
             outputs = self._finish(step)
@@ -250,6 +255,24 @@ class LLMEngine:
         if pending is not None and not made:  # the forward ran nothing, so did not call it
             make()
         return made[0] if made else []
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Async scheduling: plan and launch step N + 1 (step N's tokens are placeholders),
+        then, while the device runs it, take step N's tokens, stops and outputs; last, N + 1
+        is recorded with placeholders for the tokens it left on the device."""
+        previous, self._pending = self._pending, None
+        step = self.core.launch() if self.scheduler.has_unfinished() else None
+        outputs: list[RequestOutput] = []
+        if previous is not None:
+            previous.marks["resolving"] = time.perf_counter()
+            self.core.resolve(previous)
+            outputs = self._finish(previous)
+            previous.marks["outputs"] = time.perf_counter()
+        if step is not None:
+            self.core.update(step)
+            # a step that ran nothing (its requests' last tokens were pending) has no outputs
+            self._pending = step if step.out.scheduled else None
+        return outputs
 
     def _finish(self, step: Any) -> list[RequestOutput]:
         """The outputs of a step that ran; finished requests are released."""

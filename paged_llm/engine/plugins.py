@@ -33,10 +33,14 @@ class StepState:
     # host work to run while the device computes this step's forward (async output
     # processing: the previous step's outputs); a forward that cannot overlap leaves it
     while_running: Any = None
+    # async scheduling: the sampled ids still on the device (runner.async_tokens.
+    # DeferredTokens); ``sampled`` holds placeholders for them until EngineCore.resolve
+    deferred: Any = None
     # time.perf_counter() at the phase boundaries: "start", "scheduled", "prepared" (plug-ins
     # before the forward done), "model" (the runner's forward returned, before sampling; set by
-    # RunnerForward), "forwarded", "updated", "outputs" (LLMEngine made the step's outputs);
-    # engine/profile.py reads them
+    # RunnerForward), "forwarded", "updating", "updated", "resolving" and "resolved" (async
+    # scheduling: its tokens awaited, then on the host, in the next call), "outputs"
+    # (LLMEngine made the step's outputs); engine/profile.py reads them
     marks: dict[str, float] = field(default_factory=dict)
 
 

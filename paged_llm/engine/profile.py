@@ -19,6 +19,11 @@ Phases, from the step's marks (engine/plugins.StepState):
 ``host_ms_per_step`` sums the phases a GPU waits through (``HOST_PHASES``: all but
 ``forward`` and ``sample``): the host time issue 39 measures (experiments/bench_host_step.py).
 
+With async scheduling a step's tokens reach the host in the next call of ``LLMEngine.step``,
+after that call launched the next forward: ``resolve`` is the wait for them (like ``sample``,
+not host work), and ``outputs`` and ``caller`` run while the device computes the next step,
+so there the GPU waits only for what exceeds its own step time.
+
 With a forward other than the runner's, ``inputs``, ``forward`` and ``sample`` are one phase,
 ``forward``.
 """
@@ -34,7 +39,7 @@ from paged_llm.engine.plugins import EnginePlugin, StepState
 PHASES = (("schedule", "start", "scheduled"), ("plugins", "scheduled", "prepared"),
           ("inputs", "prepared", "inputs"), ("forward", "inputs", "model"),
           ("sample", "model", "forwarded"),
-          ("update", "forwarded", "updated"))  # fmt: skip
+          ("update", "updating", "updated"))  # fmt: skip
 # The phases of host work a GPU waits through (sampling waits for the GPU, so it is not one)
 HOST_PHASES = ("schedule", "plugins", "inputs", "update", "outputs", "caller")
 
@@ -62,8 +67,13 @@ class StepPhaseProfile(EnginePlugin):
         for name, begin, end in PHASES:
             if begin in m and end in m:
                 self.seconds[name] += m[end] - m[begin]
-        if self._previous is not None:
-            before = self._previous
+        before = self._previous
+        if before is not None and "resolving" in before:  # async scheduling (module doc)
+            resolved = before.get("resolved", before["resolving"])
+            self.seconds["resolve"] += resolved - before["resolving"]
+            self.seconds["outputs"] += before.get("outputs", resolved) - resolved
+            self.seconds["caller"] += m["start"] - before["updated"]
+        elif before is not None:
             done = before.get("outputs", before["updated"])
             self.seconds["outputs"] += done - before["updated"]
             self.seconds["caller"] += m["start"] - done

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from paged_llm.attention.metadata import AttentionMetadata
-from paged_llm.core.request import Request
+from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
 from paged_llm.core.scheduler import ScheduledRequest
 from paged_llm.outputs import LogprobEntry
 from paged_llm.runner.sampler import logprob_entries
@@ -40,6 +40,9 @@ class HostBatch:
     # pooling requests: per prompt chunk (request id, first row of T, first prompt position,
     # rows, prompt length); their rows' hidden states go to the pooler, not to the LM head
     pool_spans: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+    # async scheduling: (index in input_ids, request id) of each token still on the device
+    # (core.request.PLACEHOLDER_TOKEN); the runner writes the sampled ids over them
+    placeholders: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -111,6 +114,7 @@ def flatten_batch(
     prompt_targets: list[int] = []
     prompt_spans: list[tuple[str, int, int, int]] = []
     pool_spans: list[tuple[str, int, int, int, int]] = []
+    placeholders: list[tuple[int, str]] = []
     for s in ordered:
         req, start = s.request, s.request.num_computed_tokens
         end = start + s.num_new_tokens
@@ -122,12 +126,17 @@ def flatten_batch(
         seq_lens.append(end)
         if plain_decode(req, start, end):  # most of a step's requests: one row that samples
             rows.append(len(ids))
-            ids.append(req.output_token_ids[-1])
+            token = req.output_token_ids[-1]
+            if token == PLACEHOLDER_TOKEN:
+                placeholders.append((len(ids), req.request_id))
+            ids.append(token)
             positions.append(start)
             sampling.append(s)
             per_req.append(1)
             continue
         ids += req.token_ids_between(start, end)
+        if ids[-1] == PLACEHOLDER_TOKEN:  # only a sequence's last token can be one
+            placeholders.append((len(ids) - 1, req.request_id))
         positions.extend(range(start, end))
         if req.is_pooling:
             first_row = len(ids) - s.num_new_tokens
@@ -149,7 +158,8 @@ def flatten_batch(
             prompt_targets.extend(req.prompt_token_ids[start + 1 : scored_end + 1])
             prompt_spans.append((req.request_id, start + 1, scored_end - start, top_k))
     batch = HostBatch(ids, positions, query_lens, seq_lens, tables, rows, per_req,
-                      prompt_rows, prompt_targets, prompt_spans, lora_ids, pool_spans)  # fmt: skip
+                      prompt_rows, prompt_targets, prompt_spans, lora_ids, pool_spans,
+                      placeholders)  # fmt: skip
     return batch, sampling
 
 

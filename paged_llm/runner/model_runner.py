@@ -15,6 +15,7 @@ from paged_llm.attention.base import AttentionBackend
 from paged_llm.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.quant.kv_cache import SCALE_DTYPE, KVCacheSpec
+from paged_llm.runner.async_tokens import DeferredTokens, can_defer, feed_placeholders
 from paged_llm.runner.batch import (
     BlockTableRows,
     HostBatch,
@@ -101,6 +102,9 @@ class ModelRunner:
         # moved, batch tensors or graph buffers loaded), and execute's forward returned
         self.inputs_done = 0.0
         self.model_done = 0.0
+        # async scheduling: the last step's sampled ids, if it left them on the device (the
+        # next step's placeholder tokens read them there)
+        self.last_sampled: DeferredTokens | None = None
         self.kv_spec = kv_spec or KVCacheSpec(dtype)
         self.kv_caches: KVCaches = []
         self.cpu_caches: KVCaches = []
@@ -334,19 +338,26 @@ class ModelRunner:
             return None, None
         # Every host-to-device copy comes before the model is launched: a copy from pageable
         # memory waits for the stream, so one after the launch would wait for the whole
-        # forward (and leave nothing for async output processing to overlap).
-        head_rows, pool_rows = self._row_indices(batch)
+        # forward (and leave nothing for async output processing to overlap). The host's
+        # list work comes before the first copy: with async scheduling that copy waits for
+        # the previous step's forward, and the device idles from then until the launch.
         key = self.cuda_graphs.key_for(batch) if self.cuda_graphs is not None else None
         if key is not None:
             # "graph": a decode graph; "graph_q5": one of query stride 5 (k = 4 verifications)
             kind = {1: "graph", VARLEN: "graph_mixed"}.get(key[1], f"graph_q{key[1]}")
             self._count_forward(kind)
             prepared = self.cuda_graphs.prepare(batch, key)
+            if batch.placeholders:  # stride 1 and mixed steps: the batch's tokens lead, in order
+                feed_placeholders(self.cuda_graphs.input_ids, batch.placeholders,
+                                  self.last_sampled)  # fmt: skip
+            head_rows, pool_rows = self._row_indices(batch)
             self.inputs_done = time.perf_counter()
             hidden = self.cuda_graphs.run(key, prepared)  # [T, hidden]
         else:
             self._count_forward("eager_decode" if is_decode_batch(batch) else "eager_prefill")
             inputs = to_step_inputs(batch, self.block_size, self.device, self.backend)
+            feed_placeholders(inputs.input_ids, batch.placeholders, self.last_sampled)
+            head_rows, pool_rows = self._row_indices(batch)
             ctx = ForwardContext(
                 inputs.attn_metadata, self.backend, self.kv_caches, self.kv_scales or None
             )
@@ -382,16 +393,23 @@ class ModelRunner:
         out: SchedulerOutput,
         draft_probs: dict[str, torch.Tensor] | None = None,
         while_running: Any = None,
-    ) -> tuple[dict[str, SampleResult], dict[str, PromptLogprobs], dict[str, torch.Tensor]]:
+        defer: bool = False,
+    ) -> tuple[
+        dict[str, SampleResult], dict[str, PromptLogprobs], dict[str, torch.Tensor],
+        DeferredTokens | None,
+    ]:  # fmt: skip
         """Run one step: move blocks, forward the batch, sample (or verify drafts) where due.
         ``while_running()`` runs once the forward is launched, before sampling waits for it.
 
         ``draft_probs`` holds the drafter's distributions [k, V] for requests whose drafts came
         from a model; drafts without one are treated as deterministic proposals. Also returns
         the prompt logprobs this step computed, and the pooled outputs of the pooling requests
-        whose prompt it completed, by request id.
+        whose prompt it completed, by request id. With ``defer`` (async scheduling) and
+        requests that ``can_defer``, the sampled ids stay on the device: the results are empty
+        and the last value carries them (``DeferredTokens``); otherwise it is None.
         """
         batch, sampling, logits, pool_hidden = self._forward(out)
+        self.last_sampled = None  # read by this step's inputs only
         self.model_done = time.perf_counter()  # launched (CPU: computed); sampling waits for it
         if while_running is not None:  # host work beside the device's (async output processing)
             while_running()
@@ -400,10 +418,25 @@ class ModelRunner:
             params = {s.request.request_id: s.request.pooling_params for s in out.scheduled}
             pooled = self.pooler.update(pool_hidden, batch.pool_spans, params)
         if logits is None:
-            return {}, {}, pooled
+            return {}, {}, pooled, None
         num_sample_rows = len(batch.sample_rows)
         prompt = prompt_logprobs(logits[num_sample_rows:], batch)
         logits = logits[:num_sample_rows]
+        requests = [s.request for s in sampling]
+        if defer and requests and can_defer(requests):
+            ids = self.sampler.sample_ids(logits.float(), requests)
+            self.last_sampled = DeferredTokens.start(requests, ids)
+            return {}, prompt, pooled, self.last_sampled
+        return self._sample(logits, sampling, batch, draft_probs), prompt, pooled, None
+
+    def _sample(
+        self,
+        logits: torch.Tensor,  # [R, V]: the batch's sample rows
+        sampling: list[ScheduledRequest],
+        batch: HostBatch,
+        draft_probs: dict[str, torch.Tensor] | None,
+    ) -> dict[str, SampleResult]:
+        """Sample each request's token, or verify its drafts, and bring them to the host."""
         results: dict[str, SampleResult] = {}
         plain_rows, plain, greedy_verifies = [], [], []
         row = 0
@@ -426,7 +459,7 @@ class ModelRunner:
             every = len(plain_rows) == logits.shape[0]
             sampled = self.sampler(logits if every else logits[plain_rows], plain)
             results.update((req.request_id, r) for req, r in zip(plain, sampled))
-        return results, prompt, pooled
+        return results
 
     @torch.inference_mode()
     def execute_logprobs(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:

@@ -235,12 +235,33 @@ class Sampler:
     ) -> list[SampleResult]:
         """Choose one token per row."""
         logits = logits.float()
+        picked = self.sample_ids(logits, requests)
+        tokens = picked.tolist()  # the step's one wait for the device
+        params = [r.sampling_params for r in requests]
+        if not any(p.tracks_logprobs for p in params):
+            return [SampleResult(token) for token in tokens]
+        logprobs = logits.log_softmax(-1)
+        entries: list[LogprobEntry | None] = [None] * len(requests)
+        rows = [row for row, p in enumerate(params) if p.tracks_logprobs]  # one batched call
+        chosen = [tokens[row] for row in rows]
+        top_k = [params[row].logprobs or 0 for row in rows]
+        for row, entry in zip(rows, logprob_entries(logprobs[rows], chosen, top_k)):
+            entries[row] = entry
+        return [
+            SampleResult(token, None if entry is None else [entry])
+            for token, entry in zip(tokens, entries)
+        ]
+
+    def sample_ids(
+        self,
+        logits: torch.Tensor,  # [N, V] float32: row i is the next-token logits of requests[i]
+        requests: Sequence[Request],
+    ) -> torch.Tensor:  # [N] int64, on the logits' device
+        """The chosen token of every row, left on the device (processing ``logits`` in place)."""
         for row, req in enumerate(requests):  # most requests have no constraints: no row view
             if has_constraints(req, req.num_output_tokens):
                 process_request_rows(logits[row : row + 1], req, [req.output_token_ids])
         params = [r.sampling_params for r in requests]
-        want_logprobs = any(p.tracks_logprobs for p in params)
-        logprobs = logits.log_softmax(-1) if want_logprobs else None
         picked = logits.argmax(-1)  # [N]: the greedy rows' tokens; the others are drawn
         drawn = [row for row, p in enumerate(params) if not p.greedy]
         if drawn:  # on the logits' device (no [N, V] copy to the host); a generator per request
@@ -254,18 +275,7 @@ class Sampler:
             noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 would make a banned 0 / 0 NaN
             drawn_rows = int_tensor(drawn).to(picked.device, non_blocking=True)
             picked[drawn_rows] = (probs / noise).argmax(-1)
-        tokens = picked.tolist()  # the step's one wait for the device
-        entries: list[LogprobEntry | None] = [None] * len(requests)
-        if logprobs is not None:  # one batched call for every row that reports logprobs
-            rows = [row for row, p in enumerate(params) if p.tracks_logprobs]
-            chosen = [tokens[row] for row in rows]
-            top_k = [params[row].logprobs or 0 for row in rows]
-            for row, entry in zip(rows, logprob_entries(logprobs[rows], chosen, top_k)):
-                entries[row] = entry
-        return [
-            SampleResult(token, None if entry is None else [entry])
-            for token, entry in zip(tokens, entries)
-        ]
+        return picked
 
 
 def logprob_entries(

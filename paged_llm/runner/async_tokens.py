@@ -1,0 +1,78 @@
+"""Async scheduling's device side: a step's sampled ids stay on the device, feed the next
+step's placeholder tokens there, and reach the host through a copy that does not wait for
+that next step (docs/architecture.md, "Async scheduling").
+
+The scheduler plans step N + 1 with a placeholder (core.request.PLACEHOLDER_TOKEN) for each
+token step N sampled. The runner builds N + 1's inputs as usual and then writes step N's
+sampled ids over the placeholders, on the device (``feed_placeholders``); step N's ids are
+read on the host once N + 1 is launched (``DeferredTokens.collect``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from paged_llm.core.request import Request
+from paged_llm.runner.sampler import SampleResult, has_constraints
+from paged_llm.utils.host import int_tensor
+
+
+def can_defer(requests: Sequence[Request]) -> bool:
+    """Whether these sampling requests' tokens may reach the host a step late: none needs its
+    outputs on the host to sample (logits processing, a grammar), reports logprobs, or
+    verifies drafts."""
+    return not any(
+        r.spec_token_ids or r.sampling_params.tracks_logprobs
+        or has_constraints(r, r.num_output_tokens)
+        for r in requests
+    )  # fmt: skip
+
+
+@dataclass
+class DeferredTokens:
+    """One step's sampled ids on their way to the host: ``requests[i]`` chose ``ids[i]``."""
+
+    requests: list[Request]
+    ids: torch.Tensor  # [N] int64 on the device: what the next step's placeholders read
+    rows: dict[str, int]  # request id -> its row of ids
+    host: torch.Tensor  # [N] int64 on the host (pinned on a GPU), filled by a non-blocking copy
+    copied: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
+
+    @classmethod
+    def start(cls, requests: list[Request], ids: torch.Tensor) -> DeferredTokens:
+        """Start the copy of ``ids`` to the host; it is queued before the next step's work."""
+        rows = {r.request_id: i for i, r in enumerate(requests)}
+        if ids.device.type != "cuda":
+            return cls(requests, ids, rows, ids, None)
+        host = ids.to("cpu", non_blocking=True)  # pinned: the copy does not block the host
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(requests, ids, rows, host, copied)
+
+    def collect(self) -> tuple[list[tuple[Request, int]], dict[str, SampleResult]]:
+        """Each request with its token, and the step's results by request id, once the copy
+        is done (it waits for the step that sampled them, not for the steps after it)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        chosen = list(zip(self.requests, self.host.tolist()))
+        return chosen, {r.request_id: SampleResult(t) for r, t in chosen}
+
+
+def feed_placeholders(
+    input_ids: torch.Tensor,  # [T'] the step's input ids on the device, its tokens first
+    placeholders: Sequence[tuple[int, str]],  # (token index, request id) of each placeholder
+    last: DeferredTokens | None,  # the step before's sampled ids
+) -> None:
+    """Write each placeholder's sampled id (from the step before, still on the device) into
+    the step's input ids."""
+    if not placeholders:
+        return
+    if last is None:
+        raise RuntimeError("a placeholder token was scheduled without the step that sampled it")
+    rows = [last.rows[rid] for _, rid in placeholders]
+    where = int_tensor([i for i, _ in placeholders] + rows).to(input_ids.device)
+    dst, src = where.split(len(placeholders))
+    input_ids[dst] = last.ids[src].to(input_ids.dtype)

@@ -1,0 +1,217 @@
+"""Async scheduling in the engine (``async_scheduling=True``): step N + 1 is planned and
+launched before step N's tokens reach the host; the runner feeds N's sampled ids into N + 1's
+placeholders on the device. Outputs must equal the synchronous engine's exactly (tokens, text,
+finish reasons, logprobs where asked), through stops found a step late, preemption, chunked
+prefill, prefix caching, steps that must sample on the host, aborts, and replayed graph
+buffers."""
+
+from __future__ import annotations
+
+import pytest
+from graph_replay import replay_graphs_eagerly
+
+from paged_llm import LLM, SamplingParams
+from paged_llm.config import EngineConfig
+from paged_llm.runner import async_tokens, model_runner
+from paged_llm.sampling_params import RequestOutputKind
+
+PROMPTS = ["def add(a, b):", "import os\n", "class A:", "for i in range(3):", "x = [1, 2"]
+KW = dict(block_size=4, cpu_kv_cache_gib=0.01, seed=0)
+
+
+@pytest.fixture
+def deferred_steps(monkeypatch):
+    """Counts the steps whose sampled ids were left on the device."""
+    count = {"steps": 0}
+    start = async_tokens.DeferredTokens.start.__func__
+
+    def counted(cls, requests, ids):
+        count["steps"] += 1
+        return start(cls, requests, ids)
+
+    monkeypatch.setattr(model_runner.DeferredTokens, "start", classmethod(counted))
+    return count
+
+
+def finals(outs):
+    """Each output's completions; offline request ids (which differ per LLM) left out."""
+    rows = []
+    for o in outs:
+        rid = None if o.request_id.startswith("offline") else o.request_id
+        rows.append((rid, [
+            (c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason,
+             None if c.cumulative_logprob is None else round(c.cumulative_logprob, 4))
+            for c in o.outputs
+        ]))  # fmt: skip
+    return rows
+
+
+def plain_params(stop_token: int | None = None) -> list[SamplingParams]:
+    """Greedy and seeded sampling, EOS allowed, a stop token, a stop string, lengths."""
+    stops = [stop_token] if stop_token is not None else []
+    return [
+        SamplingParams(temperature=0, max_tokens=24),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=stops),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=20),
+        SamplingParams(temperature=0, max_tokens=28, stop=["\n"]),
+        SamplingParams(temperature=1.0, seed=9, top_p=0.9, max_tokens=16, ignore_eos=True),
+    ]
+
+
+def test_plain_requests_run_deferred_and_equal_the_synchronous_engine(deferred_steps):
+    sync, pipelined = LLM("tiny", **KW), LLM("tiny", async_scheduling=True, **KW)
+    first = sync.generate(PROMPTS, plain_params(), use_tqdm=False)
+    stop = first[1].outputs[0].token_ids[5]  # a token request 1 meets mid-output: a stop
+    want = finals(sync.generate(PROMPTS, plain_params(stop), use_tqdm=False))
+    got = finals(pipelined.generate(PROMPTS, plain_params(stop), use_tqdm=False))
+    assert got == want
+    reasons = {c[3] for _, cs in want for c in cs}
+    assert want[1][1][0][4] == stop and reasons >= {"stop", "length"}
+    assert deferred_steps["steps"] > 20  # every decode step left its ids on the device
+    engine = pipelined.llm_engine
+    assert not engine.has_unfinished_requests() and engine.kv_usage() == 0
+
+
+def test_requests_that_sample_on_the_host_make_their_steps_synchronous(deferred_steps):
+    """Logprobs, penalties, n > 1 and min_tokens beside plain requests: the same outputs; the
+    steps without them still defer."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=14, logprobs=2),
+        SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=6),
+        SamplingParams(temperature=0, max_tokens=40, prompt_logprobs=1),
+    ]
+    want = LLM("tiny", **KW).generate(PROMPTS, params, use_tqdm=False)
+    got = LLM("tiny", async_scheduling=True, **KW).generate(PROMPTS, params, use_tqdm=False)
+    assert finals(got) == finals(want)
+    for g, w in zip(got, want):
+        assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs]
+        assert g.prompt_logprobs == w.prompt_logprobs
+    assert deferred_steps["steps"] > 0  # after the host-sampled requests finish
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"preemption_mode": "recompute"},
+        {"preemption_mode": "swap", "swap_space": 1.0},
+        {"enable_chunked_prefill": True, "max_num_batched_tokens": 6},
+        {"enable_prefix_caching": True, "enable_chunked_prefill": True,
+         "max_num_batched_tokens": 8},
+    ],
+    ids=["recompute", "swap", "chunked", "prefix_cache"],
+)  # fmt: skip
+def test_preemption_chunking_and_caching_keep_the_outputs(engine_args, deferred_steps):
+    """A 20-block pool for five requests of up to ~50 tokens: requests are preempted (and
+    swapped) while their last token is still on the device."""
+    kw = dict(KW, num_gpu_blocks_override=20, max_model_len=64, max_num_seqs=5, **engine_args)
+    prompts = PROMPTS * 2
+    params = [SamplingParams(temperature=0, max_tokens=36, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=30)] * 5  # fmt: skip
+    sync, pipelined = LLM("tiny", **kw), LLM("tiny", async_scheduling=True, **kw)
+    for _ in range(2):  # the second round finds the first's prefixes cached
+        want = finals(sync.generate(prompts, params, use_tqdm=False))
+        assert finals(pipelined.generate(prompts, params, use_tqdm=False)) == want
+    engine = pipelined.llm_engine
+    assert engine.scheduler.kv.num_free_blocks() == engine.num_kv_blocks
+    if "preemption_mode" in engine_args:
+        assert engine.scheduler.num_preemptions_total > 0
+    if engine_args.get("enable_prefix_caching"):
+        assert engine.scheduler.kv.prefix_hits > 0
+    assert deferred_steps["steps"] > 0
+
+
+def test_placeholders_are_fed_into_replayed_graph_buffers(tiny_llama, monkeypatch):
+    """Decode graphs and mixed-step graphs (their static buffers replayed eagerly): the fed
+    ids land in the graphs' input buffer, and the tokens equal the synchronous eager run's."""
+    prompts = [{"prompt_token_ids": [5, 9, 17, 33, 2 + i] * (i + 1)} for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 4, 9, 6)]
+    kw = dict(block_size=4, max_model_len=64, cpu_kv_cache_gib=0.01, max_num_seqs=4,
+              attention_backend="triton", dtype="float32")  # fmt: skip
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama[0]), **kw).generate(
+        prompts, params, use_tqdm=False)]  # fmt: skip
+    llm = LLM(str(tiny_llama[0]), async_scheduling=True, **kw)
+    replay_graphs_eagerly(llm, monkeypatch, [1, 2, 4], mixed_tokens=[16, 32, 48])
+    engine, got = llm.llm_engine, {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):  # one arrival per step: mixed steps
+        engine.add_request(str(i), p, sp)
+        got.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    while engine.has_unfinished_requests():
+        got.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert [got[str(i)] for i in range(4)] == want
+    kinds = engine.runner.forward_kinds
+    assert kinds["graph"] > 0 and kinds["graph_mixed"] > 0
+
+
+def test_an_abort_while_a_step_is_in_flight_harms_no_other_request():
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    results = {}
+    for name, llm in (("sync", LLM("tiny", **KW)),
+                      ("async", LLM("tiny", async_scheduling=True, **KW))):  # fmt: skip
+        engine = llm.llm_engine
+        engine.add_request("keep", "import sys", params)
+        engine.add_request("drop", "class B:", params)
+        engine.step()
+        engine.step()
+        engine.abort_request("drop")  # with async scheduling its step is still in flight
+        engine.add_request("drop", "class C:", params)  # the id again, for a new request
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        results[name] = sorted(finals(done))
+        assert engine.kv_usage() == 0
+    assert results["async"] == results["sync"]
+
+
+def test_streamed_deltas_are_the_same_one_step_later():
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    runs = []
+    for llm in (LLM("tiny", **KW), LLM("tiny", async_scheduling=True, **KW)):
+        engine = llm.llm_engine
+        engine.add_request("s", "def f(x):", params)
+        steps, ids = [], []
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            steps.append([(o.request_id, o.finished) for o in outs])
+            ids += [t for o in outs for t in o.outputs[0].token_ids]
+        runs.append((steps, ids))
+    (s_steps, s_ids), (a_steps, a_ids) = runs
+    assert a_ids == s_ids and len(s_ids) == 9
+    assert a_steps[0] == [] and a_steps[1:] == s_steps
+
+
+def test_step_n_tokens_reach_the_host_after_step_n_plus_1_is_launched(monkeypatch):
+    """The order that overlaps host and device: forward N + 1, then step N's copy is read."""
+    llm = LLM("tiny", async_scheduling=True, **KW)
+    events: list[str] = []
+    runner = llm.llm_engine.runner
+    forward = runner._forward
+    collect = async_tokens.DeferredTokens.collect
+
+    def spied_forward(out):
+        events.append("forward")
+        return forward(out)
+
+    def spied_collect(self):
+        events.append("collect")
+        return collect(self)
+
+    monkeypatch.setattr(runner, "_forward", spied_forward)
+    monkeypatch.setattr(async_tokens.DeferredTokens, "collect", spied_collect)
+    llm.generate(["x = 1"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
+    # 4 forwards; each step's ids are read after the next forward, the last step's after
+    # an empty one (the request's last token is pending, so nothing is scheduled)
+    assert events == ["forward"] + ["forward", "collect"] * 4
+
+
+def test_what_cannot_feed_from_the_device_is_refused():
+    with pytest.raises(ValueError, match="speculative decoding"):
+        spec = {"method": "ngram", "num_speculative_tokens": 2}
+        EngineConfig.from_kwargs(async_scheduling=True, speculative_config=spec)
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        EngineConfig.from_kwargs(async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="async_scheduling must be a bool"):
+        EngineConfig.from_kwargs(async_scheduling="yes")
