@@ -106,3 +106,23 @@ def test_host_step_bench_writes_each_kind(tmp_path):
         assert 0 < row["host_ms"] == pytest.approx(expected)
     with pytest.raises(SystemExit, match="unknown output kinds"):
         bench_host_step.main(["--kinds", "streaming", "--out", str(out)])
+
+
+def test_to_device_copies_through_pinned_memory_only_to_a_gpu(monkeypatch):
+    """On a GPU the step's inputs go through pinned memory, non-blocking (a pageable copy
+    waits for the stream: under async scheduling, for the previous step's forward); on the CPU
+    the tensor is used as it is."""
+    from paged_llm.utils.host import int_tensor, to_device
+
+    host = int_tensor([3, 1, 4])
+    assert to_device(host, torch.device("cpu")) is host and to_device(host, "cpu") is host
+    calls = []
+
+    class Pinned:
+        def to(self, device, non_blocking=False):
+            calls.append((str(device), non_blocking))
+            return "on device"
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: Pinned())
+    assert to_device(host, torch.device("cuda", 0)) == "on device"
+    assert calls == [("cuda:0", True)]

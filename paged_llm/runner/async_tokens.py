@@ -17,7 +17,7 @@ import torch
 
 from paged_llm.core.request import Request
 from paged_llm.runner.sampler import SampleResult, has_constraints
-from paged_llm.utils.host import int_tensor
+from paged_llm.utils.host import int_tensor, to_device
 
 
 def can_defer(requests: Sequence[Request]) -> bool:
@@ -73,6 +73,6 @@ def feed_placeholders(
     if last is None:
         raise RuntimeError("a placeholder token was scheduled without the step that sampled it")
     rows = [last.rows[rid] for _, rid in placeholders]
-    where = int_tensor([i for i, _ in placeholders] + rows).to(input_ids.device)
+    where = to_device(int_tensor([i for i, _ in placeholders] + rows), input_ids.device)
     dst, src = where.split(len(placeholders))
     input_ids[dst] = last.ids[src].to(input_ids.dtype)

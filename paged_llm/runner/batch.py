@@ -16,7 +16,7 @@ from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
 from paged_llm.core.scheduler import ScheduledRequest
 from paged_llm.outputs import LogprobEntry
 from paged_llm.runner.sampler import logprob_entries
-from paged_llm.utils.host import int_tensor
+from paged_llm.utils.host import int_tensor, to_device
 
 
 @dataclass
@@ -173,7 +173,7 @@ def to_step_inputs(
     meta = backend.build_metadata(
         batch.query_lens, batch.seq_lens, batch.block_tables, block_size, device
     )
-    input_ids, positions = int_tensor(batch.input_ids + batch.positions).to(device).chunk(2)
+    input_ids, positions = to_device(int_tensor(batch.input_ids + batch.positions), device).chunk(2)
     return StepInputs(input_ids=input_ids, positions=positions, attn_metadata=meta)
 
 

@@ -64,7 +64,7 @@ from paged_llm.attention.metadata import (
     slot_mapping,
 )
 from paged_llm.layers.attention import ForwardContext
-from paged_llm.utils.host import int_tensor
+from paged_llm.utils.host import int_tensor, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -397,7 +397,7 @@ class CudaGraphRunner:
         flat = [*padded.input_ids, *padded.positions, *padded.slot_mapping, *padded.seq_lens]
         starts = padded.query_start_loc or []
         staged = torch.cat([int_tensor(flat), padded.block_tables.view(-1), int_tensor(starts)])
-        staged = staged.to(self.device)
+        staged = to_device(staged, self.device)
         rows, w = padded.block_tables.shape
         ids, pos, slots, lens, tables, starts = staged.split([t, t, t, b, rows * w, len(starts)])
         self.input_ids[:t].copy_(ids)
@@ -439,7 +439,7 @@ class CudaGraphRunner:
         in_order = key[1] in (1, VARLEN)  # the batch's tokens lead, in its order
         index = None
         if not in_order or extra:
-            index = int_tensor(rows).to(self.device, non_blocking=True)
+            index = to_device(int_tensor(rows), self.device)
         for buffer, values in extra:
             buffer[index] = values.to(buffer.dtype)
         return len(rows), None if in_order else index

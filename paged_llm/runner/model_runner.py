@@ -41,7 +41,7 @@ from paged_llm.runner.sleep import (
     device_free_bytes,
     trim_host_heap,
 )
-from paged_llm.utils.host import int_tensor
+from paged_llm.utils.host import int_tensor, to_device
 
 logger = logging.getLogger(__name__)
 WAKE_MARGIN_BYTES = 256 * 2**20  # for the CUDA graphs captured again after waking
@@ -338,9 +338,9 @@ class ModelRunner:
             return None, None
         # Every host-to-device copy comes before the model is launched: a copy from pageable
         # memory waits for the stream, so one after the launch would wait for the whole
-        # forward (and leave nothing for async output processing to overlap). The host's
-        # list work comes before the first copy: with async scheduling that copy waits for
-        # the previous step's forward, and the device idles from then until the launch.
+        # forward (and leave nothing for async output processing to overlap). The step's
+        # own inputs go through pinned memory (utils.host.to_device), so under async
+        # scheduling they queue behind the previous step's forward instead of waiting for it.
         key = self.cuda_graphs.key_for(batch) if self.cuda_graphs is not None else None
         if key is not None:
             # "graph": a decode graph; "graph_q5": one of query stride 5 (k = 4 verifications)
@@ -381,7 +381,7 @@ class ModelRunner:
         logprob rows; [R + P]) and of the pooling rows, None where there are none."""
         rows = batch.sample_rows + batch.prompt_rows
         pool = [r for _, first, _, n, _ in batch.pool_spans for r in range(first, first + n)]
-        return tuple(int_tensor(r).to(self.device) if r else None for r in (rows, pool))  # type: ignore[return-value]
+        return tuple(to_device(int_tensor(r), self.device) if r else None for r in (rows, pool))  # type: ignore[return-value]
 
     def _count_forward(self, kind: str) -> None:
         self.forward_kinds[kind] += 1

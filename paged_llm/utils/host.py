@@ -18,6 +18,16 @@ def int_tensor(values: Sequence[int]) -> torch.Tensor:  # [len(values)] int64, o
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor's copy on ``device``, without the host waiting for the device's queue: on a
+    GPU through pinned memory and a non-blocking copy (a copy from pageable memory waits for
+    the stream, which under async scheduling is the previous step's whole forward; PyTorch's
+    pinned-memory cache keeps the source until the copy ran). The tensor itself on the CPU."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def padded_int_rows(rows: Sequence[Sequence[int]], width: int = 0) -> torch.Tensor:
     """Ragged rows of ints as one zero-padded CPU int64 tensor [len(rows), W], W the widest row
     or ``width`` if wider. Rows given as ``array.array("q")`` (``runner.batch.BlockTableRows``)
