@@ -56,6 +56,18 @@ def tiny_opt(tmp_path_factory):
     return path, save_tiny("opt", path)
 
 
+@pytest.fixture
+def quiet_preemption_warnings():
+    """Random runs preempt often; keep the scheduler's warnings out of the test log."""
+    import logging
+
+    log = logging.getLogger("paged_llm.core.scheduler")
+    old = log.level
+    log.setLevel(logging.ERROR)
+    yield
+    log.setLevel(old)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Materialise built-in presets into a per-session directory, never the user's cache."""

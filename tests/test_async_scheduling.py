@@ -6,8 +6,6 @@ caching, every policy, EOS and length stops, with no block leaked."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,13 +20,7 @@ from paged_llm.utils.registry import import_target
 EOS, VOCAB, MAX_LEN = 0, 7, 48
 
 
-@pytest.fixture(autouse=True)
-def _quiet_preemption_warnings():
-    log = logging.getLogger("paged_llm.core.scheduler")
-    old = log.level
-    log.setLevel(logging.ERROR)
-    yield
-    log.setLevel(old)
+pytestmark = pytest.mark.usefixtures("quiet_preemption_warnings")
 
 
 def next_token(seq: list[int]) -> int:

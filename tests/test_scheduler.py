@@ -1,8 +1,6 @@
 """Property tests of the scheduler over every policy: thousands of random add / step / abort
 sequences, checking the bookkeeping invariants after every operation."""
 
-import logging
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,14 +16,7 @@ EOS = 2
 MAX_LEN = 64
 
 
-@pytest.fixture(autouse=True)
-def _quiet_preemption_warnings():
-    """Thousands of random runs preempt often; keep their warnings out of the test log."""
-    log = logging.getLogger("paged_llm.core.scheduler")
-    old = log.level
-    log.setLevel(logging.ERROR)
-    yield
-    log.setLevel(old)
+pytestmark = pytest.mark.usefixtures("quiet_preemption_warnings")
 
 
 def make_scheduler(policy, mode="recompute", num_blocks=24, block_size=4, chunked=False, **kw):
