@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged_llm.utils.host import int_tensor, padded_int_rows
+from paged_llm.utils.host import int_tensor, padded_int_rows, to_device
 
 
 @dataclass
@@ -97,11 +97,11 @@ def build_attention_metadata(
     padded = padded_block_tables(block_tables)  # [B, max_blocks]
     max_blocks = padded.shape[1]
     starts = query_starts(query_lens)
-    # One host-to-device copy for all four (each copy from pageable memory waits for the
-    # stream), then int32 casts on the device.
+    # One host-to-device copy for all four, through pinned memory (a copy from pageable
+    # memory waits for the stream), then int32 casts on the device.
     flat = torch.cat([int_tensor(slots + starts + list(seq_lens)), padded.view(-1)])
     sizes = [len(slots), len(starts), len(seq_lens), padded.numel()]
-    slot_t, starts_t, lens_t, tables_t = flat.to(device).split(sizes)
+    slot_t, starts_t, lens_t, tables_t = to_device(flat, device).split(sizes)
     return AttentionMetadata(
         slot_mapping=slot_t,
         query_start_loc=starts_t.to(torch.int32),
