@@ -901,3 +901,27 @@ def test_return_token_ids_whole_and_streamed(server):
     assert ids == chat["choices"][0]["token_ids"]
     plain = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert "token_ids" not in plain.json()["choices"][0]  # only when asked for
+
+
+def test_async_scheduling_server_streams_the_same_tokens_and_frees_aborted_blocks(
+    chat_model_dir, client
+):
+    """``--async-scheduling``: streamed and whole completions equal the default server's, and
+    a client hanging up mid-stream (a step of its request in flight) frees every block."""
+    srv = start_server(chat_model_dir, "--async-scheduling")
+    try:
+        pipelined = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=60)  # fmt: skip
+        kw = dict(model=MODEL, prompt="import os\n", max_tokens=12, **greedy())
+        want = client.completions.create(**kw).choices[0].text
+        assert pipelined.completions.create(**kw).choices[0].text == want
+        chunks = list(pipelined.completions.create(stream=True, **kw))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        before = abort_count(srv)
+        body = {"prompt": "while True:", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data:"))
+        after = wait_idle(srv, timeout=30.0, aborts=before + 1)
+        assert after[f"vllm:kv_cache_usage_perc{LABEL}"] == 0
+    finally:
+        srv.stop()

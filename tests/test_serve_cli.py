@@ -54,6 +54,8 @@ def test_engine_features_pass_through():
     assert cfg.kv_transfer_config.kv_connector_extra_config == {"shared_storage_path": "/kv"}
     assert cfg.cache.kv_offloading_size == 2.5 and cfg.model.enable_sleep_mode
     assert cfg.model.quantization == "int8" and cfg.cache.kv_cache_dtype == "fp8_e4m3"
+    assert EngineConfig.from_kwargs(**kwargs_of("--async-scheduling")).scheduler.async_scheduling
+    assert not EngineConfig.from_kwargs(**kwargs_of()).scheduler.async_scheduling
     cfg = EngineConfig.from_kwargs(
         **kwargs_of("-tp", "2", "--enforce-eager", "--enable-expert-parallel")
     )

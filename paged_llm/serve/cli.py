@@ -110,6 +110,11 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["fcfs", "priority"],
         help="fcfs (default) or priority: requests' priority field, smaller first",
     )
+    eng.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="plan and launch step N + 1 while the GPU runs step N (same tokens)",
+    )
     eng.add_argument("--policy", help="KV allocation policy (paged, orca_max, ..., static)")
     eng.add_argument("--attention-backend", help="auto, torch, cpu, triton or contiguous")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
@@ -337,6 +342,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "preemption_mode": args.preemption_mode,
+        "async_scheduling": args.async_scheduling or None,
         "scheduling_policy": args.scheduling_policy,
         "policy": args.policy,
         "attention_backend": args.attention_backend,
