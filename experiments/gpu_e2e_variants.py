@@ -129,8 +129,12 @@ def run_variant(
         engine.step()
     phases = engine.core.plugins[-1]
     phases.reset()
+    deferred_before = engine.runner.deferred_steps
     ours = run_ours(engine, work, Deadline.after(run_s), output_kind)
     record["step_phases"] = phases.summary()
+    # async scheduling: the timed steps whose sampled ids stayed on the device (the rest
+    # sampled synchronously)
+    record["deferred_steps"] = engine.runner.deferred_steps - deferred_before
     record["host_probe_ms"] = {"before": probe, "after": host_probe_ms()}
     outputs = ours.pop("outputs")
     record.update(ours)

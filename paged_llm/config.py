@@ -139,7 +139,7 @@ class SchedulerConfig:
     # vLLM's async scheduling: plan and launch step N + 1 while the device runs step N; its
     # sampled ids feed N + 1's inputs on the device and reach the host a step later (also
     # making N's outputs then). Tokens are the same; a step that samples with logits
-    # processing, a grammar or logprobs waits for its tokens (docs/architecture.md)
+    # processing or a grammar waits for its tokens (docs/architecture.md)
     async_scheduling: bool = False
 
     def token_budget(self, max_model_len: int) -> int:

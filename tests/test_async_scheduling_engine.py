@@ -12,25 +12,11 @@ from graph_replay import replay_graphs_eagerly
 
 from paged_llm import LLM, SamplingParams
 from paged_llm.config import EngineConfig
-from paged_llm.runner import async_tokens, model_runner
+from paged_llm.runner import async_tokens
 from paged_llm.sampling_params import RequestOutputKind
 
 PROMPTS = ["def add(a, b):", "import os\n", "class A:", "for i in range(3):", "x = [1, 2"]
 KW = dict(block_size=4, cpu_kv_cache_gib=0.01, seed=0)
-
-
-@pytest.fixture
-def deferred_steps(monkeypatch):
-    """Counts the steps whose sampled ids were left on the device."""
-    count = {"steps": 0}
-    start = async_tokens.DeferredTokens.start.__func__
-
-    def counted(cls, requests, ids):
-        count["steps"] += 1
-        return start(cls, requests, ids)
-
-    monkeypatch.setattr(model_runner.DeferredTokens, "start", classmethod(counted))
-    return count
 
 
 def finals(outs):
@@ -58,7 +44,7 @@ def plain_params(stop_token: int | None = None) -> list[SamplingParams]:
     ]
 
 
-def test_plain_requests_run_deferred_and_equal_the_synchronous_engine(deferred_steps):
+def test_plain_requests_run_deferred_and_equal_the_synchronous_engine():
     sync, pipelined = LLM("tiny", **KW), LLM("tiny", async_scheduling=True, **KW)
     first = sync.generate(PROMPTS, plain_params(), use_tqdm=False)
     stop = first[1].outputs[0].token_ids[5]  # a token request 1 meets mid-output: a stop
@@ -67,12 +53,13 @@ def test_plain_requests_run_deferred_and_equal_the_synchronous_engine(deferred_s
     assert got == want
     reasons = {c[3] for _, cs in want for c in cs}
     assert want[1][1][0][4] == stop and reasons >= {"stop", "length"}
-    assert deferred_steps["steps"] > 20  # every decode step left its ids on the device
+    # every decode step left its ids on the device
+    assert pipelined.llm_engine.runner.deferred_steps > 20
     engine = pipelined.llm_engine
     assert not engine.has_unfinished_requests() and engine.kv_usage() == 0
 
 
-def test_requests_that_sample_on_the_host_make_their_steps_synchronous(deferred_steps):
+def test_requests_that_sample_on_the_host_make_their_steps_synchronous():
     """Logprobs, penalties, n > 1 and min_tokens beside plain requests: the same outputs; the
     steps without them still defer."""
     params = [
@@ -83,12 +70,13 @@ def test_requests_that_sample_on_the_host_make_their_steps_synchronous(deferred_
         SamplingParams(temperature=0, max_tokens=40, prompt_logprobs=1),
     ]
     want = LLM("tiny", **KW).generate(PROMPTS, params, use_tqdm=False)
-    got = LLM("tiny", async_scheduling=True, **KW).generate(PROMPTS, params, use_tqdm=False)
+    pipelined = LLM("tiny", async_scheduling=True, **KW)
+    got = pipelined.generate(PROMPTS, params, use_tqdm=False)
     assert finals(got) == finals(want)
     for g, w in zip(got, want):
         assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs]
         assert g.prompt_logprobs == w.prompt_logprobs
-    assert deferred_steps["steps"] > 0  # after the host-sampled requests finish
+    assert pipelined.llm_engine.runner.deferred_steps > 0  # once the host-sampled ones finish
 
 
 @pytest.mark.parametrize(
@@ -102,7 +90,7 @@ def test_requests_that_sample_on_the_host_make_their_steps_synchronous(deferred_
     ],
     ids=["recompute", "swap", "chunked", "prefix_cache"],
 )  # fmt: skip
-def test_preemption_chunking_and_caching_keep_the_outputs(engine_args, deferred_steps):
+def test_preemption_chunking_and_caching_keep_the_outputs(engine_args):
     """A 20-block pool for five requests of up to ~50 tokens: requests are preempted (and
     swapped) while their last token is still on the device."""
     kw = dict(KW, num_gpu_blocks_override=20, max_model_len=64, max_num_seqs=5, **engine_args)
@@ -119,7 +107,7 @@ def test_preemption_chunking_and_caching_keep_the_outputs(engine_args, deferred_
         assert engine.scheduler.num_preemptions_total > 0
     if engine_args.get("enable_prefix_caching"):
         assert engine.scheduler.kv.prefix_hits > 0
-    assert deferred_steps["steps"] > 0
+    assert engine.runner.deferred_steps > 0
 
 
 def test_placeholders_are_fed_into_replayed_graph_buffers(tiny_llama, monkeypatch):
@@ -215,3 +203,42 @@ def test_what_cannot_feed_from_the_device_is_refused():
         EngineConfig.from_kwargs(async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="async_scheduling must be a bool"):
         EngineConfig.from_kwargs(async_scheduling="yes")
+
+
+@pytest.mark.parametrize("overlap", ["async_scheduling", "async_output_proc"])
+def test_aborting_every_request_leaves_the_engine_idle_at_once(overlap):
+    """The step in flight is taken when the last request is aborted: nothing unfinished, no
+    block held, and the next request runs as on a fresh engine."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM("tiny", **KW).generate(["class C:"], params, use_tqdm=False)[0].outputs[0]
+    engine = LLM("tiny", **{overlap: True}, **KW).llm_engine
+    engine.add_request("a", "import sys", params)
+    engine.add_request("b", "def g():", params)
+    engine.step()
+    engine.step()
+    engine.abort_request(["a", "b"])
+    assert not engine.has_unfinished_requests() and engine.kv_usage() == 0
+    engine.add_request("c", "class C:", params)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.outputs[0].token_ids for o in done] == [want.token_ids]
+
+
+def test_logprobs_come_to_the_host_with_the_deferred_ids():
+    """Sampled tokens' logprobs (top 0, 2, 5; seeded sampling; best_of ranking) are computed on
+    the device and copied with the ids: the same values as the synchronous engine's, and the
+    steps still defer."""
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=k)
+              for k in (0, 2, 5)] + [
+        SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=1.0, seed=2, n=2, best_of=3, max_tokens=6, ignore_eos=True),
+    ]  # fmt: skip
+    want = LLM("tiny", **KW).generate(PROMPTS, params, use_tqdm=False)
+    pipelined = LLM("tiny", async_scheduling=True, **KW)
+    got = pipelined.generate(PROMPTS, params, use_tqdm=False)
+    assert finals(got) == finals(want)
+    for g, w in zip(got, want):
+        assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs]
+    assert any(c.logprobs and len(c.logprobs[0]) > 1 for o in got for c in o.outputs)
+    assert pipelined.llm_engine.runner.deferred_steps >= 8

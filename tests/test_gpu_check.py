@@ -398,6 +398,10 @@ def test_e2e_variants_smoke_writes_each_variant(tmp_path):
         assert all(row["host_probe_ms"][k] > 0 for k in ("before", "after"))
         if name != "decode_graphs":  # the same greedy tokens as the first variant
             assert row["same_tokens_as_first"] == 1.0
+        if name == "mixed_graphs_async_sched":  # its decode steps left their ids on the device
+            assert row["deferred_steps"] > 0
+        else:
+            assert row["deferred_steps"] == 0
     with pytest.raises(SystemExit):
         gpu_e2e_variants.main(["--smoke", "--variants", "nope", "--out", str(tmp_path)])
 
@@ -447,13 +451,17 @@ def test_run_ours_counts_only_tokens_on_the_host_under_async_scheduling(tiny_lla
     pipelined = run_ours(engine(async_scheduling=True), work, Deadline.after(60))
     assert pipelined["outputs"] == sync["outputs"] and pipelined["generated_tokens"] == 17
 
-    def after(steps):  # a deadline that passes after ``steps`` steps
-        calls = iter(range(steps + 1))
-        return type("Cut", (), {"left": lambda self: 1.0 if next(calls, steps) < steps else 0.0})()
+    class After:  # a deadline that passes after ``steps`` steps
+        def __init__(self, steps):
+            self.steps = steps
 
-    cut = run_ours(engine(async_scheduling=True), work, after(3))
+        def left(self):
+            self.steps -= 1
+            return 1.0 if self.steps >= 0 else 0.0
+
+    pipelined_engine = engine(async_scheduling=True)
+    cut = run_ours(pipelined_engine, work, After(3))
+    assert not pipelined_engine.has_unfinished_requests()  # the step in flight was taken
+    two_steps = run_ours(engine(), work, After(2))
     # three calls launched three steps; the third's tokens were still on the device
-    assert (
-        cut["partial"]
-        and cut["generated_tokens"] == run_ours(engine(), work, after(2))["generated_tokens"] == 4
-    )
+    assert cut["partial"] and cut["generated_tokens"] == two_steps["generated_tokens"] == 4

@@ -201,11 +201,20 @@ class LLMEngine:
         """Abort one or more requests (all their samples) and free their blocks."""
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
             self._release(rid, abort=True)
+        if self._pending is not None and not self.has_live_requests():
+            # nothing is left to report: take the step in flight (async scheduling: wait for
+            # its ids) so the engine is idle now, not one more step() later
+            pending, self._pending = self._pending, None
+            self.core.resolve(pending)
+
+    def has_live_requests(self) -> bool:
+        """True while a user request is unfinished or the scheduler holds a sequence."""
+        return bool(self.outputs.groups) or self.scheduler.has_unfinished()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting, running or swapped, or its outputs are pending."""
         pending = self._pending is not None  # async_output_proc: a step's outputs still to make
-        return bool(self.outputs.groups) or self.scheduler.has_unfinished() or pending
+        return self.has_live_requests() or pending
 
     def get_num_unfinished_requests(self) -> int:
         """Number of user requests not yet finished."""

@@ -11,54 +11,80 @@ read on the host once N + 1 is launched (``DeferredTokens.collect``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from paged_llm.core.request import Request
-from paged_llm.runner.sampler import SampleResult, has_constraints
+from paged_llm.outputs import LogprobEntry
+from paged_llm.runner.sampler import (
+    SampleResult,
+    has_constraints,
+    logprob_rows,
+    pack_logprobs,
+    unpack_logprobs,
+)
 from paged_llm.utils.host import int_tensor, to_device
 
 
 def can_defer(requests: Sequence[Request]) -> bool:
     """Whether these sampling requests' tokens may reach the host a step late: none needs its
-    outputs on the host to sample (logits processing, a grammar), reports logprobs, or
-    verifies drafts."""
-    return not any(
-        r.spec_token_ids or r.sampling_params.tracks_logprobs
-        or has_constraints(r, r.num_output_tokens)
-        for r in requests
-    )  # fmt: skip
+    outputs on the host to sample (logits processing, a grammar) or verifies drafts."""
+    return not any(r.spec_token_ids or has_constraints(r, r.num_output_tokens) for r in requests)
 
 
 @dataclass
 class DeferredTokens:
-    """One step's sampled ids on their way to the host: ``requests[i]`` chose ``ids[i]``."""
+    """One step's sampled ids (and the logprobs asked for) on their way to the host:
+    ``requests[i]`` chose ``ids[i]``."""
 
     requests: list[Request]
     ids: torch.Tensor  # [N] int64 on the device: what the next step's placeholders read
     rows: dict[str, int]  # request id -> its row of ids
     host: torch.Tensor  # [N] int64 on the host (pinned on a GPU), filled by a non-blocking copy
-    copied: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
+    copied: torch.cuda.Event | None  # recorded after the copies (None on the CPU)
+    # the rows that report logprobs, the top-k of each, and sampler.pack_logprobs' values of
+    # those rows on the host (copied with the ids)
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_ks: list[int] = field(default_factory=list)
+    logprobs_host: torch.Tensor | None = None
 
     @classmethod
-    def start(cls, requests: list[Request], ids: torch.Tensor) -> DeferredTokens:
-        """Start the copy of ``ids`` to the host; it is queued before the next step's work."""
+    def start(
+        cls, requests: list[Request], ids: torch.Tensor, logits: torch.Tensor
+    ) -> DeferredTokens:
+        """Pack the logprobs asked for from ``logits`` [N, V] (float32, as sampled) and start
+        the copies to the host; they are queued before the next step's work."""
         rows = {r.request_id: i for i, r in enumerate(requests)}
+        lp_rows, ks = logprob_rows([r.sampling_params for r in requests])
+        packed = None
+        if lp_rows:  # the sampled ids index the rows on the device: nothing from the host
+            index = to_device(int_tensor(lp_rows), ids.device)
+            packed = pack_logprobs(logits[index].log_softmax(-1), ids[index], max(ks))
         if ids.device.type != "cuda":
-            return cls(requests, ids, rows, ids, None)
+            return cls(requests, ids, rows, ids, None, lp_rows, ks, packed)
         host = ids.to("cpu", non_blocking=True)  # pinned: the copy does not block the host
+        packed = packed.to("cpu", non_blocking=True) if packed is not None else None
         copied = torch.cuda.Event()
         copied.record()
-        return cls(requests, ids, rows, host, copied)
+        return cls(requests, ids, rows, host, copied, lp_rows, ks, packed)
 
     def collect(self) -> tuple[list[tuple[Request, int]], dict[str, SampleResult]]:
         """Each request with its token, and the step's results by request id, once the copy
         is done (it waits for the step that sampled them, not for the steps after it)."""
         if self.copied is not None:
             self.copied.synchronize()
-        chosen = list(zip(self.requests, self.host.tolist()))
-        return chosen, {r.request_id: SampleResult(t) for r, t in chosen}
+        tokens = self.host.tolist()
+        entries: dict[int, LogprobEntry] = {}
+        if self.logprobs_host is not None:
+            chosen = [tokens[row] for row in self.logprob_rows]
+            unpacked = unpack_logprobs(self.logprobs_host.tolist(), chosen, self.logprob_ks)
+            entries = dict(zip(self.logprob_rows, unpacked))
+        results = {
+            r.request_id: SampleResult(t, [entries[i]] if i in entries else None)
+            for i, (r, t) in enumerate(zip(self.requests, tokens))
+        }
+        return list(zip(self.requests, tokens)), results
 
 
 def feed_placeholders(

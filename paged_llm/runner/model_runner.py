@@ -105,6 +105,7 @@ class ModelRunner:
         # async scheduling: the last step's sampled ids, if it left them on the device (the
         # next step's placeholder tokens read them there)
         self.last_sampled: DeferredTokens | None = None
+        self.deferred_steps = 0  # steps whose ids it left on the device (benchmarks read it)
         self.kv_spec = kv_spec or KVCacheSpec(dtype)
         self.kv_caches: KVCaches = []
         self.cpu_caches: KVCaches = []
@@ -424,8 +425,10 @@ class ModelRunner:
         logits = logits[:num_sample_rows]
         requests = [s.request for s in sampling]
         if defer and requests and can_defer(requests):
-            ids = self.sampler.sample_ids(logits.float(), requests)
-            self.last_sampled = DeferredTokens.start(requests, ids)
+            logits = logits.float()
+            ids = self.sampler.sample_ids(logits, requests)
+            self.last_sampled = DeferredTokens.start(requests, ids, logits)
+            self.deferred_steps += 1
             return {}, prompt, pooled, self.last_sampled
         return self._sample(logits, sampling, batch, draft_probs), prompt, pooled, None
 

@@ -242,9 +242,8 @@ class Sampler:
             return [SampleResult(token) for token in tokens]
         logprobs = logits.log_softmax(-1)
         entries: list[LogprobEntry | None] = [None] * len(requests)
-        rows = [row for row, p in enumerate(params) if p.tracks_logprobs]  # one batched call
+        rows, top_k = logprob_rows(params)  # one batched call for them all
         chosen = [tokens[row] for row in rows]
-        top_k = [params[row].logprobs or 0 for row in rows]
         for row, entry in zip(rows, logprob_entries(logprobs[rows], chosen, top_k)):
             entries[row] = entry
         return [
@@ -278,6 +277,12 @@ class Sampler:
         return picked
 
 
+def logprob_rows(params: Sequence[SamplingParams]) -> tuple[list[int], list[int]]:
+    """The rows whose sampled token's logprob is reported, and the top-k each asks for."""
+    rows = [row for row, p in enumerate(params) if p.tracks_logprobs]
+    return rows, [params[row].logprobs or 0 for row in rows]
+
+
 def logprob_entries(
     logprobs: torch.Tensor,  # [N, V] log-probabilities
     tokens: Sequence[int],  # [N]: the token each row chose (or scores)
@@ -287,16 +292,33 @@ def logprob_entries(
     each with its rank in the row (1 = most likely; the number of strictly likelier tokens
     plus one, as vLLM counts)."""
     ks = [top_k] * len(tokens) if isinstance(top_k, int) else list(top_k)
-    n, most = len(tokens), max(ks, default=0)
     # the token ids go over without waiting for the stream; everything comes back in one copy
     index = int_tensor(list(tokens)).to(logprobs.device, non_blocking=True)
-    chosen_t = logprobs[torch.arange(n, device=logprobs.device), index]  # [N]
-    ranks_t = (logprobs > chosen_t[:, None]).sum(-1) + 1  # [N]
-    parts = [chosen_t.double(), ranks_t.double()]  # doubles hold float32s and token ids exactly
+    packed = pack_logprobs(logprobs, index, max(ks, default=0))
+    return unpack_logprobs(packed.cpu().tolist(), list(tokens), ks)
+
+
+def pack_logprobs(
+    logprobs: torch.Tensor,  # [N, V] log-probabilities
+    tokens: torch.Tensor,  # [N] int64 on their device: the token each row chose
+    most: int,  # the largest top-k asked for
+) -> torch.Tensor:  # [N * (2 + 2 * most)] float64, on the device
+    """``logprob_entries``' device half: each row's chosen logprob and rank, then its ``most``
+    largest logprobs and their ids, in one tensor (doubles hold float32s and ids exactly), so
+    one copy brings them to the host (async scheduling makes it with the sampled ids)."""
+    n = logprobs.shape[0]
+    chosen = logprobs[torch.arange(n, device=logprobs.device), tokens]  # [N]
+    ranks = (logprobs > chosen[:, None]).sum(-1) + 1  # [N]
+    parts = [chosen.double(), ranks.double()]
     if most > 0:
         top = torch.topk(logprobs, most)  # [N, most]
         parts += [top.values.double().flatten(), top.indices.double().flatten()]
-    host = torch.cat(parts).cpu().tolist()
+    return torch.cat(parts)
+
+
+def unpack_logprobs(host: list[float], tokens: list[int], ks: list[int]) -> list[LogprobEntry]:
+    """``logprob_entries``' host half: the entries from ``pack_logprobs``' values."""
+    n, most = len(tokens), max(ks, default=0)
     chosen, ranks = host[:n], [int(r) for r in host[n : 2 * n]]
     entries = [{t: Logprob(lp, rank)} for t, lp, rank in zip(tokens, chosen, ranks)]
     if most > 0:
