@@ -32,6 +32,19 @@ def finals(outs):
     return rows
 
 
+def same_outputs_both_ways(params: list[SamplingParams]) -> tuple[list, LLM]:
+    """Generate PROMPTS synchronously and with async scheduling; check the outputs (tokens,
+    text, finishes, logprobs, prompt logprobs) are equal; the async outputs and engine."""
+    want = LLM("tiny", **KW).generate(PROMPTS, params, use_tqdm=False)
+    pipelined = LLM("tiny", async_scheduling=True, **KW)
+    got = pipelined.generate(PROMPTS, params, use_tqdm=False)
+    assert finals(got) == finals(want)
+    for g, w in zip(got, want):
+        assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs]
+        assert g.prompt_logprobs == w.prompt_logprobs
+    return got, pipelined
+
+
 def plain_params(stop_token: int | None = None) -> list[SamplingParams]:
     """Greedy and seeded sampling, EOS allowed, a stop token, a stop string, lengths."""
     stops = [stop_token] if stop_token is not None else []
@@ -69,13 +82,8 @@ def test_requests_that_sample_on_the_host_make_their_steps_synchronous():
         SamplingParams(temperature=0, max_tokens=40, min_tokens=6),
         SamplingParams(temperature=0, max_tokens=40, prompt_logprobs=1),
     ]
-    want = LLM("tiny", **KW).generate(PROMPTS, params, use_tqdm=False)
-    pipelined = LLM("tiny", async_scheduling=True, **KW)
-    got = pipelined.generate(PROMPTS, params, use_tqdm=False)
-    assert finals(got) == finals(want)
-    for g, w in zip(got, want):
-        assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs]
-        assert g.prompt_logprobs == w.prompt_logprobs
+    got, pipelined = same_outputs_both_ways(params)
+    assert all(o.prompt_logprobs is not None for o in got[4:])
     assert pipelined.llm_engine.runner.deferred_steps > 0  # once the host-sampled ones finish
 
 
@@ -234,11 +242,6 @@ def test_logprobs_come_to_the_host_with_the_deferred_ids():
         SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True, logprobs=1),
         SamplingParams(temperature=1.0, seed=2, n=2, best_of=3, max_tokens=6, ignore_eos=True),
     ]  # fmt: skip
-    want = LLM("tiny", **KW).generate(PROMPTS, params, use_tqdm=False)
-    pipelined = LLM("tiny", async_scheduling=True, **KW)
-    got = pipelined.generate(PROMPTS, params, use_tqdm=False)
-    assert finals(got) == finals(want)
-    for g, w in zip(got, want):
-        assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs]
+    got, pipelined = same_outputs_both_ways(params)
     assert any(c.logprobs and len(c.logprobs[0]) > 1 for o in got for c in o.outputs)
     assert pipelined.llm_engine.runner.deferred_steps >= 8
