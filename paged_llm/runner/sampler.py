@@ -19,7 +19,7 @@ from paged_llm.runner.logits_processors import (
     process_logits,
 )
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.utils.host import int_tensor
+from paged_llm.utils.host import int_tensor, to_device
 
 
 @dataclass
@@ -134,13 +134,15 @@ def _keep_top(
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distributions sampling draws from: row i of logits [R, V] (float32, on any device)
     scaled by params[i].temperature and masked by its top_k / top_p / min_p, then softmaxed."""
-    dev = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=dev)[:, None]
     vocab = logits.shape[-1]  # a top_k of the vocabulary or more keeps every token
-    top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.long, device=dev)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-    return mask_rows(logits / temperature, top_k, top_p, min_p).softmax(-1)
+    # one copy for the four settings (doubles hold each float32 setting and every top_k)
+    settings = torch.tensor(
+        [[p.temperature, min(p.top_k, vocab), p.top_p, p.min_p] for p in params],
+        dtype=torch.float64,
+    )  # [R, 4]
+    temperature, top_k, top_p, min_p = to_device(settings, logits.device).unbind(1)
+    return mask_rows(logits / temperature.float()[:, None], top_k.long(), top_p.float(),
+                     min_p.float()).softmax(-1)  # fmt: skip
 
 
 class Sampler:
@@ -272,7 +274,7 @@ class Sampler:
                 gen = self._generator(requests[row].request_id, params[row], probs.device)
                 noise[i].exponential_(generator=gen)
             noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 would make a banned 0 / 0 NaN
-            drawn_rows = int_tensor(drawn).to(picked.device, non_blocking=True)
+            drawn_rows = to_device(int_tensor(drawn), picked.device)
             picked[drawn_rows] = (probs / noise).argmax(-1)
         return picked
 
@@ -293,7 +295,7 @@ def logprob_entries(
     plus one, as vLLM counts)."""
     ks = [top_k] * len(tokens) if isinstance(top_k, int) else list(top_k)
     # the token ids go over without waiting for the stream; everything comes back in one copy
-    index = int_tensor(list(tokens)).to(logprobs.device, non_blocking=True)
+    index = to_device(int_tensor(list(tokens)), logprobs.device)
     packed = pack_logprobs(logprobs, index, max(ks, default=0))
     return unpack_logprobs(packed.cpu().tolist(), list(tokens), ks)
 
