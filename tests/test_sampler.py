@@ -27,6 +27,7 @@ def logits_rows(seed: int, rows: int, vocab: int) -> torch.Tensor:
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("may_wait", [True, False])  # False: nucleus rows sorted whole
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     seed=st.integers(0, 10**6),
@@ -42,14 +43,12 @@ def logits_rows(seed: int, rows: int, vocab: int) -> torch.Tensor:
         max_size=8,
     ),
 )
-def test_mask_rows_equals_the_per_row_reference(seed, vocab, candidates, settings_):
+def test_mask_rows_equals_the_per_row_reference(seed, vocab, candidates, settings_, may_wait):
     logits = logits_rows(seed, len(settings_), vocab)
-    top_k = torch.tensor([k for k, _, _ in settings_])
-    top_p = torch.tensor([p for _, p, _ in settings_])
-    min_p = torch.tensor([m for _, _, m in settings_])
+    top_k, top_p, min_p = (list(column) for column in zip(*settings_))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sampler, "NUCLEUS_CANDIDATES", candidates)
-        got = mask_rows(logits, top_k, top_p, min_p)
+        got = mask_rows(logits, top_k, top_p, min_p, may_wait)
     for row, (k, p, m) in zip(range(len(settings_)), settings_):
         want = apply_top_k_top_p_min_p(logits[row], k, p, m)
         assert torch.equal(got[row] == float("-inf"), want == float("-inf")), (k, p, m)
@@ -63,7 +62,7 @@ def test_a_peaked_nucleus_is_found_among_the_candidates(monkeypatch):
     logits = logits_rows(0, 8, 5000)[2::4]  # the two peaked rows (slope 3)
     calls, topk = [], torch.topk
     monkeypatch.setattr(torch, "topk", lambda x, k: calls.append(k) or topk(x, k))
-    keep = mask_rows(logits, torch.tensor([-1, -1]), torch.tensor([0.9, 0.9]), torch.zeros(2))
+    keep = mask_rows(logits, [-1, -1], [0.9, 0.9], [0.0, 0.0])
     assert calls == [sampler.NUCLEUS_CANDIDATES]
     for row, got in zip(logits, keep):
         want = apply_top_k_top_p_min_p(row, -1, 0.9, 0.0)
@@ -124,3 +123,37 @@ def test_random_sampling_stays_on_the_logits_device(monkeypatch):
     assert [r.token_id for r in results[1:3]] == [r.token_id for r in results[4:6]]  # same seeds
     alone = Sampler(seed=1)(logits[1:3].clone(), requests[1:3])  # other rows, other engine seed
     assert [r.token_id for r in alone] == [r.token_id for r in results[1:3]]
+
+
+# settings mixes of a batch: greedy, temperature only, top-k, top-p, min-p, with logprobs
+NO_WAIT_BATCHES = {
+    "temperature": [{"temperature": 0.8}],
+    "greedy_and_temperature": [{"temperature": 0.0}, {"temperature": 1.3}],
+    "top_k": [{"top_k": 50}, {"top_k": 900}],
+    "top_p": [{"top_p": 0.9}, {"top_p": 0.5, "top_k": 20}, {"temperature": 0.0}],
+    "min_p": [{"min_p": 0.1}, {"temperature": 0.7}],
+    "logprobs": [{"top_p": 0.95, "logprobs": 3}, {"temperature": 0.0, "logprobs": 0}],
+}
+
+
+@pytest.mark.parametrize("batch", NO_WAIT_BATCHES.values(), ids=NO_WAIT_BATCHES)
+def test_sampling_that_may_not_wait_reads_nothing_from_the_device(monkeypatch, batch):
+    """Async scheduling samples step N + 1 while its forward runs: a read of a device value
+    (``bool(t.any())``, ``.item()``, a ``nonzero``) would stall the host for that whole forward
+    on a GPU. Tensors on the meta device have no values, so any such read fails there."""
+    from paged_llm.core.request import Request
+    from paged_llm.runner.async_tokens import DeferredTokens
+    from paged_llm.runner.sampler import Sampler
+    from paged_llm.sampling_params import SamplingParams
+
+    vocab = 1000  # wide enough for the candidates path (2 * 256 < vocab)
+    requests = [Request(f"r{i}", [1, 2], SamplingParams(**kw)) for i, kw in enumerate(batch * 2)]
+    s = Sampler()
+    monkeypatch.setattr(s, "_generator", lambda *args: None)  # the meta device has no generator
+    logits = torch.empty(len(requests), vocab, device="meta")
+    ids = s.sample_ids(logits, requests, may_wait=False)
+    assert ids.shape == (len(requests),) and ids.device.type == "meta"
+    DeferredTokens.start(requests, ids, logits)  # the logprobs packed for the same copy
+    if any(r.sampling_params.top_p < 1.0 for r in requests):  # the check above does detect
+        with pytest.raises(RuntimeError, match="meta"):  # the wait for the candidates' check
+            s.sample_ids(logits, requests, may_wait=True)

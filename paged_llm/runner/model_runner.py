@@ -426,7 +426,9 @@ class ModelRunner:
         requests = [s.request for s in sampling]
         if defer and requests and can_defer(requests):
             logits = logits.float()
-            ids = self.sampler.sample_ids(logits, requests)
+            # a CPU computes as the host asks, so waiting on it costs nothing (and its
+            # top-p path that may wait is the faster one)
+            ids = self.sampler.sample_ids(logits, requests, may_wait=logits.device.type == "cpu")
             self.last_sampled = DeferredTokens.start(requests, ids, logits)
             self.deferred_steps += 1
             return {}, prompt, pooled, self.last_sampled

@@ -69,31 +69,44 @@ NUCLEUS_CANDIDATES = 256
 
 def mask_rows(
     logits: torch.Tensor,  # [R, V] temperature-scaled logits
-    top_k: torch.Tensor,  # [R] int64; 0, -1 or >= V: no limit
-    top_p: torch.Tensor,  # [R] float32; 1: no limit
-    min_p: torch.Tensor,  # [R] float32; 0: no limit
+    top_k: Sequence[int],  # [R]; 0, -1 or >= V: no limit
+    top_p: Sequence[float],  # [R]; 1: no limit
+    min_p: Sequence[float],  # [R]; 0: no limit
+    may_wait: bool = True,
 ) -> torch.Tensor:
-    """``apply_top_k_top_p_min_p`` for many rows at once, each with its own settings."""
+    """``apply_top_k_top_p_min_p`` for many rows at once, each with its own settings.
+
+    Every path is chosen from the host's settings, so nothing waits for the device, except
+    the check that each nucleus lay among its row's candidates. Without ``may_wait`` (async
+    scheduling on a GPU, where such a wait would stall the host for the whole forward) rows
+    with a top_p are sorted whole instead, as vLLM's PyTorch sampler always does: more device
+    work, no wait."""
     vocab = logits.shape[-1]
-    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    need = (k < vocab) | (top_p < 1.0)
-    if bool(need.any()):
-        every = bool(need.all())  # usually: one setting for the whole batch
-        rows = need.nonzero().squeeze(1)
-        kk, pp, sub = (k, top_p, logits) if every else (k[rows], top_p[rows], logits[rows])
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    rows = [i for i, (k, p) in enumerate(zip(ks, top_p)) if k < vocab or p < 1.0]
+    if rows:
         # candidates per row: its top-k limit, else enough for a nucleus (a nucleus lies
-        # within the row's top k)
-        nucleus_width = torch.where(pp < 1.0, NUCLEUS_CANDIDATES, 0)
-        width = int(torch.where(kk < vocab, kk, nucleus_width).max())
-        if 2 * width > vocab:  # candidates are most of the row anyway: sort whole rows at once
+        # within the row's top k, unless logits tie with its k-th: bfloat16 logits often do)
+        nucleus = any(top_p[i] < 1.0 for i in rows)
+        width = max(ks[i] if ks[i] < vocab else NUCLEUS_CANDIDATES * (top_p[i] < 1.0)
+                    for i in rows)  # fmt: skip
+        if 2 * width > vocab or (nucleus and not may_wait):  # sort whole rows at once
             width = vocab
-        masked, wide = _keep_top(sub, kk, pp, width)
-        if bool(wide.any()):  # nuclei wider than the candidates: sort those rows whole
-            masked[wide] = _keep_top(sub[wide], kk[wide], pp[wide], vocab)[0]
-        logits = masked if every else logits.index_put((rows,), masked)
-    if bool((min_p > 0.0).any()):
+        every = len(rows) == len(ks)  # usually: one setting for the whole batch
+        kk, pp = to_device(
+            torch.tensor([[ks[i], top_p[i]] for i in rows], dtype=torch.float64), logits.device
+        ).unbind(1)  # doubles hold every k and float32 top_p exactly
+        kk, pp = kk.long(), pp.float()
+        index = None if every else to_device(int_tensor(rows), logits.device)
+        sub = logits if index is None else logits[index]
+        masked, wide = _keep_top(sub, kk, pp, width, nucleus)
+        if width < vocab and nucleus and bool(wide.any()):  # wider nuclei: sort those rows
+            masked[wide] = _keep_top(sub[wide], kk[wide], pp[wide], vocab, True)[0]
+        logits = masked if index is None else logits.index_put((index,), masked)
+    if any(m > 0.0 for m in min_p):
+        floor = to_device(torch.tensor(min_p, dtype=torch.float64), logits.device).float()
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True),
+        logits = logits.masked_fill(probs < floor[:, None] * probs.amax(-1, keepdim=True),
                                     float("-inf"))  # fmt: skip
     return logits
 
@@ -103,6 +116,7 @@ def _keep_top(
     k: torch.Tensor,  # [R]: the top-k limit (V: none)
     top_p: torch.Tensor,  # [R]
     width: int,  # candidates per row: at least the largest limited k
+    any_nucleus: bool,  # whether some top_p < 1 (known on the host)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask each row to its k largest logits, then to its top-p nucleus among its ``width``
     most likely tokens; also say which rows' nuclei reach past them ([R] bool, to redo)."""
@@ -112,7 +126,7 @@ def _keep_top(
     kth = kth.masked_fill((k > width)[:, None], float("-inf"))  # limits past the width: none
     logits = logits.masked_fill(logits < kth, float("-inf"))
     nucleus = top_p < 1.0
-    if not bool(nucleus.any()):
+    if not any_nucleus:
         return logits, nucleus
     vals = vals.masked_fill(vals < kth, float("-inf"))
     if width == vocab:  # whole rows, as apply_top_k_top_p_min_p computes them
@@ -131,18 +145,15 @@ def _keep_top(
     return logits.masked_fill(~kept & nucleus[:, None], float("-inf")), wide
 
 
-def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], may_wait: bool = True
+) -> torch.Tensor:
     """The distributions sampling draws from: row i of logits [R, V] (float32, on any device)
-    scaled by params[i].temperature and masked by its top_k / top_p / min_p, then softmaxed."""
-    vocab = logits.shape[-1]  # a top_k of the vocabulary or more keeps every token
-    # one copy for the four settings (doubles hold each float32 setting and every top_k)
-    settings = torch.tensor(
-        [[p.temperature, min(p.top_k, vocab), p.top_p, p.min_p] for p in params],
-        dtype=torch.float64,
-    )  # [R, 4]
-    temperature, top_k, top_p, min_p = to_device(settings, logits.device).unbind(1)
-    return mask_rows(logits / temperature.float()[:, None], top_k.long(), top_p.float(),
-                     min_p.float()).softmax(-1)  # fmt: skip
+    scaled by params[i].temperature and masked by its top_k / top_p / min_p (``mask_rows``,
+    which says what ``may_wait`` changes), then softmaxed."""
+    temperature = to_device(torch.tensor([p.temperature for p in params]), logits.device)
+    top_k, top_p, min_p = ([getattr(p, s) for p in params] for s in ("top_k", "top_p", "min_p"))
+    return mask_rows(logits / temperature[:, None], top_k, top_p, min_p, may_wait).softmax(-1)
 
 
 class Sampler:
@@ -257,8 +268,11 @@ class Sampler:
         self,
         logits: torch.Tensor,  # [N, V] float32: row i is the next-token logits of requests[i]
         requests: Sequence[Request],
+        may_wait: bool = True,
     ) -> torch.Tensor:  # [N] int64, on the logits' device
-        """The chosen token of every row, left on the device (processing ``logits`` in place)."""
+        """The chosen token of every row, left on the device (processing ``logits`` in place).
+        Without ``may_wait`` rows without constraints are sampled without the host waiting for
+        the device (``mask_rows``)."""
         for row, req in enumerate(requests):  # most requests have no constraints: no row view
             if has_constraints(req, req.num_output_tokens):
                 process_request_rows(logits[row : row + 1], req, [req.output_token_ids])
@@ -266,7 +280,12 @@ class Sampler:
         picked = logits.argmax(-1)  # [N]: the greedy rows' tokens; the others are drawn
         drawn = [row for row, p in enumerate(params) if not p.greedy]
         if drawn:  # on the logits' device (no [N, V] copy to the host); a generator per request
-            probs = sampling_probs(logits[drawn], [params[row] for row in drawn])
+            # rows picked by a device index (a host list would be copied from pageable memory,
+            # which waits for the device), or none when every row is drawn
+            every = len(drawn) == len(requests)
+            index = None if every else to_device(int_tensor(drawn), logits.device)
+            probs = sampling_probs(logits if index is None else logits[index],
+                                   [params[row] for row in drawn], may_wait)  # fmt: skip
             # argmax of p / E with E ~ Exp(1) draws token i with probability p_i (as vLLM
             # samples); one fill per row from its generator, one argmax for the batch
             noise = torch.empty_like(probs)
@@ -274,8 +293,8 @@ class Sampler:
                 gen = self._generator(requests[row].request_id, params[row], probs.device)
                 noise[i].exponential_(generator=gen)
             noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 would make a banned 0 / 0 NaN
-            drawn_rows = to_device(int_tensor(drawn), picked.device)
-            picked[drawn_rows] = (probs / noise).argmax(-1)
+            chosen = (probs / noise).argmax(-1)
+            picked = chosen if index is None else picked.index_put((index,), chosen)
         return picked
 
 
