@@ -87,6 +87,36 @@ def test_requests_that_sample_on_the_host_make_their_steps_synchronous():
     assert pipelined.llm_engine.runner.deferred_steps > 0  # once the host-sampled ones finish
 
 
+def test_processing_that_needs_only_the_output_count_still_defers():
+    """min_tokens, logit_bias, allowed_token_ids and a one-token bad word read how many tokens
+    came out, not which: their steps leave the ids on the device (placeholders count as
+    outputs) and the outputs equal the synchronous engine's, also where min_tokens and the
+    whitelist conflict (the whitelist wins)."""
+    tok = LLM("tiny", **KW).get_tokenizer()
+    eos = tok.eos_token_id
+    word = next(w for w in ("x", "a", "e") if len(tok.encode(w, add_special_tokens=False)) == 1)
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=12),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=16, logit_bias={7: 5.0, eos: -50.0}),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=12, allowed_token_ids=[eos, 7, 9, 30]),
+        SamplingParams(temperature=0, max_tokens=16, bad_words=[word]),
+        SamplingParams(temperature=1, seed=5, max_tokens=8, min_tokens=4, allowed_token_ids=[eos]),
+    ]
+    got, pipelined = same_outputs_both_ways(params)
+    assert [len(o.outputs[0].token_ids) for o in got][4] == 4  # four EOS, then the stop
+    runner = pipelined.llm_engine.runner
+    assert runner.deferred_steps >= 15  # every decode step, all requests constrained
+    assert not async_tokens.can_defer(
+        [_request(SamplingParams(repetition_penalty=1.2)), _request(SamplingParams())]
+    )
+
+
+def _request(params: SamplingParams):
+    from paged_llm.core.request import Request
+
+    return Request("r", [1], params)
+
+
 @pytest.mark.parametrize(
     "engine_args",
     [

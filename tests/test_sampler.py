@@ -133,6 +133,15 @@ NO_WAIT_BATCHES = {
     "top_p": [{"top_p": 0.9}, {"top_p": 0.5, "top_k": 20}, {"temperature": 0.0}],
     "min_p": [{"min_p": 0.1}, {"temperature": 0.7}],
     "logprobs": [{"top_p": 0.95, "logprobs": 3}, {"temperature": 0.0, "logprobs": 0}],
+    # logits processing that needs only the count of outputs (async scheduling defers it)
+    "min_tokens_and_bias": [
+        {"min_tokens": 5, "stop_token_ids": [3]},
+        {"logit_bias": {5: 2.0, 9: -100.0}, "temperature": 0.7},
+    ],
+    "allowed_and_bad_words": [
+        {"allowed_token_ids": [2, 3], "min_tokens": 4, "top_p": 0.8},
+        {"bad_words": ["x"], "temperature": 0.0},
+    ],
 }
 
 
@@ -143,17 +152,66 @@ def test_sampling_that_may_not_wait_reads_nothing_from_the_device(monkeypatch, b
     on a GPU. Tensors on the meta device have no values, so any such read fails there."""
     from paged_llm.core.request import Request
     from paged_llm.runner.async_tokens import DeferredTokens
-    from paged_llm.runner.sampler import Sampler
+    from paged_llm.runner.sampler import Sampler, has_constraints
     from paged_llm.sampling_params import SamplingParams
 
     vocab = 1000  # wide enough for the candidates path (2 * 256 < vocab)
-    requests = [Request(f"r{i}", [1, 2], SamplingParams(**kw)) for i, kw in enumerate(batch * 2)]
+    requests = [Request(f"r{i}", [1, 2], SamplingParams(**kw), eos_token_id=2,
+                        bad_words_token_ids=[[7]] if kw.get("bad_words") else [])
+                for i, kw in enumerate(batch * 2)]  # fmt: skip
     s = Sampler()
     monkeypatch.setattr(s, "_generator", lambda *args: None)  # the meta device has no generator
     logits = torch.empty(len(requests), vocab, device="meta")
     ids = s.sample_ids(logits, requests, may_wait=False)
     assert ids.shape == (len(requests),) and ids.device.type == "meta"
     DeferredTokens.start(requests, ids, logits)  # the logprobs packed for the same copy
-    if any(r.sampling_params.top_p < 1.0 for r in requests):  # the check above does detect
-        with pytest.raises(RuntimeError, match="meta"):  # the wait for the candidates' check
+    waits = any(r.sampling_params.top_p < 1.0 or has_constraints(r, 0) for r in requests)
+    if waits:  # the check above does detect the waits of the path that may wait
+        with pytest.raises(RuntimeError, match="meta"):
             s.sample_ids(logits, requests, may_wait=True)
+
+
+class _FixedGuide:
+    """A grammar stand-in that allows the same tokens at every position."""
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.mask = allowed
+
+    def allowed(self, tokens) -> torch.Tensor:  # [V] bool
+        return self.mask
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    seed=st.integers(0, 10**6),
+    min_tokens=st.integers(0, 4),
+    outputs=st.lists(st.integers(0, 11), max_size=5),
+    allowed=st.none() | st.sets(st.integers(0, 11), min_size=1, max_size=3).map(sorted),
+    bias=st.none() | st.dictionaries(st.integers(0, 11), st.floats(-100, 100), max_size=3),
+    bad_word=st.none() | st.integers(0, 11),
+    grammar=st.none() | st.sets(st.integers(0, 11), min_size=1, max_size=4).map(sorted),
+)
+def test_processing_that_may_not_wait_changes_the_rows_alike(
+    seed, min_tokens, outputs, allowed, bias, bad_word, grammar
+):
+    """``process_request_rows`` without waiting applies the weaker constraints by
+    ``torch.where`` unasked; every row must come out as the waiting path makes it, including
+    rows whose bans, whitelists and grammar leave no token."""
+    from paged_llm.core.request import Request
+    from paged_llm.runner.sampler import process_request_rows
+    from paged_llm.sampling_params import SamplingParams
+
+    vocab = 12
+    words = [] if bad_word is None else [[bad_word]]
+    params = SamplingParams(min_tokens=min_tokens, stop_token_ids=[3], allowed_token_ids=allowed,
+                            logit_bias=bias, bad_words=["w"] if words else None)  # fmt: skip
+    request = Request("r", [1, 2], params, eos_token_id=2, output_token_ids=list(outputs),
+                      bad_words_token_ids=words)  # fmt: skip
+    if grammar is not None:
+        request.guide = _FixedGuide(torch.isin(torch.arange(vocab), torch.tensor(grammar)))
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(seed))  # finite
+    histories = [list(outputs), list(outputs) + [5]]
+    waited = process_request_rows(logits.clone(), request, histories, may_wait=True)
+    unasked = process_request_rows(logits.clone(), request, histories, may_wait=False)
+    assert torch.equal(waited, unasked)
+    assert bool(torch.isfinite(unasked).any(-1).all())  # every row keeps a token

@@ -17,9 +17,9 @@ import torch
 
 from paged_llm.core.request import Request
 from paged_llm.outputs import LogprobEntry
+from paged_llm.runner.logits_processors import reads_output_tokens
 from paged_llm.runner.sampler import (
     SampleResult,
-    has_constraints,
     logprob_rows,
     pack_logprobs,
     unpack_logprobs,
@@ -28,9 +28,18 @@ from paged_llm.utils.host import int_tensor, to_device
 
 
 def can_defer(requests: Sequence[Request]) -> bool:
-    """Whether these sampling requests' tokens may reach the host a step late: none needs its
-    outputs on the host to sample (logits processing, a grammar) or verifies drafts."""
-    return not any(r.spec_token_ids or has_constraints(r, r.num_output_tokens) for r in requests)
+    """Whether these sampling requests' tokens may reach the host a step late: none reads its
+    output tokens to sample (penalties, user logits processors, bad words of several tokens,
+    a grammar) or verifies drafts. The rest of logits processing (min_tokens, logit_bias,
+    allowed_token_ids, one-token bad words) needs only the count of outputs, placeholders
+    included. A request that reads its outputs does so for its whole life, so it is never in a
+    deferred step and its history never holds a placeholder."""
+    return not any(
+        r.spec_token_ids
+        or r.guide is not None
+        or reads_output_tokens(r.sampling_params, r.bad_words_token_ids)
+        for r in requests
+    )
 
 
 @dataclass

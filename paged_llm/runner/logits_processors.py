@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from paged_llm.sampling_params import SamplingParams, logits_processor_arity
+from paged_llm.utils.host import int_tensor, to_device
 
 
 def min_tokens_ban(params: SamplingParams, eos_token_id: int | None) -> list[int]:
@@ -56,7 +57,7 @@ def apply_allowed_token_ids(logits: torch.Tensor, params: SamplingParams) -> tor
     """Mask every token outside ``params.allowed_token_ids`` (none when it is None)."""
     if params.allowed_token_ids is not None:
         keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        keep[torch.tensor(params.allowed_token_ids, device=logits.device)] = True
+        keep[to_device(int_tensor(params.allowed_token_ids), logits.device)] = True
         logits.masked_fill_(~keep, float("-inf"))
     return logits
 
@@ -67,6 +68,17 @@ def has_penalties(params: SamplingParams) -> bool:
         params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0
+    )
+
+
+def reads_output_tokens(params: SamplingParams, bad_words: Sequence[Sequence[int]]) -> bool:
+    """Whether :func:`process_logits` reads the output tokens themselves, not only how many
+    there are: user processors, penalties, bad words of more than one token (async
+    scheduling can sample the other requests before their last token reaches the host)."""
+    return (
+        bool(params.logits_processors)
+        or has_penalties(params)
+        or any(len(word) > 1 for word in bad_words)
     )
 
 
@@ -98,17 +110,19 @@ def process_logits(
         for row, out in enumerate(outputs):
             logits[row] = apply_user_processor(fn, arity, prompt_token_ids, out, logits[row])
     ban = min_tokens_ban(params, eos_token_id)
+    banned = None  # on the device, copied once (a host list as an index is a pageable copy)
     for row, out in enumerate(outputs):
         if len(out) < params.min_tokens and ban:
-            logits[row, ban] = float("-inf")
+            banned = to_device(int_tensor(ban), logits.device) if banned is None else banned
+            logits[row, banned] = float("-inf")
         for word in bad_words:
             head = len(word) - 1
             if head == 0 or list(out[len(out) - head :]) == list(word[:-1]):
                 logits[row, word[-1]] = float("-inf")
     apply_allowed_token_ids(logits, params)
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=logits.device)
-        bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)
+        ids = to_device(int_tensor(list(params.logit_bias)), logits.device)
+        bias = to_device(torch.tensor(list(params.logit_bias.values())), logits.device)
         logits[:, ids] += bias.to(logits.dtype)
     if has_penalties(params):
         _apply_penalties(logits, params, prompt_token_ids, outputs)

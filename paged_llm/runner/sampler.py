@@ -271,11 +271,12 @@ class Sampler:
         may_wait: bool = True,
     ) -> torch.Tensor:  # [N] int64, on the logits' device
         """The chosen token of every row, left on the device (processing ``logits`` in place).
-        Without ``may_wait`` rows without constraints are sampled without the host waiting for
-        the device (``mask_rows``)."""
+        Without ``may_wait`` nothing waits for the device (``mask_rows``,
+        ``process_request_rows``)."""
         for row, req in enumerate(requests):  # most requests have no constraints: no row view
             if has_constraints(req, req.num_output_tokens):
-                process_request_rows(logits[row : row + 1], req, [req.output_token_ids])
+                process_request_rows(logits[row : row + 1], req, [req.output_token_ids],
+                                     may_wait)  # fmt: skip
         params = [r.sampling_params for r in requests]
         picked = logits.argmax(-1)  # [N]: the greedy rows' tokens; the others are drawn
         drawn = [row for row, p in enumerate(params) if not p.greedy]
@@ -372,6 +373,7 @@ def process_request_rows(
     logits: torch.Tensor,  # [R, V] float32 rows of one request, changed in place
     request: Request,
     outputs: Sequence[Sequence[int]],  # per row: the output tokens before it
+    may_wait: bool = True,  # False: never read a device value (see below)
 ) -> torch.Tensor:
     """``logits_processors.process_logits`` for a request's rows (skipped when it is a no-op),
     then its grammar's mask (structured output).
@@ -381,7 +383,8 @@ def process_request_rows(
     any token (say ``allowed_token_ids=[eos]`` before ``min_tokens``) keeps the whitelists
     alone. If the two whitelists exclude each other mid-output (the engine refuses requests
     whose grammar accepts none of ``allowed_token_ids`` first), the grammar alone wins, so the
-    output stays well-formed."""
+    output stays well-formed. Whether a row was left empty is a device value: without
+    ``may_wait`` the weaker constraints are applied by ``torch.where`` without asking."""
     params = request.sampling_params
     processed = needs_processing(params, min(len(o) for o in outputs))
     if request.guide is None and not processed:
@@ -396,12 +399,12 @@ def process_request_rows(
         logits.masked_fill_(disallowed, float("-inf"))
         raw.masked_fill_(disallowed, float("-inf"))
     empty = ~torch.isfinite(logits).any(-1, keepdim=True)  # [R, 1]
-    if bool(empty.any()):  # rare: build the weaker constraints only now
+    if not may_wait or bool(empty.any()):  # rare: build the weaker constraints only now
         whitelists = apply_allowed_token_ids(raw.clone(), params)
         for fallback in (whitelists, raw):  # the next-weaker constraint for rows left empty
             logits.copy_(torch.where(empty, fallback, logits))
             empty = ~torch.isfinite(logits).any(-1, keepdim=True)
-            if not bool(empty.any()):
+            if may_wait and not bool(empty.any()):
                 break
     return logits
 
