@@ -107,14 +107,31 @@ def test_processing_that_needs_only_the_output_count_still_defers():
     runner = pipelined.llm_engine.runner
     assert runner.deferred_steps >= 15  # every decode step, all requests constrained
     assert not async_tokens.can_defer(
-        [_request(SamplingParams(repetition_penalty=1.2)), _request(SamplingParams())]
+        [_request(SamplingParams(logits_processors=[lambda out, row: row])), _request(None)]
     )
 
 
-def _request(params: SamplingParams):
+def test_penalties_count_the_token_still_on_the_device():
+    """Repetition, frequency and presence penalties read the output tokens, the last of which
+    is still on the device when the next step samples: it is counted there. Every decode step
+    defers and the outputs equal the synchronous engine's."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.5),
+        SamplingParams(temperature=0, max_tokens=20, frequency_penalty=1.2),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=18, presence_penalty=1.5, top_p=0.9),
+        SamplingParams(temperature=0, max_tokens=22, frequency_penalty=-0.8, min_tokens=10),
+        SamplingParams(temperature=0, max_tokens=16),
+    ]
+    got, pipelined = same_outputs_both_ways(params)
+    plain = LLM("tiny", **KW).generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24))
+    assert got[0].outputs[0].token_ids != plain[0].outputs[0].token_ids  # the penalty bit
+    assert pipelined.llm_engine.runner.deferred_steps >= 20
+
+
+def _request(params: SamplingParams | None):
     from paged_llm.core.request import Request
 
-    return Request("r", [1], params)
+    return Request("r", [1], params or SamplingParams())
 
 
 @pytest.mark.parametrize(

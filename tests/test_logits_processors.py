@@ -76,6 +76,38 @@ def test_matches_the_plain_python_reference(
     assert torch.allclose(got, torch.tensor(want), atol=1e-4, rtol=1e-5)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=tokens.filter(bool),
+    output=tokens.filter(bool),
+    presence=st.floats(-2, 2),
+    frequency=st.floats(-2, 2),
+    repetition=st.sampled_from([1.0, 0.5, 1.3]),
+    min_tokens=st.integers(0, 14),
+    seed=st.integers(0, 2**16),
+)
+def test_a_placeholder_counts_as_its_token_on_the_device(
+    prompt, output, presence, frequency, repetition, min_tokens, seed
+):
+    """Async scheduling samples before the last token reaches the host: the output ends in a
+    placeholder and the token is passed on the device. The rows must equal those made from the
+    whole output, exactly."""
+    from paged_llm.core.request import PLACEHOLDER_TOKEN
+
+    params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency,
+                            repetition_penalty=repetition, min_tokens=min_tokens,
+                            stop_token_ids=[7], max_tokens=None)  # fmt: skip
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+    want = process_logits(logits.clone(), params, prompt, [output], EOS)
+    held = [*output[:-1], PLACEHOLDER_TOKEN]
+    pending = torch.tensor([output[-1]])
+    got = process_logits(logits.clone(), params, prompt, [held], EOS, pending=pending)
+    assert torch.equal(got, want)
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+        with pytest.raises(RuntimeError, match="placeholder"):
+            process_logits(logits.clone(), params, prompt, [held], EOS)
+
+
 def test_rejects_mismatched_histories():
     with pytest.raises(ValueError, match="histories"):
         process_logits(torch.zeros(2, VOCAB), SamplingParams(), [1], [[]], EOS)

@@ -142,6 +142,11 @@ NO_WAIT_BATCHES = {
         {"allowed_token_ids": [2, 3], "min_tokens": 4, "top_p": 0.8},
         {"bad_words": ["x"], "temperature": 0.0},
     ],
+    # penalties count the last output's token while it is still on the device
+    "penalties": [
+        {"repetition_penalty": 1.3, "frequency_penalty": 0.5},
+        {"presence_penalty": 1.0, "temperature": 0.0, "min_tokens": 9},
+    ],
 }
 
 
@@ -150,25 +155,29 @@ def test_sampling_that_may_not_wait_reads_nothing_from_the_device(monkeypatch, b
     """Async scheduling samples step N + 1 while its forward runs: a read of a device value
     (``bool(t.any())``, ``.item()``, a ``nonzero``) would stall the host for that whole forward
     on a GPU. Tensors on the meta device have no values, so any such read fails there."""
-    from paged_llm.core.request import Request
+    from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
     from paged_llm.runner.async_tokens import DeferredTokens
     from paged_llm.runner.sampler import Sampler, has_constraints
     from paged_llm.sampling_params import SamplingParams
 
     vocab = 1000  # wide enough for the candidates path (2 * 256 < vocab)
     requests = [Request(f"r{i}", [1, 2], SamplingParams(**kw), eos_token_id=2,
+                        output_token_ids=[5, 8, PLACEHOLDER_TOKEN],  # the last one pending
                         bad_words_token_ids=[[7]] if kw.get("bad_words") else [])
                 for i, kw in enumerate(batch * 2)]  # fmt: skip
     s = Sampler()
     monkeypatch.setattr(s, "_generator", lambda *args: None)  # the meta device has no generator
     logits = torch.empty(len(requests), vocab, device="meta")
-    ids = s.sample_ids(logits, requests, may_wait=False)
+    previous = torch.empty(len(requests), dtype=torch.int64, device="meta")  # step N's ids
+    pending = {r.request_id: previous[i : i + 1] for i, r in enumerate(requests)}.__getitem__
+    ids = s.sample_ids(logits, requests, may_wait=False, pending=pending)
     assert ids.shape == (len(requests),) and ids.device.type == "meta"
     DeferredTokens.start(requests, ids, logits)  # the logprobs packed for the same copy
-    waits = any(r.sampling_params.top_p < 1.0 or has_constraints(r, 0) for r in requests)
+    waits = any(r.sampling_params.top_p < 1.0 or has_constraints(r, r.num_output_tokens)
+                for r in requests)  # fmt: skip
     if waits:  # the check above does detect the waits of the path that may wait
         with pytest.raises(RuntimeError, match="meta"):
-            s.sample_ids(logits, requests, may_wait=True)
+            s.sample_ids(logits, requests, may_wait=True, pending=pending)
 
 
 class _FixedGuide:

@@ -17,7 +17,7 @@ import torch
 
 from paged_llm.core.request import Request
 from paged_llm.outputs import LogprobEntry
-from paged_llm.runner.logits_processors import reads_output_tokens
+from paged_llm.runner.logits_processors import reads_outputs_on_host
 from paged_llm.runner.sampler import (
     SampleResult,
     logprob_rows,
@@ -28,16 +28,17 @@ from paged_llm.utils.host import int_tensor, to_device
 
 
 def can_defer(requests: Sequence[Request]) -> bool:
-    """Whether these sampling requests' tokens may reach the host a step late: none reads its
-    output tokens to sample (penalties, user logits processors, bad words of several tokens,
-    a grammar) or verifies drafts. The rest of logits processing (min_tokens, logit_bias,
-    allowed_token_ids, one-token bad words) needs only the count of outputs, placeholders
-    included. A request that reads its outputs does so for its whole life, so it is never in a
+    """Whether these sampling requests' tokens may reach the host a step late: none needs its
+    output tokens on the host to sample (user logits processors, bad words of several tokens,
+    a grammar) or verifies drafts. The rest of logits processing needs only the count of
+    outputs, placeholders included (min_tokens, logit_bias, allowed_token_ids, one-token bad
+    words), or takes a placeholder's token on the device (penalties, ``token_of``). A request
+    that needs its outputs on the host does so for its whole life, so it is never in a
     deferred step and its history never holds a placeholder."""
     return not any(
         r.spec_token_ids
         or r.guide is not None
-        or reads_output_tokens(r.sampling_params, r.bad_words_token_ids)
+        or reads_outputs_on_host(r.sampling_params, r.bad_words_token_ids)
         for r in requests
     )
 
@@ -77,6 +78,11 @@ class DeferredTokens:
         copied = torch.cuda.Event()
         copied.record()
         return cls(requests, ids, rows, host, copied, lp_rows, ks, packed)
+
+    def token_of(self, request_id: str) -> torch.Tensor:  # [1] int64 on the device
+        """The id one request sampled, still on the device (``sampler.PendingTokens``)."""
+        row = self.rows[request_id]
+        return self.ids[row : row + 1]
 
     def collect(self) -> tuple[list[tuple[Request, int]], dict[str, SampleResult]]:
         """Each request with its token, and the step's results by request id, once the copy

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from paged_llm.core.request import PLACEHOLDER_TOKEN
 from paged_llm.sampling_params import SamplingParams, logits_processor_arity
 from paged_llm.utils.host import int_tensor, to_device
 
@@ -71,15 +72,12 @@ def has_penalties(params: SamplingParams) -> bool:
     )
 
 
-def reads_output_tokens(params: SamplingParams, bad_words: Sequence[Sequence[int]]) -> bool:
-    """Whether :func:`process_logits` reads the output tokens themselves, not only how many
-    there are: user processors, penalties, bad words of more than one token (async
-    scheduling can sample the other requests before their last token reaches the host)."""
-    return (
-        bool(params.logits_processors)
-        or has_penalties(params)
-        or any(len(word) > 1 for word in bad_words)
-    )
+def reads_outputs_on_host(params: SamplingParams, bad_words: Sequence[Sequence[int]]) -> bool:
+    """Whether :func:`process_logits` needs every output token on the host: user processors
+    (called with lists) and bad words of more than one token. The rest needs only how many
+    tokens came out, or (penalties) takes a token still on the device as ``pending``, so async
+    scheduling can sample it before its last token reaches the host."""
+    return bool(params.logits_processors) or any(len(word) > 1 for word in bad_words)
 
 
 def needs_processing(params: SamplingParams, num_output_tokens: int) -> bool:
@@ -101,8 +99,11 @@ def process_logits(
     outputs: Sequence[Sequence[int]],  # per row: the output tokens that precede it
     eos_token_id: int | None,
     bad_words: Sequence[Sequence[int]] = (),  # token sequences (bad_words_token_ids)
+    pending: torch.Tensor | None = None,  # [1] int64 on the device: a placeholder's token
 ) -> torch.Tensor:  # [R, V], the same tensor
-    """Apply one request's bans, logit bias and penalties to its rows."""
+    """Apply one request's bans, logit bias and penalties to its rows. Under async scheduling
+    an output may end in a placeholder (core.request.PLACEHOLDER_TOKEN) whose token is still
+    on the device, ``pending``; only the penalties read it (the rest counts outputs)."""
     if len(outputs) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(outputs)} histories")
     for fn in params.logits_processors or []:
@@ -125,7 +126,7 @@ def process_logits(
         bias = to_device(torch.tensor(list(params.logit_bias.values())), logits.device)
         logits[:, ids] += bias.to(logits.dtype)
     if has_penalties(params):
-        _apply_penalties(logits, params, prompt_token_ids, outputs)
+        _apply_penalties(logits, params, prompt_token_ids, outputs, pending)
     return logits
 
 
@@ -158,18 +159,21 @@ def _apply_penalties(
     params: SamplingParams,
     prompt_token_ids: Sequence[int],
     outputs: Sequence[Sequence[int]],
+    pending: torch.Tensor | None,
 ) -> None:
-    vocab = logits.shape[-1]
     dev = logits.device
-    counts = torch.stack(
-        [
-            torch.bincount(torch.tensor(list(out), dtype=torch.long), minlength=vocab)
-            for out in outputs
-        ]
-    ).to(dev, logits.dtype)  # [R, V] occurrences in each row's output
+    counts = torch.zeros_like(logits)  # [R, V] occurrences in each row's output
+    for row, out in enumerate(outputs):
+        known = [t for t in out if t != PLACEHOLDER_TOKEN]
+        ids = to_device(int_tensor(known), dev)  # added on the device: nothing waits for it
+        if len(known) < len(out):  # the last token is still on the device
+            if pending is None or len(out) - len(known) > 1:
+                raise RuntimeError("penalties need each placeholder's token from the device")
+            ids = torch.cat([ids, pending])
+        counts[row].index_add_(0, ids, torch.ones(len(ids), dtype=counts.dtype, device=dev))
     if params.repetition_penalty != 1.0:
         seen = counts > 0
-        seen[:, torch.tensor(list(prompt_token_ids), dtype=torch.long, device=dev)] = True
+        seen[:, to_device(int_tensor(list(prompt_token_ids)), dev)] = True
         r = params.repetition_penalty
         penalized = torch.where(logits > 0, logits / r, logits * r)
         logits.copy_(torch.where(seen, penalized, logits))

@@ -32,7 +32,7 @@ from paged_llm.runner.kv_cache import (
     kv_bytes_per_block,
     move_blocks,
 )
-from paged_llm.runner.sampler import Sampler, SampleResult
+from paged_llm.runner.sampler import PendingTokens, Sampler, SampleResult
 from paged_llm.runner.sleep import (
     HeldFreeSpace,
     RankMemory,
@@ -410,7 +410,9 @@ class ModelRunner:
         and the last value carries them (``DeferredTokens``); otherwise it is None.
         """
         batch, sampling, logits, pool_hidden = self._forward(out)
-        self.last_sampled = None  # read by this step's inputs only
+        # read by this step's inputs and, for penalties, its sampling only
+        previous, self.last_sampled = self.last_sampled, None
+        pending = previous.token_of if previous is not None else None
         self.model_done = time.perf_counter()  # launched (CPU: computed); sampling waits for it
         if while_running is not None:  # host work beside the device's (async output processing)
             while_running()
@@ -428,11 +430,12 @@ class ModelRunner:
             logits = logits.float()
             # a CPU computes as the host asks, so waiting on it costs nothing (and its
             # top-p path that may wait is the faster one)
-            ids = self.sampler.sample_ids(logits, requests, may_wait=logits.device.type == "cpu")
+            ids = self.sampler.sample_ids(logits, requests, logits.device.type == "cpu", pending)
             self.last_sampled = DeferredTokens.start(requests, ids, logits)
             self.deferred_steps += 1
             return {}, prompt, pooled, self.last_sampled
-        return self._sample(logits, sampling, batch, draft_probs), prompt, pooled, None
+        sampled = self._sample(logits, sampling, batch, draft_probs, pending)
+        return sampled, prompt, pooled, None
 
     def _sample(
         self,
@@ -440,6 +443,7 @@ class ModelRunner:
         sampling: list[ScheduledRequest],
         batch: HostBatch,
         draft_probs: dict[str, torch.Tensor] | None,
+        pending: PendingTokens | None = None,
     ) -> dict[str, SampleResult]:
         """Sample each request's token, or verify its drafts, and bring them to the host."""
         results: dict[str, SampleResult] = {}
@@ -462,7 +466,7 @@ class ModelRunner:
             results.update(self.sampler.verify_plain_greedy(logits, greedy_verifies))
         if plain:  # indexing by a host list copies it to the device: skip it when it is all
             every = len(plain_rows) == logits.shape[0]
-            sampled = self.sampler(logits if every else logits[plain_rows], plain)
+            sampled = self.sampler(logits if every else logits[plain_rows], plain, pending)
             results.update((req.request_id, r) for req, r in zip(plain, sampled))
         return results
 

@@ -6,12 +6,12 @@ Each request's own logits changes (min-tokens ban, logit bias, penalties) happen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from paged_llm.core.request import Request
+from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
 from paged_llm.outputs import Logprob, LogprobEntry
 from paged_llm.runner.logits_processors import (
     apply_allowed_token_ids,
@@ -156,6 +156,10 @@ def sampling_probs(
     return mask_rows(logits / temperature[:, None], top_k, top_p, min_p, may_wait).softmax(-1)
 
 
+# request id -> its last output token, still on the device ([1] int64; async scheduling)
+PendingTokens = Callable[[str], torch.Tensor]
+
+
 class Sampler:
     """Samples one token per row of logits with that row's SamplingParams."""
 
@@ -245,10 +249,11 @@ class Sampler:
         self,
         logits: torch.Tensor,  # [N, V]: row i is the next-token logits of requests[i]
         requests: Sequence[Request],
+        pending: PendingTokens | None = None,
     ) -> list[SampleResult]:
-        """Choose one token per row."""
+        """Choose one token per row (``pending``: see ``sample_ids``)."""
         logits = logits.float()
-        picked = self.sample_ids(logits, requests)
+        picked = self.sample_ids(logits, requests, pending=pending)
         tokens = picked.tolist()  # the step's one wait for the device
         params = [r.sampling_params for r in requests]
         if not any(p.tracks_logprobs for p in params):
@@ -269,14 +274,19 @@ class Sampler:
         logits: torch.Tensor,  # [N, V] float32: row i is the next-token logits of requests[i]
         requests: Sequence[Request],
         may_wait: bool = True,
+        pending: PendingTokens | None = None,
     ) -> torch.Tensor:  # [N] int64, on the logits' device
         """The chosen token of every row, left on the device (processing ``logits`` in place).
         Without ``may_wait`` nothing waits for the device (``mask_rows``,
-        ``process_request_rows``)."""
+        ``process_request_rows``). Under async scheduling an output may end in a placeholder;
+        ``pending(request_id)`` is its token, still on the device (the penalties count it)."""
         for row, req in enumerate(requests):  # most requests have no constraints: no row view
             if has_constraints(req, req.num_output_tokens):
-                process_request_rows(logits[row : row + 1], req, [req.output_token_ids],
-                                     may_wait)  # fmt: skip
+                out = req.output_token_ids
+                token = None
+                if pending is not None and out and out[-1] == PLACEHOLDER_TOKEN:
+                    token = pending(req.request_id)
+                process_request_rows(logits[row : row + 1], req, [out], may_wait, token)
         params = [r.sampling_params for r in requests]
         picked = logits.argmax(-1)  # [N]: the greedy rows' tokens; the others are drawn
         drawn = [row for row, p in enumerate(params) if not p.greedy]
@@ -374,6 +384,7 @@ def process_request_rows(
     request: Request,
     outputs: Sequence[Sequence[int]],  # per row: the output tokens before it
     may_wait: bool = True,  # False: never read a device value (see below)
+    pending: torch.Tensor | None = None,  # [1] on the device: a placeholder's token (penalties)
 ) -> torch.Tensor:
     """``logits_processors.process_logits`` for a request's rows (skipped when it is a no-op),
     then its grammar's mask (structured output).
@@ -391,7 +402,7 @@ def process_request_rows(
         return logits
     raw = logits.clone()  # the grammar-only fallback, and the base of the whitelists' one
     if processed:
-        _process(logits, request, outputs)
+        _process(logits, request, outputs, pending)
     if request.guide is not None:
         accepted = request.num_output_tokens  # what the guide has seen; the rest is drafts
         allowed = torch.stack([request.guide.allowed(o[accepted:]) for o in outputs])  # [R, V]
@@ -410,10 +421,13 @@ def process_request_rows(
 
 
 def _process(
-    logits: torch.Tensor, request: Request, outputs: Sequence[Sequence[int]]
+    logits: torch.Tensor,
+    request: Request,
+    outputs: Sequence[Sequence[int]],
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     params = request.sampling_params
     return process_logits(
         logits, params, request.prompt_token_ids, outputs, request.eos_token_id,
-        request.bad_words_token_ids,
+        request.bad_words_token_ids, pending,
     )  # fmt: skip
