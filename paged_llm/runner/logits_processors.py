@@ -164,11 +164,11 @@ def _apply_penalties(
     dev = logits.device
     counts = torch.zeros_like(logits)  # [R, V] occurrences in each row's output
     for row, out in enumerate(outputs):
-        known = [t for t in out if t != PLACEHOLDER_TOKEN]
-        ids = to_device(int_tensor(known), dev)  # added on the device: nothing waits for it
-        if len(known) < len(out):  # the last token is still on the device
-            if pending is None or len(out) - len(known) > 1:
-                raise RuntimeError("penalties need each placeholder's token from the device")
+        held = bool(out) and out[-1] == PLACEHOLDER_TOKEN  # only the last token can be held
+        ids = to_device(int_tensor(out[:-1] if held else out), dev)  # added on the device
+        if held:  # the last token is still on the device
+            if pending is None:
+                raise RuntimeError("penalties need the placeholder's token from the device")
             ids = torch.cat([ids, pending])
         counts[row].index_add_(0, ids, torch.ones(len(ids), dtype=counts.dtype, device=dev))
     if params.repetition_penalty != 1.0:
