@@ -20,7 +20,8 @@ For each: output tokens/s and its fraction of the bound B x BW / (weight bytes +
 KV bytes per token) (BW measured first in the same run), steps by how they ran
 (``steps_by_kind``: ``graph``, ``graph_mixed``, ``eager_prefill``, ...), the step's time by
 engine phase (``step_phases``), host syncs per step (``syncs_per_step``: CUDA's sync debug
-mode over ``SYNC_STEPS`` steps, counting the warnings it raises; the sampled ids are one) and
+mode over ``SYNC_STEPS`` steps, counting the warnings it raises; the sampled ids are one;
+``syncs_per_step_sampled``: the same with top-p sampling and a repetition penalty) and
 the share of requests whose greedy tokens equal the first variant's (bf16 on random weights:
 a graph's varlen kernel and the eager decode kernel may round a near-tie differently), and
 the host's speed before and after the variant (``host_probe_ms``: a pure-Python scheduler
@@ -121,12 +122,19 @@ def run_variant(
     record: dict[str, Any] = {"engine_args": VARIANTS[name], "build_s": time.perf_counter() - start,
                               "cuda_graph_error": engine.runner.cuda_graph_error}  # fmt: skip
     warm = work.head(plan.warmup_requests)  # compiles the kernels before anything is timed
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for i, prompt in enumerate(warm.prompts):
-        engine.add_request(f"warm{i}", {"prompt_token_ids": prompt}, params)
-    record["syncs_per_step"] = count_syncs(engine, SYNC_STEPS)
-    while engine.has_unfinished_requests():
-        engine.step()
+    # greedy (the timed workload's sampling), then sampled with top-p and a penalty: under
+    # async scheduling neither should wait for the device beyond the sampled ids
+    for key, params in (
+        ("syncs_per_step", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
+        ("syncs_per_step_sampled", SamplingParams(temperature=0.8, top_p=0.9, seed=0,
+                                                  repetition_penalty=1.1, max_tokens=16,
+                                                  ignore_eos=True)),
+    ):  # fmt: skip
+        for i, prompt in enumerate(warm.prompts):
+            engine.add_request(f"{key}-warm{i}", {"prompt_token_ids": prompt}, params)
+        record[key] = count_syncs(engine, SYNC_STEPS)
+        while engine.has_unfinished_requests():
+            engine.step()
     phases = engine.core.plugins[-1]
     phases.reset()
     deferred_before = engine.runner.deferred_steps
