@@ -19,8 +19,8 @@ def reference(tiny_llama):
         return [model(torch.tensor([p])).logits[0, :-1].log_softmax(-1) for p in PROMPTS]
 
 
-def check(outs, reference, top_k):
-    for prompt, out, ref in zip(PROMPTS, outs, reference):
+def check(outs, reference, top_k, prompts=PROMPTS):
+    for prompt, out, ref in zip(prompts, outs, reference):
         lps = out.prompt_logprobs
         assert len(lps) == len(prompt) and lps[0] is None
         for i in range(1, len(prompt)):
@@ -51,6 +51,23 @@ def run(llm, top_k, **kw):
 def test_matches_transformers(tiny_llama, reference, engine_kw, top_k):
     llm = LLM(str(tiny_llama[0]), max_model_len=64, cpu_kv_cache_gib=0.01, **engine_kw)
     check(run(llm, top_k), reference, top_k)
+
+
+def test_only_the_entries_come_to_the_host(tiny_llama, reference, monkeypatch):
+    """The [P, V] log-probability rows stay where the logits are (on a GPU a long prompt's rows
+    are hundreds of MB); one flat tensor of the entries is copied back, with mixed top-k."""
+    llm = LLM(str(tiny_llama[0]), max_model_len=64, cpu_kv_cache_gib=0.01)
+    copied, real_cpu = [], torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copied.append(t.dim()) or
+                        real_cpu(t, *a, **k))  # fmt: skip
+    kw = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [SamplingParams(prompt_logprobs=k, **kw) for k in (0, 3, 3, 1, 2)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    assert copied and set(copied) == {1}  # flat packed entries only
+    for i, k in enumerate((0, 3, 3, 1, 2)):  # rows of one batch with different k stay right
+        check(outs[i : i + 1], reference[i : i + 1], k, PROMPTS[i : i + 1])
 
 
 def test_requests_without_it_get_none(tiny_llama):

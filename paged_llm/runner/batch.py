@@ -186,14 +186,17 @@ def prompt_logprobs(
     batch: HostBatch,
 ) -> dict[str, PromptLogprobs]:
     """Each scored prompt token's logprob under the model (raw logits: no penalties or
-    temperature, as vLLM), plus the top ``prompt_logprobs`` alternatives."""
+    temperature, as vLLM), plus the top ``prompt_logprobs`` alternatives. Computed where the
+    logits are; one copy brings back only the entries ([P, 2 + 2k] values, not [P, V]: a
+    2,048-token prompt's full rows at a 32k vocabulary would be 256 MB)."""
     if not batch.prompt_rows:
         return {}
-    logprobs = logits.float().log_softmax(-1).cpu()
+    logprobs = logits.float().log_softmax(-1)
+    ks = [top_k for _, _, count, top_k in batch.prompt_spans for _ in range(count)]
+    entries = logprob_entries(logprobs, batch.prompt_targets[: len(ks)], ks)
     out: dict[str, PromptLogprobs] = {}
     row = 0
-    for request_id, first, count, top_k in batch.prompt_spans:
-        targets = batch.prompt_targets[row : row + count]
-        out[request_id] = (first, logprob_entries(logprobs[row : row + count], targets, top_k))
+    for request_id, first, count, _ in batch.prompt_spans:
+        out[request_id] = (first, entries[row : row + count])
         row += count
     return out
