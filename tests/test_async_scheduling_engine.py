@@ -128,6 +128,22 @@ def test_penalties_count_the_token_still_on_the_device():
     assert pipelined.llm_engine.runner.deferred_steps >= 20
 
 
+def test_bad_words_of_several_tokens_compare_the_held_token_on_the_device():
+    """A bad word of several tokens is matched against the output's end, whose last token is
+    still on the device: it is compared there, the step defers, and the word is banned where
+    the synchronous engine bans it."""
+    llm = LLM("tiny", **KW)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    tok = llm.get_tokenizer()
+    texts = [tok.decode(tokens[i : i + 3]) for i in range(2, 8)]  # words from the output
+    word = next(t for t in texts if len(tok.encode(t, add_special_tokens=False)) > 1)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[word])] * 5
+    got, pipelined = same_outputs_both_ways(params)
+    assert got[0].outputs[0].token_ids != tokens  # the ban changed the output
+    assert pipelined.llm_engine.runner.deferred_steps >= 10
+
+
 def _request(params: SamplingParams | None):
     from paged_llm.core.request import Request
 

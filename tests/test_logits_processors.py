@@ -76,7 +76,7 @@ def test_matches_the_plain_python_reference(
     assert torch.allclose(got, torch.tensor(want), atol=1e-4, rtol=1e-5)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     prompt=tokens.filter(bool),
     output=tokens.filter(bool),
@@ -84,28 +84,38 @@ def test_matches_the_plain_python_reference(
     frequency=st.floats(-2, 2),
     repetition=st.sampled_from([1.0, 0.5, 1.3]),
     min_tokens=st.integers(0, 14),
+    bad_words=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3), max_size=3),
     seed=st.integers(0, 2**16),
 )
 def test_a_placeholder_counts_as_its_token_on_the_device(
-    prompt, output, presence, frequency, repetition, min_tokens, seed
+    prompt, output, presence, frequency, repetition, min_tokens, bad_words, seed
 ):
     """Async scheduling samples before the last token reaches the host: the output ends in a
     placeholder and the token is passed on the device. The rows must equal those made from the
-    whole output, exactly."""
+    whole output, exactly (penalties count it, bad words compare it)."""
     from paged_llm.core.request import PLACEHOLDER_TOKEN
 
     params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency,
                             repetition_penalty=repetition, min_tokens=min_tokens,
                             stop_token_ids=[7], max_tokens=None)  # fmt: skip
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
-    want = process_logits(logits.clone(), params, prompt, [output], EOS)
+    if bad_words and len(output) > 1:  # let a word end where the output does, sometimes
+        bad_words = [*bad_words, [*output[-2:], (output[0] + 1) % VOCAB]]
+    want = process_logits(logits.clone(), params, prompt, [output], EOS, bad_words)
     held = [*output[:-1], PLACEHOLDER_TOKEN]
     pending = torch.tensor([output[-1]])
-    got = process_logits(logits.clone(), params, prompt, [held], EOS, pending=pending)
+    got = process_logits(logits.clone(), params, prompt, [held], EOS, bad_words, pending)
     assert torch.equal(got, want)
-    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-        with pytest.raises(RuntimeError, match="placeholder"):
-            process_logits(logits.clone(), params, prompt, [held], EOS)
+
+
+@pytest.mark.parametrize("kw, words", [({"frequency_penalty": 0.5}, []),
+                                       ({"bad_words": ["w"]}, [[3, 4, 9]])])  # fmt: skip
+def test_a_placeholder_without_its_token_is_a_clear_error(kw, words):
+    from paged_llm.core.request import PLACEHOLDER_TOKEN
+
+    with pytest.raises(RuntimeError, match="placeholder"):
+        process_logits(torch.zeros(1, VOCAB), SamplingParams(**kw), [1], [[3, PLACEHOLDER_TOKEN]],
+                       EOS, words)  # fmt: skip
 
 
 def test_rejects_mismatched_histories():

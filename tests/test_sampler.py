@@ -163,7 +163,7 @@ def test_sampling_that_may_not_wait_reads_nothing_from_the_device(monkeypatch, b
     vocab = 1000  # wide enough for the candidates path (2 * 256 < vocab)
     requests = [Request(f"r{i}", [1, 2], SamplingParams(**kw), eos_token_id=2,
                         output_token_ids=[5, 8, PLACEHOLDER_TOKEN],  # the last one pending
-                        bad_words_token_ids=[[7]] if kw.get("bad_words") else [])
+                        bad_words_token_ids=[[7], [8, 4, 9]] if kw.get("bad_words") else [])
                 for i, kw in enumerate(batch * 2)]  # fmt: skip
     s = Sampler()
     monkeypatch.setattr(s, "_generator", lambda *args: None)  # the meta device has no generator

@@ -17,7 +17,6 @@ import torch
 
 from paged_llm.core.request import Request
 from paged_llm.outputs import LogprobEntry
-from paged_llm.runner.logits_processors import reads_outputs_on_host
 from paged_llm.runner.sampler import (
     SampleResult,
     logprob_rows,
@@ -29,16 +28,14 @@ from paged_llm.utils.host import int_tensor, to_device
 
 def can_defer(requests: Sequence[Request]) -> bool:
     """Whether these sampling requests' tokens may reach the host a step late: none needs its
-    output tokens on the host to sample (user logits processors, bad words of several tokens,
-    a grammar) or verifies drafts. The rest of logits processing needs only the count of
-    outputs, placeholders included (min_tokens, logit_bias, allowed_token_ids, one-token bad
-    words), or takes a placeholder's token on the device (penalties, ``token_of``). A request
-    that needs its outputs on the host does so for its whole life, so it is never in a
-    deferred step and its history never holds a placeholder."""
+    output tokens on the host to sample (user logits processors, called with lists; a
+    grammar) or verifies drafts. The rest of logits processing needs only the count of
+    outputs, placeholders included (min_tokens, logit_bias, allowed_token_ids), or reads a
+    placeholder's token on the device (penalties, bad words; ``token_of``). A request that
+    needs its outputs on the host does so for its whole life, so it is never in a deferred
+    step and its history never holds a placeholder."""
     return not any(
-        r.spec_token_ids
-        or r.guide is not None
-        or reads_outputs_on_host(r.sampling_params, r.bad_words_token_ids)
+        r.spec_token_ids or r.guide is not None or r.sampling_params.logits_processors
         for r in requests
     )
 

@@ -72,14 +72,6 @@ def has_penalties(params: SamplingParams) -> bool:
     )
 
 
-def reads_outputs_on_host(params: SamplingParams, bad_words: Sequence[Sequence[int]]) -> bool:
-    """Whether :func:`process_logits` needs every output token on the host: user processors
-    (called with lists) and bad words of more than one token. The rest needs only how many
-    tokens came out, or (penalties) takes a token still on the device as ``pending``, so async
-    scheduling can sample it before its last token reaches the host."""
-    return bool(params.logits_processors) or any(len(word) > 1 for word in bad_words)
-
-
 def needs_processing(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether :func:`process_logits` would change a row (cheap; most requests skip it)."""
     return (
@@ -103,7 +95,9 @@ def process_logits(
 ) -> torch.Tensor:  # [R, V], the same tensor
     """Apply one request's bans, logit bias and penalties to its rows. Under async scheduling
     an output may end in a placeholder (core.request.PLACEHOLDER_TOKEN) whose token is still
-    on the device, ``pending``; only the penalties read it (the rest counts outputs)."""
+    on the device, ``pending``: the penalties and bad words of several tokens read it there
+    (the rest counts outputs; user processors, which take lists, never see a placeholder:
+    ``async_tokens.can_defer``)."""
     if len(outputs) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(outputs)} histories")
     for fn in params.logits_processors or []:
@@ -117,9 +111,7 @@ def process_logits(
             banned = to_device(int_tensor(ban), logits.device) if banned is None else banned
             logits[row, banned] = float("-inf")
         for word in bad_words:
-            head = len(word) - 1
-            if head == 0 or list(out[len(out) - head :]) == list(word[:-1]):
-                logits[row, word[-1]] = float("-inf")
+            _ban_word(logits[row], word, out, pending)
     apply_allowed_token_ids(logits, params)
     if params.logit_bias:
         ids = to_device(int_tensor(list(params.logit_bias)), logits.device)
@@ -128,6 +120,29 @@ def process_logits(
     if has_penalties(params):
         _apply_penalties(logits, params, prompt_token_ids, outputs, pending)
     return logits
+
+
+def _ban_word(
+    row: torch.Tensor,  # [V] one row's logits, changed in place
+    word: Sequence[int],
+    out: Sequence[int],  # the output before the row (it may end in a placeholder)
+    pending: torch.Tensor | None,  # [1] on the device: the placeholder's token
+) -> None:
+    """Mask the word's last token if the output ends with the rest of it (a one-token word:
+    always). A held last token is compared on the device, so nothing waits for it."""
+    head = len(word) - 1
+    if head > len(out):
+        return
+    tail = list(out[len(out) - head :]) if head else []
+    if not tail or tail[-1] != PLACEHOLDER_TOKEN:
+        if tail == list(word[:-1]):
+            row[word[-1]] = float("-inf")
+        return
+    if tail[:-1] != list(word[:-2]):
+        return
+    if pending is None:
+        raise RuntimeError("bad words need the placeholder's token from the device")
+    row[word[-1]] = torch.where(pending[0] == word[-2], float("-inf"), row[word[-1]])
 
 
 def apply_user_processor(
