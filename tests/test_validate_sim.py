@@ -84,6 +84,7 @@ def test_linear_calibration_file_loads_into_the_cost_model(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the calibration and the real runs must see the same machine
 def test_ci_size_run_writes_real_beside_simulated(tmp_path) -> None:
     """The CI-size run: calibration, real and simulated values per quantity and policy.
 
