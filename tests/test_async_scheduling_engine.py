@@ -144,6 +144,29 @@ def test_bad_words_of_several_tokens_compare_the_held_token_on_the_device():
     assert pipelined.llm_engine.runner.deferred_steps >= 10
 
 
+def test_prompt_logprobs_come_to_the_host_with_the_deferred_ids(monkeypatch):
+    """Prompt logprobs are packed on the device and copied with the sampled ids, so a step
+    with them defers like any other: the synchronous read (runner.batch.prompt_logprobs) is
+    never called, and the values equal the synchronous engine's."""
+    from paged_llm.runner import model_runner
+
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=k) for k in (0, 2, 1, 3, 0)
+    ]
+    want = LLM("tiny", **KW).generate(PROMPTS, params, use_tqdm=False)
+    pipelined = LLM("tiny", async_scheduling=True, **KW)
+
+    def read_now(*args):
+        raise AssertionError("prompt logprobs read synchronously")
+
+    monkeypatch.setattr(model_runner, "prompt_logprobs", read_now)
+    got = pipelined.generate(PROMPTS, params, use_tqdm=False)
+    assert finals(got) == finals(want)
+    assert [g.prompt_logprobs for g in got] == [w.prompt_logprobs for w in want]
+    assert all(g.prompt_logprobs[1] for g in got if len(g.prompt_token_ids) > 1)
+    assert pipelined.llm_engine.runner.deferred_steps >= 6
+
+
 def _request(params: SamplingParams | None):
     from paged_llm.core.request import Request
 

@@ -190,6 +190,9 @@ def test_a_deferred_steps_plugins_run_when_its_tokens_are_resolved():
             log.append("collect")
             return [(req, 7)], {"r": "result"}
 
+        def prompt_logprobs(self):
+            return {}
+
     def forward(step):
         log.append("forward")
         step.deferred = Deferred()

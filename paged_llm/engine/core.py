@@ -111,6 +111,7 @@ class EngineCore:
         if deferred is None:
             return
         chosen, step.results = deferred.collect()  # waits for that step's copy only
+        step.prompt_logprobs = deferred.prompt_logprobs()  # copied with the ids
         step.now = self.clock()
         step.marks["resolved"] = time.perf_counter()
         step.sampled = {r.request_id: [t] for r, t in chosen}

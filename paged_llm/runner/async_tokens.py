@@ -17,6 +17,7 @@ import torch
 
 from paged_llm.core.request import Request
 from paged_llm.outputs import LogprobEntry
+from paged_llm.runner.batch import PackedPromptLogprobs, PromptLogprobs
 from paged_llm.runner.sampler import (
     SampleResult,
     logprob_rows,
@@ -55,13 +56,19 @@ class DeferredTokens:
     logprob_rows: list[int] = field(default_factory=list)
     logprob_ks: list[int] = field(default_factory=list)
     logprobs_host: torch.Tensor | None = None
+    prompt: PackedPromptLogprobs | None = None  # the step's prompt logprobs, copied with them
 
     @classmethod
     def start(
-        cls, requests: list[Request], ids: torch.Tensor, logits: torch.Tensor
+        cls,
+        requests: list[Request],
+        ids: torch.Tensor,
+        logits: torch.Tensor,
+        prompt: PackedPromptLogprobs | None = None,
     ) -> DeferredTokens:
         """Pack the logprobs asked for from ``logits`` [N, V] (float32, as sampled) and start
-        the copies to the host; they are queued before the next step's work."""
+        the copies to the host, the step's packed prompt logprobs with them; they are queued
+        before the next step's work."""
         rows = {r.request_id: i for i, r in enumerate(requests)}
         lp_rows, ks = logprob_rows([r.sampling_params for r in requests])
         packed = None
@@ -69,17 +76,23 @@ class DeferredTokens:
             index = to_device(int_tensor(lp_rows), ids.device)
             packed = pack_logprobs(logits[index].log_softmax(-1), ids[index], max(ks))
         if ids.device.type != "cuda":
-            return cls(requests, ids, rows, ids, None, lp_rows, ks, packed)
+            return cls(requests, ids, rows, ids, None, lp_rows, ks, packed, prompt)
         host = ids.to("cpu", non_blocking=True)  # pinned: the copy does not block the host
         packed = packed.to("cpu", non_blocking=True) if packed is not None else None
+        if prompt is not None:
+            prompt.packed = prompt.packed.to("cpu", non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(requests, ids, rows, host, copied, lp_rows, ks, packed)
+        return cls(requests, ids, rows, host, copied, lp_rows, ks, packed, prompt)
 
     def token_of(self, request_id: str) -> torch.Tensor:  # [1] int64 on the device
         """The id one request sampled, still on the device (``sampler.PendingTokens``)."""
         row = self.rows[request_id]
         return self.ids[row : row + 1]
+
+    def prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        """The step's prompt logprobs by request id (read after ``collect`` waited)."""
+        return self.prompt.unpack() if self.prompt is not None else {}
 
     def collect(self) -> tuple[list[tuple[Request, int]], dict[str, SampleResult]]:
         """Each request with its token, and the step's results by request id, once the copy

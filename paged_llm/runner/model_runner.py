@@ -21,6 +21,7 @@ from paged_llm.runner.batch import (
     HostBatch,
     PromptLogprobs,
     flatten_batch,
+    pack_prompt_logprobs,
     prompt_logprobs,
     to_step_inputs,
 )
@@ -406,8 +407,9 @@ class ModelRunner:
         from a model; drafts without one are treated as deterministic proposals. Also returns
         the prompt logprobs this step computed, and the pooled outputs of the pooling requests
         whose prompt it completed, by request id. With ``defer`` (async scheduling) and
-        requests that ``can_defer``, the sampled ids stay on the device: the results are empty
-        and the last value carries them (``DeferredTokens``); otherwise it is None.
+        requests that ``can_defer``, the sampled ids stay on the device: the results and the
+        prompt logprobs are empty and the last value carries them (``DeferredTokens``);
+        otherwise it is None.
         """
         batch, sampling, logits, pool_hidden = self._forward(out)
         # read by this step's inputs and, for penalties, its sampling only
@@ -423,19 +425,19 @@ class ModelRunner:
         if logits is None:
             return {}, {}, pooled, None
         num_sample_rows = len(batch.sample_rows)
-        prompt = prompt_logprobs(logits[num_sample_rows:], batch)
-        logits = logits[:num_sample_rows]
+        prompt_rows, logits = logits[num_sample_rows:], logits[:num_sample_rows]
         requests = [s.request for s in sampling]
         if defer and requests and can_defer(requests):
             logits = logits.float()
             # a CPU computes as the host asks, so waiting on it costs nothing (and its
             # top-p path that may wait is the faster one)
             ids = self.sampler.sample_ids(logits, requests, logits.device.type == "cpu", pending)
-            self.last_sampled = DeferredTokens.start(requests, ids, logits)
+            prompt = pack_prompt_logprobs(prompt_rows, batch)  # copied with the ids
+            self.last_sampled = DeferredTokens.start(requests, ids, logits, prompt)
             self.deferred_steps += 1
-            return {}, prompt, pooled, self.last_sampled
+            return {}, {}, pooled, self.last_sampled
         sampled = self._sample(logits, sampling, batch, draft_probs, pending)
-        return sampled, prompt, pooled, None
+        return sampled, prompt_logprobs(prompt_rows, batch), pooled, None
 
     def _sample(
         self,
