@@ -9,6 +9,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from machine_share import pytest_runtest_protocol  # noqa: E402, F401 (the hook: alone tests)
+from memory_guard import pytest_runtest_logfinish  # noqa: E402, F401 (the hook: engines' memory)
 
 
 def save_tiny(kind: str, path, **overrides):
