@@ -3,7 +3,7 @@
 A test marked ``alone`` compares times measured at different moments (a calibration grid, then
 a real run priced by it). On the 2-core CI machine the other pytest worker's load, say a test
 that starts four tensor-parallel processes, slows the later measurement and not the earlier
-one (runs 2026-12-06: 26% and 70% error against 4-9% alone). So every test holds a shared lock
+one (runs 2026-12-06: 26% and 70% error against 2-10% alone). So every test holds a shared lock
 from its setup to its teardown (module fixtures included), and an ``alone`` test an exclusive
 one. A turnstile lock in front keeps the exclusive waiter from starving: once it is queued, no
 new test starts beside it. Without xdist the tests already run one at a time: nothing to lock.

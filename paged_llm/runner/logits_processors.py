@@ -133,7 +133,7 @@ def _ban_word(
     head = len(word) - 1
     if head > len(out):
         return
-    tail = list(out[len(out) - head :]) if head else []
+    tail = list(out[len(out) - head :])  # [] for a one-token word
     if not tail or tail[-1] != PLACEHOLDER_TOKEN:
         if tail == list(word[:-1]):
             row[word[-1]] = float("-inf")
