@@ -6,12 +6,16 @@ other: where issue 39's changes move the fraction of the bandwidth bound.
 
 Variants (``VARIANTS``; ``--variants`` picks some), each a fresh engine on the same requests:
 
-* ``decode_graphs``: CUDA graphs for decode steps only (``cudagraph_mode=FULL_DECODE_ONLY``),
-  as the engine ran on the H200 in run 11 (0.33 of the bound): the peer;
+* ``decode_graphs`` (not run by default): CUDA graphs for decode steps only
+  (``cudagraph_mode=FULL_DECODE_ONLY``), as the engine ran on the H200 in run 11 (0.33 of the
+  bound): the peer of the mixed-step graphs;
 * ``mixed_graphs``: steps with prompt tokens replay graphs too (``FULL``, the default);
-* ``mixed_graphs_async``: and async output processing (``async_output_proc=True``);
+* ``mixed_graphs_async`` (not run by default): and async output processing
+  (``async_output_proc=True``);
 * ``mixed_graphs_async_sched``: and async scheduling instead (``async_scheduling=True``: step
   N + 1 planned, built and launched while the GPU runs step N; outputs a step later);
+* ``mixed_graphs_unmerged``: ``mixed_graphs`` with q/k/v and gate/up as
+  separate GEMMs (``merge_sibling_linears=False``), as every run before 2026-12-06 ran them;
 * ``mixed_graphs_final_only`` (not run by default): ``mixed_graphs`` with outputs read as
   ``LLM.generate`` (and vLLM's offline throughput benchmark) reads them, only at the finish,
   instead of every running request's tokens so far after every step.
@@ -64,11 +68,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mixed_graphs": {"cudagraph_mode": "FULL"},
     "mixed_graphs_async": {"cudagraph_mode": "FULL", "async_output_proc": True},
     "mixed_graphs_async_sched": {"cudagraph_mode": "FULL", "async_scheduling": True},
+    "mixed_graphs_unmerged": {"cudagraph_mode": "FULL", "merge_sibling_linears": False},
     "mixed_graphs_final_only": {"cudagraph_mode": "FULL", "output_kind": "final_only"},
     # not run by default: graphs for steps of up to 2048 tokens (4x the graphs' captures)
     "mixed_graphs_2048": {"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 2048},
 }
-DEFAULT_VARIANTS = ("decode_graphs", "mixed_graphs", "mixed_graphs_async_sched")
+DEFAULT_VARIANTS = ("mixed_graphs", "mixed_graphs_async_sched", "mixed_graphs_unmerged")
 SYNC_STEPS = 20  # steps watched by the sync debug mode (it slows them; not timed)
 
 

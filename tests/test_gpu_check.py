@@ -397,7 +397,7 @@ def test_e2e_variants_smoke_writes_each_variant(tmp_path):
         assert "inputs" in row["step_phases"]["phases"] and row["steps_by_kind"]
         assert all(row["host_probe_ms"][k] > 0 for k in ("before", "after"))
         assert row["syncs_per_step"] == row["syncs_per_step_sampled"] == {"note": "CUDA only"}
-        if name != "decode_graphs":  # the same greedy tokens as the first variant
+        if name != "mixed_graphs":  # the same greedy tokens as the first variant
             assert row["same_tokens_as_first"] == 1.0
         if name == "mixed_graphs_async_sched":  # its decode steps left their ids on the device
             assert row["deferred_steps"] > 0

@@ -27,6 +27,7 @@ from paged_llm.distributed.sharding import kv_heads_per_rank
 from paged_llm.engine.loading import checkpoint_path, load_model_and_tokenizer, resolve_device
 from paged_llm.kv_transfer import build_kv_connector, checkpoint_identity
 from paged_llm.layers.attention import PagedAttention
+from paged_llm.layers.merged_linear import merge_sibling_linears
 from paged_llm.lora.manager import LoRAManager
 from paged_llm.models.classification import is_classifier, pools_only
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len
@@ -166,6 +167,8 @@ def load_worker(config: EngineConfig) -> Worker:
         )
 
     lora = _build_lora(config, model, dtype, device)  # wraps the model's linear layers
+    if mc.merge_sibling_linears:  # after every wrapper (a wrapped layer stays apart)
+        merge_sibling_linears(model)
     pooler = _build_pooler(config, model, hf_config, model_dir)
     drafter = build_drafter(config.speculative_config)
     if drafter is not None:

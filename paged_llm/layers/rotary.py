@@ -114,3 +114,36 @@ def apply_rotary(
         return rotary(x, cos, sin)
     rotated = rotary(x[..., :rotary_dim].contiguous(), cos, sin)
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
+def apply_rotary_qk(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hk, D]
+    cos: torch.Tensor,  # [T, R]
+    sin: torch.Tensor,  # [T, R]
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hk, D]
+    """``apply_rotary`` to q and k: one launch when k's heads follow q's in memory (columns of
+    one merged q/k/v projection, ``layers/merged_linear.py``), two otherwise."""
+    both = _heads_side_by_side(q, k)
+    if both is None:
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    out = apply_rotary(both, cos, sin)
+    return out[:, : q.shape[1]], out[:, q.shape[1] :]
+
+
+def _heads_side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q and k as one [T, Hq + Hk, D] view when k's first head sits right after q's last in
+    every row (same storage and strides, contiguous heads); else None."""
+    t, hq, d = q.shape
+    if (
+        k.dim() != 3
+        or k.shape[0] != t
+        or k.shape[2] != d
+        or q.dtype != k.dtype
+        or q.stride() != k.stride()
+        or q.stride()[1:] != (d, 1)
+        or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+        or k.storage_offset() != q.storage_offset() + hq * d
+    ):
+        return None
+    return q.as_strided((t, hq + k.shape[1], d), q.stride(), q.storage_offset())

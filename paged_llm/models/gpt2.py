@@ -19,6 +19,7 @@ from paged_llm.distributed.layers import column_linear, lm_head, row_linear, voc
 from paged_llm.distributed.sharding import shard_heads
 from paged_llm.layers.activation import get_activation
 from paged_llm.layers.attention import ForwardContext, PagedAttention
+from paged_llm.layers.merged_linear import sibling_outputs
 from paged_llm.models.base import CausalLM
 
 # Conv1D modules: their 2-D weights are [in, out] in the checkpoint
@@ -34,6 +35,8 @@ def split_c_attn(rows: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 class GPT2Attention(nn.Module):
     """Multi-head attention with biased q/k/v (column-parallel) and c_proj (row-parallel)."""
+
+    sibling_linears = (("q_proj", "k_proj", "v_proj"),)  # one GEMM where they merge
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
@@ -51,7 +54,8 @@ class GPT2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, H] -> [T, H]
         """Attend every token to its sequence's cached context (this step's K/V included)."""
-        return self.c_proj(self.attn(self.q_proj(x), self.k_proj(x), self.v_proj(x), ctx))
+        q, k, v = sibling_outputs(self, self.sibling_linears[0], x)
+        return self.c_proj(self.attn(q, k, v, ctx))
 
 
 class GPT2MLP(nn.Module):

@@ -18,7 +18,8 @@ from paged_llm.distributed.layers import column_linear, lm_head, row_linear, voc
 from paged_llm.distributed.sharding import shard_heads
 from paged_llm.layers.activation import get_activation
 from paged_llm.layers.attention import ForwardContext, PagedAttention
-from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from paged_llm.layers.merged_linear import sibling_outputs
+from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary_qk, rope_parameters
 from paged_llm.models.base import CausalLM
 
 
@@ -33,6 +34,8 @@ def split_query_key_value(rows: torch.Tensor, heads: int) -> list[tuple[str, tor
 
 class GPTNeoXAttention(nn.Module):
     """q/k/v (column-parallel), partial RoPE on q and k, paged attention, dense (row-parallel)."""
+
+    sibling_linears = (("q_proj", "k_proj", "v_proj"),)  # one GEMM where they merge
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
@@ -53,9 +56,10 @@ class GPTNeoXAttention(nn.Module):
     ) -> torch.Tensor:  # [T, H], cos/sin [T, R] -> [T, H]
         """Attend every token to its sequence's cached context (this step's K/V included)."""
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        return self.dense(self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(x), ctx))
+        q, k, v = sibling_outputs(self, self.sibling_linears[0], x)
+        heads = (t, self.num_heads, self.head_dim)
+        q, k = apply_rotary_qk(q.view(heads), k.view(heads), cos, sin)
+        return self.dense(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, ctx))
 
 
 class GPTNeoXMLP(nn.Module):

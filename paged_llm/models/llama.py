@@ -18,8 +18,9 @@ from paged_llm.distributed.layers import column_linear, lm_head, row_linear, voc
 from paged_llm.distributed.sharding import shard_heads
 from paged_llm.layers.activation import get_activation
 from paged_llm.layers.attention import ForwardContext, PagedAttention
+from paged_llm.layers.merged_linear import sibling_outputs
 from paged_llm.layers.norms import RMSNorm
-from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary_qk, rope_parameters
 from paged_llm.models.base import CausalLM, head_dim_of, num_kv_heads_of, sliding_window_of
 from paged_llm.ops.elementwise import silu_mul
 
@@ -30,6 +31,8 @@ class LlamaAttention(nn.Module):
     Under tensor parallelism each rank owns a slice of the heads (num_heads / num_kv_heads are
     this rank's counts): q/k/v are column-parallel, o_proj row-parallel (see distributed/).
     """
+
+    sibling_linears = (("q_proj", "k_proj", "v_proj"),)  # one GEMM where they merge
 
     def __init__(
         self, config: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool = False
@@ -64,17 +67,20 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         """Attend every token to its sequence's cached context (this step's K/V included)."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = sibling_outputs(self, self.sibling_linears[0], x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(x), ctx)  # [T, Hq * D]
+        q, k = apply_rotary_qk(q, k, cos, sin)
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, ctx)  # [T, Hq * D]
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); gate/up column-, down row-parallel under TP."""
+
+    sibling_linears = (("gate_proj", "up_proj"),)  # one GEMM where they merge
 
     def __init__(self, config: Any, bias: bool, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -87,9 +93,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         """Apply the gated MLP row-wise."""
+        gate, up = sibling_outputs(self, self.sibling_linears[0], x)
         if self.silu:
-            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -16,6 +16,7 @@ from paged_llm.distributed.layers import column_linear, lm_head, row_linear, voc
 from paged_llm.distributed.sharding import shard_heads
 from paged_llm.layers.activation import get_activation
 from paged_llm.layers.attention import ForwardContext, PagedAttention
+from paged_llm.layers.merged_linear import sibling_outputs
 from paged_llm.models.base import CausalLM
 
 # OPT's position table reserves two leading rows (a fairseq padding convention), so position p
@@ -25,6 +26,8 @@ POSITION_OFFSET = 2
 
 class OPTAttention(nn.Module):
     """Multi-head attention with biased projections (q/k/v column-, out_proj row-parallel)."""
+
+    sibling_linears = (("q_proj", "k_proj", "v_proj"),)  # one GEMM where they merge
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
@@ -42,8 +45,8 @@ class OPTAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, H] -> [T, H]
         """Attend every token to its sequence's cached context (this step's K/V included)."""
-        q = self.q_proj(x) * self.scaling
-        return self.out_proj(self.attn(q, self.k_proj(x), self.v_proj(x), ctx))
+        q, k, v = sibling_outputs(self, self.sibling_linears[0], x)
+        return self.out_proj(self.attn(q * self.scaling, k, v, ctx))
 
 
 class OPTDecoderLayer(nn.Module):
