@@ -1120,15 +1120,20 @@ def bandwidth_bound(
 ) -> float:
     """Decode tokens/s if every step only had to read the weights once and each sequence's
     K/V: B x BW / (weight bytes + B x context x KV bytes per token)."""
+    sizes = bound_bytes(hf_config, dtype)
+    return batch * bw_GBps * 1e9 / (sizes["weights"] + batch * context * sizes["kv_per_token"])
+
+
+def bound_bytes(hf_config: Any, dtype: torch.dtype) -> dict[str, float]:
+    """The bound's terms: the weights' bytes and the K/V bytes of one token (all layers)."""
     from paged_llm.models.base import head_dim_of, num_kv_heads_of
     from paged_llm.models.presets import count_parameters
 
     elem = torch.empty((), dtype=dtype).element_size()
-    weight_bytes = count_parameters(hf_config) * elem
     kv_per_token = (
         2 * hf_config.num_hidden_layers * num_kv_heads_of(hf_config) * head_dim_of(hf_config) * elem
     )
-    return batch * bw_GBps * 1e9 / (weight_bytes + batch * context * kv_per_token)
+    return {"weights": count_parameters(hf_config) * elem, "kv_per_token": kv_per_token}
 
 
 def _attempt(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -29,7 +29,12 @@ mode over ``SYNC_STEPS`` steps, counting the warnings it raises; the sampled ids
 the share of requests whose greedy tokens equal the first variant's (bf16 on random weights:
 a graph's varlen kernel and the eager decode kernel may round a near-tie differently), and
 the host's speed before and after the variant (``host_probe_ms``: a pure-Python scheduler
-step; variants compare only where it stayed put). The JSON is rewritten after every variant.
+step; variants compare only where it stayed put). For the variants in ``--kernel-profile``
+(``mixed_graphs`` and ``mixed_graphs_unmerged`` by default), after the timed run and untimed:
+``kernel_breakdown``, the device's time per decode step (and one mixed step) at the run's mean
+batch and context by kernel kind (GEMMs against the weights' share of the bound, attention
+against the K/V's, the fused elementwise kernels, ...; experiments/kernel_breakdown.py). The
+JSON is rewritten after every variant.
 """
 
 from __future__ import annotations
@@ -54,11 +59,13 @@ from experiments.gpu_check import (
     _json_default,
     _time_copy,
     bandwidth_bound,
+    bound_bytes,
     build_workload,
     engine_kwargs,
     run_ours,
     save_tiny_llama,
 )
+from experiments.kernel_breakdown import profile_step_shape
 
 # engine arguments, and optionally how the loop reads outputs ("output_kind", run_ours': the
 # default "cumulative", as runs 1-15 did, or "final_only", as LLM.generate and vLLM's offline
@@ -110,11 +117,18 @@ def count_syncs(engine: Any, steps: int) -> dict[str, Any]:
 
 
 def run_variant(
-    name: str, plan: Plan, device: torch.device, model: str, work: Any, run_s: float
+    name: str,
+    plan: Plan,
+    device: torch.device,
+    model: str,
+    work: Any,
+    run_s: float,
+    kernel_profile: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[Any]]:
     """One variant: build, warm up, count syncs, time the workload for at most ``run_s``
-    seconds (from the timed run's start: building and compiling come first); (record,
-    outputs)."""
+    seconds (from the timed run's start: building and compiling come first), then, with
+    ``kernel_profile`` (``profile_step_shape``'s arguments but the batch), profile steps at the
+    run's mean batch; (record, outputs)."""
     from paged_llm import LLM, SamplingParams
 
     probe = host_probe_ms()
@@ -151,6 +165,12 @@ def run_variant(
     record["host_probe_ms"] = {"before": probe, "after": host_probe_ms()}
     outputs = ours.pop("outputs")
     record.update(ours)
+    if kernel_profile is not None:  # untimed, after the run: the device's part of a step
+        batch = max(1, round(ours["mean_running_batch"]))
+        try:
+            record["kernel_breakdown"] = profile_step_shape(engine, batch, **kernel_profile)
+        except Exception as err:  # the variant's run still counts
+            record["kernel_breakdown"] = {"error": f"{type(err).__name__}: {err}"}
     llm.shutdown()
     del llm, engine
     _free(device)
@@ -169,6 +189,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--requests", type=int, default=None, help="default: the plan's (1000)")
     ap.add_argument("--trace", default=None, help="ShareGPT length trace (CSV)")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    ap.add_argument("--kernel-profile", default="mixed_graphs,mixed_graphs_unmerged",
+                    help="variants whose steps are profiled by kernel kind after their run "
+                         "(experiments/kernel_breakdown.py; '' for none)")  # fmt: skip
     args = ap.parse_args(argv)
     names = args.variants.split(",")
     if unknown := [n for n in names if n not in VARIANTS]:
@@ -203,14 +226,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "variants": {},
     }
     out_path = out_dir / "gpu_e2e_variants.json"
+    mean_in = sum(map(len, work.prompts)) / len(work.prompts)
+    context = mean_in + statistics.mean(work.output_lens) / 2
+    profiled = set(filter(None, args.kernel_profile.split(",")))
+    profile_args = {
+        "context": round(context),
+        "vocab_size": hf_config.vocab_size,
+        "bytes_per_step": bound_bytes(hf_config, dtype),
+        "copy_GBps": copy_bw,
+    }
     first_outputs = None
     for i, name in enumerate(names):
         left = args.budget - (time.perf_counter() - start)
-        share = max(1.0, left / (len(names) - i) - 30)  # ~30 s to build
+        # ~30 s to build; a kernel profile after the run ~15 s more
+        share = max(1.0, left / (len(names) - i) - 30 - 15 * (name in profiled))
         run_s = min(share, args.run_seconds) if args.run_seconds else share
         try:
             record, outputs = run_variant(name, plan, device, str(model_dir or plan.model),
-                                          work, run_s)  # fmt: skip
+                                          work, run_s,
+                                          profile_args if name in profiled else None)  # fmt: skip
         except Exception as err:  # the next variant still runs
             import traceback
 
@@ -218,8 +252,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                      "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
             _free(device)
             continue
-        mean_in = sum(map(len, work.prompts)) / len(work.prompts)
-        context = mean_in + statistics.mean(work.output_lens) / 2
         batch = record["mean_running_batch"] or 1.0
         bound = bandwidth_bound(hf_config, dtype, copy_bw, batch, context)
         record["bandwidth_bound_tokens_per_s"] = bound

@@ -403,6 +403,23 @@ def test_e2e_variants_smoke_writes_each_variant(tmp_path):
             assert row["deferred_steps"] > 0
         else:
             assert row["deferred_steps"] == 0
+    # the kernel profile (operators on the CPU): merged q/k/v and gate/up are 2 GEMMs a layer
+    # fewer (2 layers, + the LM head), and each step's kinds add up to its busy time
+    linears = {}
+    for name in ("mixed_graphs", "mixed_graphs_unmerged"):
+        kb = doc["variants"][name]["kernel_breakdown"]
+        assert kb["source"] == "cpu" and kb["running"] == kb["batch"] >= 1
+        assert kb["decode"]["last_kind"] == "eager_decode" and kb["mixed"]["kind"]
+        for part in ("decode", "mixed"):
+            row = kb[part]
+            assert sum(row["ms_per_step"].values()) == pytest.approx(row["busy_ms"])
+            assert row["ms_per_step"]["gemm"] > 0 and row["wall_ms"] > row["busy_ms"] > 0
+        busiest = {b["name"]: b["calls_per_step"] for b in kb["decode"]["busiest"]}
+        linears[name] = busiest["mkldnn::_linear_pointwise"]
+        assert kb["bound_ms"]["step_ms"] == pytest.approx(sum(
+            kb["bound_ms"][k] for k in ("weights_ms", "kv_ms")))  # fmt: skip
+    assert linears == {"mixed_graphs": 2 * 4 + 1, "mixed_graphs_unmerged": 2 * 7 + 1}
+    assert "kernel_breakdown" not in doc["variants"]["mixed_graphs_async_sched"]
     with pytest.raises(SystemExit):
         gpu_e2e_variants.main(["--smoke", "--variants", "nope", "--out", str(tmp_path)])
 
@@ -466,3 +483,43 @@ def test_run_ours_counts_only_tokens_on_the_host_under_async_scheduling(tiny_lla
     two_steps = run_ours(engine(), work, After(2))
     # three calls launched three steps; the third's tokens were still on the device
     assert cut["partial"] and cut["generated_tokens"] == two_steps["generated_tokens"] == 4
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("nvjet_sm90_tst_64x32_64x16_1x2_h_bz_TNT", "gemm"),
+        ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm"),
+        ("_int8_matmul_kernel", "gemm"),
+        ("aten::addmm", "gemm"),
+        ("_paged_decode_kernel", "attention"),
+        ("_paged_prefill_kernel", "attention"),
+        ("_store_kv_kernel", "kv_store"),
+        ("_rms_norm_kernel", "norm_rope_act"),
+        ("_rotary_kernel", "norm_rope_act"),
+        ("_silu_mul_kernel", "norm_rope_act"),
+        (
+            "void at::native::vectorized_elementwise_kernel<8, at::native::AddFunctor>",
+            "torch_elementwise",
+        ),
+        ("void at::native::reduce_kernel<512, 1, at::native::ArgMaxOps>", "sampling"),
+        ("Memcpy HtoD (Pinned -> Device)", "memory"),
+        ("Memset (Device)", "memory"),
+        ("cudaGraphLaunch", "other"),
+    ],
+)
+def test_kernels_are_counted_under_their_kind(name, kind):
+    """Names as run 11's H200 profile shows them (kernel_breakdown.KINDS)."""
+    from experiments.kernel_breakdown import kind_of
+
+    assert kind_of(name) == kind
+
+
+def test_kernel_summary_adds_per_step():
+    from experiments.kernel_breakdown import summarise
+
+    timed = [("nvjet_a", 10.0), ("nvjet_a", 14.0), ("_rotary_kernel", 2.0), ("mystery", 4.0)]
+    row = summarise(timed, steps=2, wall_s=[0.001, 0.003, 0.002])
+    assert row["ms_per_step"] == {"gemm": 0.012, "norm_rope_act": 0.001, "other": 0.002}
+    assert row["busy_ms"] == pytest.approx(0.015) and row["wall_ms"] == pytest.approx(2.0)
+    assert row["busiest"][0] == {"name": "nvjet_a", "calls_per_step": 1.0, "us_each": 12.0}
