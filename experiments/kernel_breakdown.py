@@ -74,11 +74,12 @@ def summarise(
     timed: list[tuple[str, float]], steps: int, wall_s: list[float], top: int = 12
 ) -> dict[str, Any]:
     """ms per step by kind, the busiest names, and busy against wall time."""
-    by_kind: dict[str, float] = {}
     by_name: dict[str, list[float]] = {}
     for name, us in timed:
-        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + us
         by_name.setdefault(name, []).append(us)
+    by_kind: dict[str, float] = {}
+    for name, t in by_name.items():  # each name's kind matched once, not once per launch
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + sum(t)
     busiest = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
     return {
         "steps": steps,
@@ -154,7 +155,8 @@ def profile_step_shape(
     # one step with a prompt beside the decodes
     extra = "kernel-profile-mixed"
     prompt = [rng.randrange(vocab_size) for _ in range(mixed_prompt)]
-    engine.add_request(extra, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
+    greedy_one = SamplingParams(temperature=0.0, max_tokens=1)  # greedy, as the others
+    engine.add_request(extra, {"prompt_token_ids": prompt}, greedy_one)
     _, mixed_timed, mixed_walls = _profiled_steps(engine, 1)
     mixed = summarise(mixed_timed, 1, mixed_walls)
     mixed["kind"] = runner.last_forward_kind
