@@ -142,7 +142,6 @@ def test_the_phase_profile_accounts_for_every_step(tiny_llama):
     assert set(phases) == {name for name, _, _ in PHASES} | {"outputs", "caller"}
     assert all(p["seconds"] >= 0 for p in phases.values())
     assert abs(sum(p["share"] for p in phases.values()) - 1) < 1e-9
-    assert phases["forward"]["seconds"] > phases["update"]["seconds"]  # the model dominates
     assert phases["outputs"]["seconds"] > 0  # text and RequestOutputs take measurable time
     assert phases["inputs"]["seconds"] > 0  # the batch's tensors, apart from the model's time
     host = sum(phases[name]["ms_per_step"] for name in HOST_PHASES)
