@@ -33,6 +33,7 @@ _EXPORTS = {
     "ModelConfig": "paged_llm.config",
     "CacheConfig": "paged_llm.config",
     "SchedulerConfig": "paged_llm.config",
+    "ModelRegistry": "paged_llm.models.registry",
 }
 __all__ = [  # the names of _EXPORTS, spelled out so linters and IDEs see them
     "LLM",
@@ -58,6 +59,7 @@ __all__ = [  # the names of _EXPORTS, spelled out so linters and IDEs see them
     "ModelConfig",
     "CacheConfig",
     "SchedulerConfig",
+    "ModelRegistry",
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly

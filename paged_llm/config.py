@@ -4,6 +4,7 @@ name, a dotted path or a ``{_target_: ...}`` mapping."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -69,9 +70,20 @@ class ModelConfig:
     # constrain only what follows, and the server returns the thought as "reasoning"
     # (paged_llm/engine/reasoning.py)
     reasoning_parser: str | None = None
+    # Architectures from outside the package: {"MyForCausalLM": "my_pkg.models.MyForCausalLM"},
+    # registered before loading (as ModelRegistry.register_model does; docs/models.md)
+    model_classes: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         _check_optional_count("max_model_len", self.max_model_len)
+        if self.model_classes is not None:
+            from paged_llm.utils.registry import check_import_path
+
+            if not isinstance(self.model_classes, Mapping):
+                raise ValueError(f"model_classes must map architecture names to import paths, "
+                                 f"got {self.model_classes!r}")  # fmt: skip
+            self.model_classes = {str(k): check_import_path(str(v))
+                                  for k, v in self.model_classes.items()}  # fmt: skip
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"unknown cudagraph_mode {self.cudagraph_mode!r}; choose one of "
                              f"{list(CUDAGRAPH_MODES)}")  # fmt: skip

@@ -1,7 +1,8 @@
 """Swappable parts added from outside the package, reached through a dotted path or a
-``_target_`` only: a KV policy, an attention backend, a weight-quantization method and a queue
-policy, each defined in this file (the drafter's twin is in tests/test_spec.py). Each runs in
-the engine, and what it changes is checked against the built-in part it varies."""
+``_target_`` only: a model architecture, a KV policy, an attention backend, a weight-
+quantization method and a queue policy, each defined in this file (the drafter's twin is in
+tests/test_spec.py). Each runs in the engine, and what it changes is checked against the
+built-in part it varies."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from paged_llm.core.kv.reservation import OrcaOracleKVCacheManager
 from paged_llm.core.queue_policy import FCFS
 from paged_llm.core.request import Request
 from paged_llm.core.scheduler import Scheduler, SchedulerLimits
+from paged_llm.models.llama import LlamaForCausalLM
 from paged_llm.quant.layers import Int8Linear
 from paged_llm.quant.simple import PerLayerMethod
 
@@ -66,6 +68,29 @@ class ShortestPromptFirst(FCFS):
         waiting.insert(longer[0] if longer else len(waiting), request)
 
 
+class CountingLlama(LlamaForCausalLM):
+    """A Llama under another architecture name, counting its forward calls."""
+
+    calls = 0
+
+    def forward(self, *args, **kwargs):
+        """Count, then run the Llama forward."""
+        CountingLlama.calls += 1
+        return super().forward(*args, **kwargs)
+
+
+def renamed_checkpoint(src, dst, architecture: str):
+    """A copy of the checkpoint in ``src`` whose config.json names ``architecture``."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["architectures"] = [architecture]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
 def run(llm: LLM) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -74,6 +99,46 @@ def run(llm: LLM) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def plain(tiny_llama):
     return run(LLM(str(tiny_llama[0]), block_size=4, cpu_kv_cache_gib=0.01))
+
+
+def test_a_model_architecture_by_configuration_alone(tiny_llama, plain, tmp_path):
+    """model_classes={arch: import path} (LLM's keyword or the Hydra model group): a checkpoint
+    of an architecture the package does not know runs with our class, giving the Llama's tokens."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from paged_llm.config import engine_config_from_dict
+
+    path = renamed_checkpoint(tiny_llama[0], tmp_path / "ckpt", "CountingForCausalLM")
+    with pytest.raises(ValueError, match="unsupported model architecture: CountingForCausalLM"):
+        LLM(str(path), block_size=4, cpu_kv_cache_gib=0.01)
+    CountingLlama.calls = 0
+    classes = {"CountingForCausalLM": f"{HERE}:CountingLlama"}  # vLLM's module:Class works too
+    llm = LLM(str(path), block_size=4, cpu_kv_cache_gib=0.01, model_classes=classes)
+    assert llm.apply_model(lambda m: type(m).__name__) == ["CountingLlama"]
+    assert run(llm) == plain and CountingLlama.calls > 0
+    configs = str(__import__("pathlib").Path(__file__).parents[1] / "configs")
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        extra = f"+model.model_classes={{Other: {HERE}.CountingLlama}}"
+        cfg = compose("config", overrides=[f"model.model={path}", extra])
+    ec = engine_config_from_dict(OmegaConf.to_container(cfg, resolve=True))
+    assert ec.model.model_classes == {"Other": f"{HERE}.CountingLlama"}
+
+
+def test_a_model_architecture_through_the_registry(tiny_llama, plain, tmp_path):
+    """vLLM's ModelRegistry.register_model, with the class itself; bad entries fail at once."""
+    from paged_llm import ModelRegistry
+
+    path = renamed_checkpoint(tiny_llama[0], tmp_path / "ckpt", "RegisteredForCausalLM")
+    ModelRegistry.register_model("RegisteredForCausalLM", CountingLlama)
+    assert "RegisteredForCausalLM" in ModelRegistry.get_supported_archs()
+    assert run(LLM(str(path), block_size=4, cpu_kv_cache_gib=0.01)) == plain
+    with pytest.raises(ValueError, match="nn.Module subclass"):
+        ModelRegistry.register_model("Bad", object)
+    with pytest.raises(ValueError, match="not an import path"):
+        ModelRegistry.register_model("Bad", "no path here")
+    with pytest.raises(ValueError, match="not an import path"):
+        LLM(str(path), model_classes={"Bad": "not a path"})
 
 
 def test_a_kv_policy(tiny_llama, plain):

@@ -51,6 +51,9 @@ def load_model_and_tokenizer(
 ) -> tuple[nn.Module, Any, Any | None]:
     """Load a checkpoint directory, the tiny default, or a random-weight shape preset (its CPU
     linear layers switched to oneDNN for large inputs, see ``cpu_onednn_min_rows``)."""
+    from paged_llm.models.registry import register_models
+
+    register_models(mc.model_classes)  # architectures added by configuration alone
     model, hf_config, tokenizer = _load(mc, device)
     use_onednn_linears(model, mc.cpu_onednn_min_rows)
     return model, hf_config, tokenizer

@@ -17,6 +17,15 @@ def import_target(path: str) -> Any:
     return getattr(importlib.import_module(module_name), attr)
 
 
+def check_import_path(path: str) -> str:
+    """``pkg.module.Class`` from that or vLLM's ``pkg.module:Class``; a clear error otherwise."""
+    dotted = path.replace(":", ".")
+    parts = dotted.split(".")
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        raise ValueError(f"'{path}' is not an import path like 'my_pkg.models.MyForCausalLM'")
+    return dotted
+
+
 def resolve(kind: str, name: str, table: dict[str, str]) -> Any:
     """Look ``name`` up in ``table`` (or accept a dotted path) and import it."""
     if name in table:
