@@ -25,5 +25,6 @@ TEST := OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS)
 test: lint
 	$(TEST) $(ARGS)
 
+# The quick tiers (tests/tiers.py): bookkeeping, kernels and in-process engines, not slow.
 test-quick: lint
-	$(TEST) -m "not slow" $(ARGS)
+	$(TEST) -m "(unit or engine) and not slow" $(ARGS)

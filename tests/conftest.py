@@ -10,6 +10,20 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from machine_share import pytest_runtest_protocol  # noqa: E402, F401 (the hook: alone tests)
 from memory_guard import pytest_runtest_logfinish  # noqa: E402, F401 (the hook: engines' memory)
+from tiers import TIERS, is_listed_slow, tier_of_file  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its file's tier (tests/tiers.py) unless it names its own, and
+    ``slow`` where tests/tiers.py lists it."""
+    for item in items:
+        if is_listed_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+        if any(item.get_closest_marker(t) for t in TIERS):
+            continue
+        tier = tier_of_file(item.path.stem)
+        if tier is not None:  # an unlisted file fails tests/test_tiers.py
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 def save_tiny(kind: str, path, **overrides):

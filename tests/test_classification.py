@@ -214,6 +214,7 @@ def test_server_classify_score_and_rerank(cross_encoder, tmp_path):
         assert r.status_code == 400 and "cross-encoder" in r.json()["error"]["message"]
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_classifier_matches_transformers(tmp_path):
     """Two ranks: the decoder is split, the score head replicated; rank 0 classifies."""
     config = configs()["llama-3-labels"]

@@ -355,6 +355,7 @@ def test_lora_adapter_changes_embeddings_as_peft(qwen3, tmp_path):
     )
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_pooling_matches_one_process(qwen3):
     path, _ = qwen3
     settings = dict(runner="pooling", pooler_config={"pooling_type": "MEAN"}, **SMALL)
