@@ -13,7 +13,8 @@ from paged_llm.config import EngineConfig
 from paged_llm.engine.chat import render_chat
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.lora.request import LoRARequest
-from paged_llm.metrics.reader import Metric, parse_metrics_text
+from paged_llm.metrics.reader import Metric, from_families
+from paged_llm.metrics.serving_stats import RequestStats, engine_gauges
 from paged_llm.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -30,7 +31,6 @@ from paged_llm.pooling.scoring import (
 )
 from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
-from paged_llm.serve.metrics import ServerMetrics, engine_gauges
 
 
 def as_prompt_list(prompts: Any) -> list[Any]:
@@ -67,12 +67,12 @@ class LLM:
     def _start(self, engine: LLMEngine) -> None:
         self.llm_engine = engine
         # the server's counters and histograms, fed with finished outputs, for get_metrics
-        self._metrics = ServerMetrics(engine.config.model.model)
+        self._metrics = RequestStats(engine.config.model.model)
 
     def get_metrics(self) -> list[Metric]:
         """A snapshot of the server's metrics for this engine (vLLM's ``LLM.get_metrics``):
         Counter, Gauge, Histogram and, for accepted drafts by position, Vector objects."""
-        return parse_metrics_text(self._metrics.render(engine_gauges(self.llm_engine)))
+        return from_families(self._metrics.families(engine_gauges(self.llm_engine)))
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (also done on garbage collection and at exit)."""

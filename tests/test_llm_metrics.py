@@ -1,13 +1,17 @@
-"""LLM.get_metrics: vLLM's reader types over the server's metrics, and the parser behind it."""
+"""LLM.get_metrics and the server's /metrics: one table of metric families (vLLM's names),
+rendered as vLLM's reader types and, through prometheus_client, as Prometheus text."""
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from paged_llm import LLM, SamplingParams
-from paged_llm.metrics.reader import Counter, Gauge, Histogram, Vector, parse_metrics_text
+from paged_llm.core.kv.base import KVCacheStats
+from paged_llm.metrics.reader import Counter, Gauge, Histogram, Vector, from_families
 from paged_llm.outputs import RequestMetrics
-from paged_llm.serve.metrics import EngineGauges, ServerMetrics, SpecDecodeCounts
+from paged_llm.serve.metrics import EngineGauges, ServerMetrics, SpecDecodeCounts, parse_metrics
 
 PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 2) for i in range(4)]
+ODD_NAME = 'odd "model" \\ name'
 
 
 def by_name(metrics):
@@ -17,17 +21,24 @@ def by_name(metrics):
     return out
 
 
-def test_parser_reads_counters_gauges_histograms_and_the_per_position_vector():
-    sm = ServerMetrics('odd "model" \\ name')
+def busy_metrics():
+    """Counters after one finished request, and gauges with every optional family on."""
+    sm = ServerMetrics(ODD_NAME)
     sm.record_tokens(7, 3)
     sm.record_finish_reason("length")
     sm.record_latencies(RequestMetrics(arrival_time=0.0, first_scheduled_time=0.002,
                                        first_token_time=0.03, token_times=[0.03, 0.05, 0.2],
                                        finished_time=0.2))  # fmt: skip
     gauges = EngineGauges(running=2, kv_usage=0.25, preemptions=4,
+                          prefix_cache=KVCacheStats(True, 10, 6, offload=(3, 1)),
                           spec_decode=SpecDecodeCounts(5, 12, 7, (4, 2, 1)))  # fmt: skip
-    got = by_name(parse_metrics_text(sm.render(gauges)))
-    label = {"model_name": 'odd "model" \\ name'}
+    return sm, gauges
+
+
+def test_get_metrics_types_read_counters_gauges_histograms_and_the_per_position_vector():
+    sm, gauges = busy_metrics()
+    got = by_name(from_families(sm.families(gauges)))
+    label = {"model_name": ODD_NAME}
     assert got["vllm:num_requests_running"] == [Gauge("vllm:num_requests_running", label, 2.0)]
     assert got["vllm:kv_cache_usage_perc"][0].value == 0.25
     # counters are named without _total, as prometheus_client names their families
@@ -36,6 +47,8 @@ def test_parser_reads_counters_gauges_histograms_and_the_per_position_vector():
     success = {m.labels["finished_reason"]: m.value for m in got["vllm:request_success"]}
     assert success == {"stop": 0, "length": 1, "abort": 0}
     assert got["vllm:spec_decode_num_drafts"][0].value == 5
+    assert got["vllm:prefix_cache_hits"][0].value == 6
+    assert got["paged_llm:kv_offload_saved_blocks"][0].value == 3
     assert got["vllm:spec_decode_num_accepted_tokens_per_pos"] == [
         Vector("vllm:spec_decode_num_accepted_tokens_per_pos", label, [4, 2, 1])
     ]
@@ -46,9 +59,38 @@ def test_parser_reads_counters_gauges_histograms_and_the_per_position_vector():
     assert list(tpot.buckets.values()) == sorted(tpot.buckets.values())
 
 
-def test_parser_rejects_a_line_that_is_not_a_sample():
-    with pytest.raises(ValueError, match="not a Prometheus sample"):
-        parse_metrics_text('# TYPE vllm:x gauge\nvllm:x{a="1"}\n')
+def test_the_server_text_says_what_get_metrics_says():
+    """prometheus_client's own parser reads the exposition back to the same families, values
+    and labels (an odd model name included) as the reader types."""
+    sm, gauges = busy_metrics()
+    text = sm.render(gauges)
+    parsed = {f.name: f for f in text_string_to_metric_families(text)}
+    for m in from_families(sm.families(gauges)):
+        family = parsed[m.name]
+        if isinstance(m, Histogram):
+            assert family.type == "histogram"
+            samples = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+            assert samples[(m.name + "_count", None)] == m.count
+            assert samples[(m.name + "_sum", None)] == pytest.approx(m.sum)
+            assert all(samples[(m.name + "_bucket", le)] == n for le, n in m.buckets.items())
+        elif isinstance(m, Vector):
+            got = {int(s.labels["position"]): s.value for s in family.samples}
+            assert [got[i] for i in range(len(m.values))] == m.values
+        else:
+            (sample,) = [s for s in family.samples if s.labels == m.labels]
+            kind = "gauge" if isinstance(m, Gauge) else "counter"
+            suffix = "_total" if kind == "counter" else ""
+            assert family.type == kind and sample.name == m.name + suffix
+            assert sample.value == m.value
+    flat = parse_metrics(text)
+    assert flat['vllm:num_requests_running{model_name="odd \\"model\\" \\\\ name"}'] == 2
+
+
+def test_features_that_are_off_export_nothing():
+    """No prefix-cache, speculative or LoRA families without the feature: zeros would mislead."""
+    names = {m.name for m in from_families(ServerMetrics("m").families(EngineGauges()))}
+    assert "vllm:num_requests_running" in names and "vllm:engine_sleep_state" in names
+    assert not {n for n in names if "prefix_cache" in n or "spec_decode" in n or "lora" in n}
 
 
 def test_get_metrics_counts_what_the_engine_did(tiny_llama):

@@ -27,8 +27,10 @@ class FakeEngine:
         self.clock = time.monotonic
         self.iteration_stats = []
         self.scheduler = SimpleNamespace(
-            running=[], waiting=[], swapped=[], num_preemptions_total=0
-        )
+            running=[], waiting=[], swapped=[], num_preemptions_total=0,
+            kv=SimpleNamespace(cache_stats=lambda: None),  # no prefix cache
+        )  # fmt: skip
+        self.lora = self.drafter = self.kv_connector = None  # features off
         self.sleep_state = SleepState()
         self.live = {}  # id -> (prompt ids, params, output ids)
         self.aborted = []

@@ -326,11 +326,14 @@ class SimulatedExecutor:
         extra: dict[str, Any] = {"cost_model": cm.to_dict()}
         if stats is not None:
             extra["sharing"] = stats.to_dict()
-        if distinct and hasattr(kv, "prefix_cache_hit_rate"):
-            extra["prefix_cache_hit_rate"] = kv.prefix_cache_hit_rate()
-        if getattr(kv, "offload", None) is not None:
-            extra["kv_offload"] = {"blocks": kv.offload.num_blocks, "saved": kv.offload.num_saved,
-                                   "loaded": kv.offload.num_loaded}  # fmt: skip
+        cache = kv.cache_stats()
+        if distinct and cache is not None:
+            q, h = cache.prefix_queries, cache.prefix_hits
+            extra["prefix_cache_hit_rate"] = h / q if q else 0.0
+        if cache is not None and cache.offload is not None:
+            saved, loaded = cache.offload
+            extra["kv_offload"] = {"blocks": cache.offload_blocks, "saved": saved,
+                                   "loaded": loaded}  # fmt: skip
         return RunTrace(
             requests=list(records.values()),
             iterations=iterations,

@@ -187,7 +187,7 @@ class RealExecutor:
         }
         if stats is not None:
             extra["sharing"] = stats.to_dict()
-        if distinct and hasattr(kv, "prefix_cache_hit_rate"):
+        if distinct and kv.cache_stats() is not None:
             queries, hits = (a - b for a, b in zip(_prefix_counts(kv), prefix0))
             extra["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
         return RunTrace(
@@ -379,7 +379,8 @@ def _block_tables(engine: Any) -> list[list[int]]:
 
 def _prefix_counts(kv: Any) -> tuple[int, int]:
     """Prefix-cache blocks looked up and found so far (0, 0 without a prefix cache)."""
-    return getattr(kv, "prefix_queries", 0), getattr(kv, "prefix_hits", 0)
+    stats = kv.cache_stats()
+    return (0, 0) if stats is None else (stats.prefix_queries, stats.prefix_hits)
 
 
 def _iteration(st: Any, start: float, duration: float) -> IterationRecord:

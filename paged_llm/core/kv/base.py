@@ -40,6 +40,18 @@ class MemoryBreakdown:
         }
 
 
+@dataclass(frozen=True)
+class KVCacheStats:
+    """A KV manager's own counters, in blocks: prefix-cache lookups and, with a CPU tier,
+    blocks copied out to it and back."""
+
+    prefix_caching: bool  # prefix caching is on (lookups also count a KV connector's loads)
+    prefix_queries: int  # full prompt blocks looked up
+    prefix_hits: int  # of which found (on the device, in the CPU tier or the connector's store)
+    offload: tuple[int, int] | None = None  # CPU tier: (copied out, copied back); None: no tier
+    offload_blocks: int = 0  # the CPU tier's size
+
+
 class KVCacheManager(ABC):
     """Answers 'can this request get slots for N more tokens?' and owns the block tables."""
 
@@ -57,6 +69,10 @@ class KVCacheManager(ABC):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.block_tables: dict[str, list[int]] = {}
+
+    def cache_stats(self) -> KVCacheStats | None:
+        """This manager's prefix-cache and offload counters; None where it caches nothing."""
+        return None
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` slots."""

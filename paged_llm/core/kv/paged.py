@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from paged_llm.core.block_pool import BlockPool
-from paged_llm.core.kv.base import KVCacheManager, MemoryBreakdown
+from paged_llm.core.kv.base import KVCacheManager, KVCacheStats, MemoryBreakdown
 from paged_llm.core.kv.block_table import NULL_BLOCK, live_blocks
 from paged_llm.core.kv.connector_lookup import ConnectorLookup
 from paged_llm.core.kv.offload import OffloadedPrefixes, PrefixOffloadTier
@@ -85,6 +85,17 @@ class PagedKVCacheManager(KVCacheManager):
             )
             self._tier_loads["ext"] = self._external.load
         self._loads_external = kv_connector is not None and kv_connector.can_load
+
+    def cache_stats(self) -> KVCacheStats:
+        """Prefix-cache lookups and hits, and the CPU tier's copies (KVCacheManager's)."""
+        tier = self.offload
+        return KVCacheStats(
+            prefix_caching=self.enable_prefix_caching,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            offload=None if tier is None else (tier.num_saved, tier.num_loaded),
+            offload_blocks=0 if tier is None else tier.num_blocks,
+        )
 
     @property
     def prefix_queries(self) -> int:
