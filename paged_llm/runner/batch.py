@@ -45,6 +45,11 @@ class HostBatch:
     placeholders: list[tuple[int, str]] = field(default_factory=list)
 
 
+def is_decode_batch(batch: Any) -> bool:
+    """True when every sequence of the HostBatch feeds exactly one token (a pure decode)."""
+    return bool(batch.query_lens) and all(q == 1 for q in batch.query_lens)
+
+
 @dataclass
 class StepInputs:
     """The device inputs of one step's forward (decodes first)."""

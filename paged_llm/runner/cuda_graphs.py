@@ -64,6 +64,7 @@ from paged_llm.attention.metadata import (
     slot_mapping,
 )
 from paged_llm.layers.attention import ForwardContext
+from paged_llm.runner.batch import is_decode_batch
 from paged_llm.utils.host import int_tensor, to_device
 
 logger = logging.getLogger(__name__)
@@ -140,11 +141,6 @@ class PaddedBatch:
     block_tables: torch.Tensor
     rows: list[int]  # [T]: the padded row of each of the batch's tokens, in its order
     query_start_loc: list[int] | None = None  # [bucket + 1]: mixed steps (strides fix it)
-
-
-def is_decode_batch(batch: Any) -> bool:
-    """True when every sequence of the HostBatch feeds exactly one token (a pure decode)."""
-    return bool(batch.query_lens) and all(q == 1 for q in batch.query_lens)
 
 
 def pad_batch(batch: Any, bucket: int, stride: int, block_size: int, width: int) -> PaddedBatch:

@@ -21,11 +21,12 @@ from paged_llm.runner.batch import (
     HostBatch,
     PromptLogprobs,
     flatten_batch,
+    is_decode_batch,
     pack_prompt_logprobs,
     prompt_logprobs,
     to_step_inputs,
 )
-from paged_llm.runner.cuda_graphs import VARLEN, CudaGraphRunner, is_decode_batch
+from paged_llm.runner.cuda_graphs import VARLEN, CudaGraphRunner
 from paged_llm.runner.kv_cache import (
     KVCaches,
     allocate_kv_caches,
@@ -358,7 +359,8 @@ class ModelRunner:
         else:
             self._count_forward("eager_decode" if is_decode_batch(batch) else "eager_prefill")
             inputs = to_step_inputs(batch, self.block_size, self.device, self.backend)
-            feed_placeholders(inputs.input_ids, batch.placeholders, self.last_sampled)
+            if batch.placeholders:  # async scheduling: tokens still on the device
+                feed_placeholders(inputs.input_ids, batch.placeholders, self.last_sampled)
             head_rows, pool_rows = self._row_indices(batch)
             ctx = ForwardContext(
                 inputs.attn_metadata, self.backend, self.kv_caches, self.kv_scales or None
