@@ -5,6 +5,7 @@ bad overrides refused before any work."""
 import csv
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,21 +55,33 @@ def test_sweep_merges_every_job_with_its_overrides(sweep):
         assert r["mode"] == "real" and r["device"] == "cpu" and r["cpu"]  # real, and where
         spec = job["config"]["engine"]["speculative_config"]
         assert (spec or {}).get("method", "none") == r["speculative"]  # the job ran its override
-    md = (sweep_dir / "sweep.md").read_text()
+    md, merged = (sweep_dir / "sweep.md").read_text().split("\n## Mean and 95% interval")
     assert "varying quant, speculative" in md and "real" in md
     assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + 4  # header + jobs
+    # no seed swept: each job is its own configuration, one sample, no interval
+    assert sum(line.startswith("| ") for line in merged.splitlines()) == 1 + 4
+    means = list(csv.DictReader((sweep_dir / "sweep_mean.csv").read_text().splitlines()))
+    assert [(r["jobs"], r["samples"], r["output_tokens_per_s_ci95_low"]) for r in means] == [
+        (str(i), "1", "") for i in range(4)
+    ]
+    assert {r["host"] for r in rows} == {socket.gethostname()}
+    assert {r["jobs_on_host"] for r in rows} == {"1"}  # the basic launcher: one at a time
     assert "| 3 | int8 | ngram | real |" in md
     assert (sweep_dir / "sweep.png").stat().st_size > 1000
 
 
 def test_wandb_offline_one_run_per_job_in_the_sweeps_group(sweep):
     tmp, sweep_dir = sweep
-    runs = sorted((tmp / "wb" / "wandb").glob("offline-run-*"))
+    assert not (tmp / "wb" / "wandb").exists()  # the sweep directory, not $WANDB_DIR
+    runs = sorted((sweep_dir / "wandb").glob("offline-run-*"))
     jobs = [r for r in runs if (r / "files" / "throughput.json").is_file()]
     summary = [r for r in runs if (r / "files" / "sweep.csv").is_file()]
     assert len(jobs) == 4 and len(summary) == 1
-    for run in runs:  # the group (the sweep directory's name) is in every run's record
-        assert sweep_dir.name.encode() in next(run.glob("run-*.wandb")).read_bytes()
+    for run in runs:  # the group (experiment and sweep directory) is in every run's record
+        group = b"throughput-" + sweep_dir.name.encode()
+        assert group in next(run.glob("run-*.wandb")).read_bytes()
+    for run in jobs:  # each job's run is named by its overrides
+        assert b"quant=" in next(run.glob("run-*.wandb")).read_bytes()
     for run in jobs:  # config and metrics
         data = next(run.glob("run-*.wandb")).read_bytes()
         assert b"paged_llm/output_tokens_per_s" in data and b"speculative_config" in data
