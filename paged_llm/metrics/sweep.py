@@ -87,7 +87,8 @@ class SweepSummary(Callback):
                 # Hydra turns a callback's exception into a warning and sweeps on; SystemExit
                 # stops the sweep.
                 job_text = " ".join(overrides)
-                raise SystemExit(f"sweep stopped before any job ran; [{job_text}]:\n{err}") from err
+                why = f"{err}\n{err.__cause__}" if err.__cause__ else str(err)  # the key's path
+                raise SystemExit(f"sweep stopped before any job ran; [{job_text}]:\n{why}") from err
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         """In a multirun job: pin its threads, warn when jobs share the host, record it."""
