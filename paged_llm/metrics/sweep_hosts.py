@@ -50,9 +50,19 @@ def jobs_at_once(launcher: Mapping[str, Any], n_jobs: int) -> int:
     return min(n_jobs, rule(launcher, n_jobs)) if rule else 1
 
 
+def busy_cores() -> float:
+    """Cores other processes keep busy: the 1-minute load average less this job's own one."""
+    return max(0.0, os.getloadavg()[0] - 1.0) if hasattr(os, "getloadavg") else 0.0
+
+
 def threads_per_job(at_once: int, fixed: int | None = None) -> int:
-    """The torch threads a job gets: ``fixed``, else its share of the host's cores."""
-    return int(fixed) if fixed else max(1, host_cores() // max(1, at_once))
+    """The torch threads a job gets: ``fixed``, else its share of the host's cores, and no more
+    than the cores others leave free (more threads than free cores stall OpenMP's barriers,
+    10-30x slower matmuls on a shared 2-core machine: configs/throughput.yaml)."""
+    if fixed:
+        return int(fixed)
+    share = host_cores() // max(1, at_once)
+    return max(1, min(share, int(host_cores() - busy_cores())))
 
 
 def start_job(job_dir: Path, at_once: int, threads: int) -> dict[str, Any]:
@@ -68,9 +78,16 @@ def start_job(job_dir: Path, at_once: int, threads: int) -> dict[str, Any]:
             "machine; the merged table's jobs_on_host says how many overlapped",
             at_once, socket.gethostname(), cores, threads,
         )  # fmt: skip
+    busy = busy_cores()
+    if busy >= 1.0:
+        log.warning(
+            "other processes keep ~%.1f of %s's %d cores busy: this job runs %d thread(s), and "
+            "its timings are of a shared machine", busy, socket.gethostname(), cores, threads,
+        )  # fmt: skip
     record = {
         "host": socket.gethostname(), "pid": os.getpid(), "cores": cores, "threads": threads,
-        "jobs_at_once": at_once, "start": time.time(), "end": None,
+        "jobs_at_once": at_once, "busy_cores_at_start": round(busy, 2),
+        "start": time.time(), "end": None,
     }  # fmt: skip
     (job_dir / RECORD).write_text(json.dumps(record))
     return record
