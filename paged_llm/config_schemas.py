@@ -6,10 +6,15 @@ any job of a run or a sweep starts, naming the key's path. Registered on import 
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+
+from paged_llm.sim.settings import ServingSettings
+from paged_llm.workloads.arrivals import WorkloadSpec
 
 
 @dataclass
@@ -38,51 +43,29 @@ class SchedulerSchema:
     scheduling_policy: str = "fcfs"  # written by the scheduling group
 
 
-@dataclass
-class WorkloadSchema:
-    """configs/workload/*.yaml: paged_llm.workloads.arrivals.WorkloadSpec's fields, typed."""
-
-    name: str = "sharegpt"
-    path: str | None = None
-    synthetic: str = "sharegpt"
-    tokenizer: str | None = None
-    request_rate: float = 1.0
-    duration_s: float | None = 600.0
-    num_requests: int | None = None
-    burstiness: float = 1.0
-    seed: int = 0
-    max_total_len: int = 2048
-    min_input_len: int = 1
-    min_output_len: int = 1
-    length_scale: float = 1.0
-    n: int = 1
-    beam_width: int = 1
-    beam_parents: str = "uniform"
-    prefix_len: int = 0
-    chat_turns: float = 0.0
-    max_prompt_len: int | None = None
-    max_output_len: int | None = None
-    turns: int = 0
-    think_time_s: float = 30.0
+def typed_copy(cls: type, name: str, doc: str) -> type:
+    """A mutable dataclass with ``cls``'s fields, types and defaults (OmegaConf marks a frozen
+    dataclass's node read-only, so the frozen originals cannot be schemas themselves)."""
+    hints = typing.get_type_hints(cls)
+    copied = []
+    for f in dataclasses.fields(cls):
+        default = (
+            dataclasses.field(default_factory=f.default_factory)
+            if f.default_factory is not dataclasses.MISSING
+            else dataclasses.field(default=f.default)
+        )
+        copied.append((f.name, hints[f.name], default))
+    schema = dataclasses.make_dataclass(name, copied)
+    schema.__module__, schema.__doc__ = __name__, doc
+    return schema
 
 
-@dataclass
-class ServingEngineSchema:
-    """paper_base.yaml's ``engine``: paged_llm.sim.settings.ServingSettings, typed."""
-
-    block_size: int = 16
-    max_num_batched_tokens: int = 2560
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
-    num_gpu_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    swap_space_gib: float = 20.0
-    preemption_mode: str = "recompute"
-    enable_chunked_prefill: bool = False
-    enable_prefix_caching: bool = False
-    kv_offloading_size: float = 0.0
-    scheduling_policy: str = "fcfs"
-    free_blocks_behind_window: bool = True
+WorkloadSchema = typed_copy(
+    WorkloadSpec, "WorkloadSchema", "configs/workload/*.yaml: WorkloadSpec's fields, typed."
+)
+ServingEngineSchema = typed_copy(
+    ServingSettings, "ServingEngineSchema", "paper_base.yaml's ``engine``: ServingSettings, typed."
+)
 
 
 @dataclass
