@@ -133,3 +133,35 @@ def test_sweep_table_lookup_and_swept_keys(tmp_path):
     rows, swept = sweep_table.collect_rows(tmp_path, "r.json", {"policy": "policy"})
     assert swept == ["policy"]  # varied, though a result column has the same name
     assert [r["policy"] for r in rows] == ["PAGED", "ORCA_ORACLE"] and rows[0]["seeds"] == "2"
+
+
+def test_jobs_on_host_counts_the_jobs_that_overlapped_on_the_same_host():
+    from paged_llm.metrics.sweep_hosts import jobs_on_host
+
+    records = [
+        {"host": "a", "start": 0.0, "end": 10.0},
+        {"host": "a", "start": 5.0, "end": 15.0},  # overlaps the first and the third
+        {"host": "a", "start": 12.0, "end": 20.0},
+        {"host": "b", "start": 0.0, "end": 20.0},  # alone on its host
+        {},  # a job run without the callback
+    ]
+    assert jobs_on_host(records) == [2, 3, 2, 1, None]
+
+
+def test_jobs_at_once_and_threads_per_job_follow_the_launcher(monkeypatch):
+    from paged_llm.metrics import sweep_hosts
+
+    monkeypatch.setattr(sweep_hosts, "host_cores", lambda: 8)
+    monkeypatch.setattr(sweep_hosts, "busy_cores", lambda: 0.0)
+    joblib = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+    local = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+    basic = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+    assert sweep_hosts.jobs_at_once({"_target_": joblib, "n_jobs": 2}, 6) == 2
+    assert sweep_hosts.jobs_at_once({"_target_": joblib, "n_jobs": -1}, 20) == 8  # every core
+    assert sweep_hosts.jobs_at_once({"_target_": joblib, "n_jobs": -1}, 3) == 3  # only 3 jobs
+    assert sweep_hosts.jobs_at_once({"_target_": local, "array_parallelism": 256}, 4) == 4
+    assert sweep_hosts.jobs_at_once({"_target_": basic}, 4) == 1
+    assert [sweep_hosts.threads_per_job(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    assert sweep_hosts.threads_per_job(4, fixed=3) == 3
+    monkeypatch.setattr(sweep_hosts, "busy_cores", lambda: 6.5)  # others keep 6.5 cores busy
+    assert sweep_hosts.threads_per_job(1) == 1

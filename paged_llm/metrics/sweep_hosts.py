@@ -110,15 +110,14 @@ def read_record(job_dir: Path) -> dict[str, Any]:
 
 def jobs_on_host(records: list[dict[str, Any]]) -> list[int | None]:
     """Per job, how many jobs (itself included) ran on its host while it ran."""
-    counts: list[int | None] = []
-    for r in records:
-        if not r.get("start"):
-            counts.append(None)
-            continue
-        end = r.get("end") or time.time()
-        counts.append(sum(
-            1 for o in records
-            if o.get("host") == r["host"] and o.get("start")
-            and o["start"] < end and (o.get("end") or time.time()) > r["start"]
-        ))  # fmt: skip
-    return counts
+    now = time.time()  # a job without an end is still running (or died)
+    spans = [
+        (r["host"], r["start"], now if r.get("end") is None else r["end"])
+        if r.get("start") is not None else None
+        for r in records
+    ]  # fmt: skip
+    return [
+        None if s is None
+        else sum(1 for o in spans if o and o[0] == s[0] and o[1] < s[2] and o[2] > s[1])
+        for s in spans
+    ]  # fmt: skip
