@@ -63,3 +63,21 @@ def test_wandb_offline_runs_in_the_sweep_directory_grouped_by_sweep(fig2_sweep):
     assert named  # a job's run is named by its overrides
     summary = [r for r in runs if (r / "files" / "sweep_mean.csv").is_file()]
     assert len(summary) == 1
+
+
+def test_joblib_jobs_record_their_shared_host(tmp_path):
+    """Two jobs at once through joblib (hydra/launcher=parallel): each knows it shares the host
+    with the other, gets at most its share of the cores, and warns in its log."""
+    cmd = [sys.executable, "-m", "paper_repro.fig2", "-m", "hydra/launcher=parallel",
+           "seeds=[0],[1]", "workload.duration_s=10", "window=[2,10]", "progress=false",
+           f"hydra.sweep.dir={tmp_path}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for job in ("0", "1"):
+        record = json.loads((tmp_path / job / "sweep_job.json").read_text())
+        assert record["jobs_at_once"] == 2
+        assert 1 <= record["threads"] <= max(1, record["cores"] // 2)  # its share, or less
+        assert "2 jobs run at once on" in (tmp_path / job / "fig2.log").read_text()
+    merged = list(csv.DictReader((tmp_path / "sweep_mean.csv").read_text().splitlines()))
+    assert len(merged) == 1 and merged[0]["samples"] == "2"  # the seeds, merged
