@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -67,10 +68,10 @@ def threads_per_job(at_once: int, fixed: int | None = None) -> int:
 
 def start_job(job_dir: Path, at_once: int, threads: int) -> dict[str, Any]:
     """Pin this job's torch threads, warn when jobs share the cores, and record the job."""
-    import torch
-
-    torch.set_num_threads(threads)
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # for subprocesses the job starts
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # torch reads it when first imported
+    torch = sys.modules.get("torch")  # a simulated figure need not import torch at all
+    if torch is not None:
+        torch.set_num_threads(threads)
     cores = host_cores()
     if at_once > 1:
         log.warning(
