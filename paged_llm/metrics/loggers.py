@@ -68,7 +68,7 @@ class WandbLogger(NullLogger):
             hc = HydraConfig.get()
             run_dir = hc.runtime.output_dir
             if hc.mode.name == "MULTIRUN":
-                group = group or sweep_group(hc.job.name, hc.sweep.dir)
+                group = group or sweep_group(hc.sweep.dir, hc.job.name)
                 job_name = " ".join(hc.overrides.task) or f"{hc.job.name}-{hc.job.num}"
                 run_dir = hc.sweep.dir
         except ValueError:  # not inside a Hydra app

@@ -22,9 +22,9 @@ from paged_llm.metrics import sweep_hosts, sweep_jobs, sweep_table
 SEED_KEYS = ("seeds", "seed", "workload.seed", "+seed")
 
 
-def sweep_group(job_name: str, sweep_dir: str | Path) -> str:
+def sweep_group(sweep_dir: str | Path, job_name: str | None = None) -> str:
     """The logger group of a sweep's runs: the experiment and the sweep directory's name."""
-    return f"{job_name}-{Path(sweep_dir).name}"
+    return f"{job_name}-{Path(sweep_dir).name}" if job_name else Path(sweep_dir).name
 
 
 def _is_index(step: str) -> bool:
@@ -178,6 +178,6 @@ class SweepSummary(Callback):
             return
         logger = instantiate(config.logger)
         job_name = str(config.hydra.job.name)
-        group = sweep_group(job_name, sweep_dir)
+        group = sweep_group(sweep_dir, job_name)
         name = f"{self.name or job_name}-summary"
         logger.log_sweep(group, name, rows, paths, run_dir=sweep_dir)
