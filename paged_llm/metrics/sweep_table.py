@@ -114,8 +114,8 @@ def merge_configurations(
                 out[name], out[f"{name}_ci95_low"], out[f"{name}_ci95_high"] = (
                     s["mean"], s["ci95_low"], s["ci95_high"])  # fmt: skip
             else:
-                seen = list(dict.fromkeys(str(rows[i].get(name)) for i in members))
-                out[name] = seen[0] if len(seen) == 1 else "; ".join(seen)
+                seen = list(dict.fromkeys(rows[i].get(name) for i in members))
+                out[name] = seen[0] if len(seen) == 1 else "; ".join(map(str, seen))
         hosts = dict.fromkeys(rows[i]["host"] for i in members if rows[i].get("host"))
         if hosts:
             out["host"] = ", ".join(hosts)
