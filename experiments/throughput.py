@@ -365,6 +365,9 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
+    if hc.mode.name == "MULTIRUN" and not cfg.sweep_baselines and cfg.baselines:
+        logger.info("sweep job: baselines %s skipped (sweep_baselines=false)", list(cfg.baselines))
+        cfg.baselines = []
     run_benchmark(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task))
 
 

@@ -6,6 +6,7 @@ The public names are imported on first use (PEP 562), so the plain-Python bookke
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         StructuredOutputsParams,
     )
     from paged_llm.serve.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
+
+
+# the Hydra configs' typed schemas and --help, before any entry point composes a config; no
+# hydra (the GPU scripts' machine): there are no configs to check
+with contextlib.suppress(ImportError):
+    from paged_llm import config_help, config_schemas  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -5,6 +5,7 @@ bad overrides refused before any work."""
 import csv
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,21 +55,33 @@ def test_sweep_merges_every_job_with_its_overrides(sweep):
         assert r["mode"] == "real" and r["device"] == "cpu" and r["cpu"]  # real, and where
         spec = job["config"]["engine"]["speculative_config"]
         assert (spec or {}).get("method", "none") == r["speculative"]  # the job ran its override
-    md = (sweep_dir / "sweep.md").read_text()
+    md, merged = (sweep_dir / "sweep.md").read_text().split("\n## Mean and 95% interval")
     assert "varying quant, speculative" in md and "real" in md
     assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + 4  # header + jobs
+    # no seed swept: each job is its own configuration, one sample, no interval
+    assert sum(line.startswith("| ") for line in merged.splitlines()) == 1 + 4
+    means = list(csv.DictReader((sweep_dir / "sweep_mean.csv").read_text().splitlines()))
+    assert [(r["jobs"], r["samples"], r["output_tokens_per_s_ci95_low"]) for r in means] == [
+        (str(i), "1", "") for i in range(4)
+    ]
+    assert {r["host"] for r in rows} == {socket.gethostname()}
+    assert {r["jobs_on_host"] for r in rows} == {"1"}  # the basic launcher: one at a time
     assert "| 3 | int8 | ngram | real |" in md
     assert (sweep_dir / "sweep.png").stat().st_size > 1000
 
 
 def test_wandb_offline_one_run_per_job_in_the_sweeps_group(sweep):
     tmp, sweep_dir = sweep
-    runs = sorted((tmp / "wb" / "wandb").glob("offline-run-*"))
+    assert not (tmp / "wb" / "wandb").exists()  # the sweep directory, not $WANDB_DIR
+    runs = sorted((sweep_dir / "wandb").glob("offline-run-*"))
     jobs = [r for r in runs if (r / "files" / "throughput.json").is_file()]
     summary = [r for r in runs if (r / "files" / "sweep.csv").is_file()]
     assert len(jobs) == 4 and len(summary) == 1
-    for run in runs:  # the group (the sweep directory's name) is in every run's record
-        assert sweep_dir.name.encode() in next(run.glob("run-*.wandb")).read_bytes()
+    for run in runs:  # the group (experiment and sweep directory) is in every run's record
+        group = b"throughput-" + sweep_dir.name.encode()
+        assert group in next(run.glob("run-*.wandb")).read_bytes()
+    for run in jobs:  # each job's run is named by its overrides
+        assert b"quant=" in next(run.glob("run-*.wandb")).read_bytes()
     for run in jobs:  # config and metrics
         data = next(run.glob("run-*.wandb")).read_bytes()
         assert b"paged_llm/output_tokens_per_s" in data and b"speculative_config" in data
@@ -120,3 +133,35 @@ def test_sweep_table_lookup_and_swept_keys(tmp_path):
     rows, swept = sweep_table.collect_rows(tmp_path, "r.json", {"policy": "policy"})
     assert swept == ["policy"]  # varied, though a result column has the same name
     assert [r["policy"] for r in rows] == ["PAGED", "ORCA_ORACLE"] and rows[0]["seeds"] == "2"
+
+
+def test_jobs_on_host_counts_the_jobs_that_overlapped_on_the_same_host():
+    from paged_llm.metrics.sweep_hosts import jobs_on_host
+
+    records = [
+        {"host": "a", "start": 0.0, "end": 10.0},
+        {"host": "a", "start": 5.0, "end": 15.0},  # overlaps the first and the third
+        {"host": "a", "start": 12.0, "end": 20.0},
+        {"host": "b", "start": 0.0, "end": 20.0},  # alone on its host
+        {},  # a job run without the callback
+    ]
+    assert jobs_on_host(records) == [2, 3, 2, 1, None]
+
+
+def test_jobs_at_once_and_threads_per_job_follow_the_launcher(monkeypatch):
+    from paged_llm.metrics import sweep_hosts
+
+    monkeypatch.setattr(sweep_hosts, "host_cores", lambda: 8)
+    monkeypatch.setattr(sweep_hosts, "busy_cores", lambda: 0.0)
+    joblib = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+    local = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+    basic = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+    assert sweep_hosts.jobs_at_once({"_target_": joblib, "n_jobs": 2}, 6) == 2
+    assert sweep_hosts.jobs_at_once({"_target_": joblib, "n_jobs": -1}, 20) == 8  # every core
+    assert sweep_hosts.jobs_at_once({"_target_": joblib, "n_jobs": -1}, 3) == 3  # only 3 jobs
+    assert sweep_hosts.jobs_at_once({"_target_": local, "array_parallelism": 256}, 4) == 4
+    assert sweep_hosts.jobs_at_once({"_target_": basic}, 4) == 1
+    assert [sweep_hosts.threads_per_job(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    assert sweep_hosts.threads_per_job(4, fixed=3) == 3
+    monkeypatch.setattr(sweep_hosts, "busy_cores", lambda: 6.5)  # others keep 6.5 cores busy
+    assert sweep_hosts.threads_per_job(1) == 1

@@ -25,8 +25,9 @@ class NullLogger:
         """Close the run."""
 
     def log_sweep(
-        self, group: str, name: str, rows: list[dict[str, Any]], paths: list[str | Path]
-    ) -> None:
+        self, group: str, name: str, rows: list[dict[str, Any]], paths: list[str | Path],
+        run_dir: str | Path | None = None,
+    ) -> None:  # fmt: skip
         """Record a multirun's merged table and files (paged_llm/metrics/sweep.py)."""
 
 
@@ -43,45 +44,59 @@ class ConsoleLogger(NullLogger):
 
 
 class WandbLogger(NullLogger):
-    """Weights & Biases: one run per (multi)run job, grouped by sweep; offline by default."""
+    """Weights & Biases: one run per (multi)run job, offline by default. In a multirun the runs
+    land in the sweep directory (``<sweep dir>/wandb``), grouped as ``<experiment>-<sweep
+    directory's name>`` and each named by its job's overrides; a single run lands in its run
+    directory (outside Hydra: $WANDB_DIR). ``dir`` puts them elsewhere;
+    ``wandb sync DIR/wandb/offline-run-*`` uploads offline runs."""
 
     def __init__(
-        self, project: str = "paged-llm", mode: str = "offline", group: str | None = None
-    ) -> None:
-        self.project, self.mode, self.group = project, mode, group
+        self, project: str = "paged-llm", mode: str = "offline", group: str | None = None,
+        dir: str | None = None,
+    ) -> None:  # fmt: skip
+        self.project, self.mode, self.group, self.dir = project, mode, group, dir
         self._run = None
 
     def log_config(self, config: dict[str, Any]) -> None:
-        """Start the run with the resolved config (group = the Hydra sweep directory)."""
-        group, job_name = self.group, None
+        """Start the run with the resolved config, grouped, named and placed by its sweep."""
+        group, job_name, run_dir = self.group, None, None
         try:
             from hydra.core.hydra_config import HydraConfig
 
+            from paged_llm.metrics.sweep import sweep_group
+
             hc = HydraConfig.get()
+            run_dir = hc.runtime.output_dir
             if hc.mode.name == "MULTIRUN":
-                group = group or Path(hc.sweep.dir).name  # sweep.sweep_group: the same name
-                job_name = f"{hc.job.name}-{hc.job.num}"
+                group = group or sweep_group(hc.sweep.dir, hc.job.name)
+                job_name = " ".join(hc.overrides.task) or f"{hc.job.name}-{hc.job.num}"
+                run_dir = hc.sweep.dir
         except ValueError:  # not inside a Hydra app
             pass
-        self._start(config, group, job_name, "job")
+        self._start(config, group, job_name, "job", run_dir)
 
     def _start(self, config: dict[str, Any], group: str | None, name: str | None,
-               job_type: str) -> None:  # fmt: skip
-        """Open a W&B run (offline unless mode says otherwise)."""
+               job_type: str, run_dir: str | Path | None = None) -> None:  # fmt: skip
+        """Open a W&B run (offline unless mode says otherwise) under ``dir``, else ``run_dir``
+        (else wandb's own choice: $WANDB_DIR or the working directory)."""
         import wandb
 
+        where = self.dir or run_dir
+        if where:
+            Path(where).mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
             project=self.project, mode=self.mode, group=group, name=name, job_type=job_type,
-            config=config, reinit="finish_previous",
+            config=config, reinit="finish_previous", dir=str(where) if where else None,
         )  # fmt: skip
 
     def log_sweep(
-        self, group: str, name: str, rows: list[dict[str, Any]], paths: list[str | Path]
-    ) -> None:
+        self, group: str, name: str, rows: list[dict[str, Any]], paths: list[str | Path],
+        run_dir: str | Path | None = None,
+    ) -> None:  # fmt: skip
         """A summary run in the sweep's group: the merged table, its CSV / markdown / plot."""
         import wandb
 
-        self._start({"jobs": len(rows)}, self.group or group, name, "sweep-summary")
+        self._start({"jobs": len(rows)}, self.group or group, name, "sweep-summary", run_dir)
         keys = list(dict.fromkeys(k for r in rows for k in r))
         table = wandb.Table(columns=keys, data=[[r.get(k) for k in keys] for r in rows],
                             allow_mixed_types=True)  # fmt: skip
