@@ -16,6 +16,7 @@ FILE_TIERS = {
     "unit": [
         "test_async_scheduling",
         "test_attention_backend_api",
+        "test_config_schemas",
         "test_core_allocators",
         "test_cpu_attention",
         "test_cpu_linear",
@@ -88,6 +89,7 @@ FILE_TIERS = {
     "distributed": ["test_tensor_parallel"],
     "experiment": [
         "test_beam_sharing_experiment",
+        "test_figure_sweeps",
         "test_gpu_check",
         "test_kernel_compile",
         "test_paper_repro",
