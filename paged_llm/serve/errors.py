@@ -60,6 +60,22 @@ class Conflict(APIError):
     default_code = "conflict"
 
 
+class PayloadTooLarge(APIError):
+    """413: the request body is over the server's limit (``--max-request-body-bytes``)."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class UnsupportedMediaType(APIError):
+    """415: the body is not ``application/json``."""
+
+    status_code = 415
+    error_type = "invalid_request_error"
+    default_code = "unsupported_media_type"
+
+
 class ServerBusy(APIError):
     """429: the waiting queue is full; the client should retry later."""
 
