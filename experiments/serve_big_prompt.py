@@ -1,18 +1,22 @@
 """One huge prompt against a live ``python -m paged_llm.serve`` process: how long its refusal
 takes, whether a small completion sent at the same moment still completes (and how long it
 takes, beside the same small request sent alone: the peer), and how much the server's memory
-grows (resident set after, and peak, from /proc). Two huge prompts: one over the body limit
-(413 while reading) and one under it that cannot fit the context (400 from its length alone).
+grows (resident set after, and peak, from /proc). Per server body limit (``--body-limit-mb``,
+one server process each): the huge prompt (413 while reading when it is over the limit, else a
+400 from its length alone) and a prompt under the limit that cannot fit the context (a 400 from
+its length alone).
 
     python -m experiments.serve_big_prompt [--model tiny] [--prompt-mb 50] [--under-limit-mb 8]
-        [--out outputs/serve_big_prompt]
+        [--body-limit-mb 16 64] [--out outputs/serve_big_prompt]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import select
 import socket
 import statistics
 import subprocess
@@ -21,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -78,6 +83,45 @@ def _timed_post(url: str, content: bytes) -> dict[str, Any]:
     return out
 
 
+def _raw_post(host: str, port: int, path: str, body: bytes) -> dict[str, Any]:
+    """POST ``body`` over a plain socket, sending it in 1 MiB pieces and stopping as soon as
+    the server answers (an HTTP client sends the whole body first, which would time the
+    client): the status and the seconds from the first byte sent to the status line."""
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection((host, port), timeout=120) as sock:
+        start = time.monotonic()
+        sock.sendall(head)
+        sent, answer = 0, b""
+        while b"\r\n" not in answer:
+            writing = [sock] if sent < len(body) else []
+            readable, writable, _ = select.select([sock], writing, [], 120)
+            if readable:
+                piece = sock.recv(65536)
+                if not piece:
+                    break
+                answer += piece
+            elif writable:
+                try:
+                    sent += sock.send(memoryview(body)[sent : sent + 2**20])
+                except OSError:  # the server closed the connection: its answer may follow
+                    sent = len(body)
+            else:
+                break  # no answer within 120 s
+        seconds = time.monotonic() - start
+        sock.settimeout(5)
+        with contextlib.suppress(OSError):
+            while piece := sock.recv(65536):
+                answer += piece
+    status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/") else 0
+    out: dict[str, Any] = {"status": status, "seconds": round(seconds, 4),
+                           "body_sent_mib": round(min(sent, len(body)) / 2**20, 1)}  # fmt: skip
+    _, _, payload = answer.partition(b"\r\n\r\n")
+    with contextlib.suppress(ValueError, KeyError):
+        out["error"] = json.loads(payload)["error"]["message"][:200]
+    return out
+
+
 def huge_body(megabytes: float) -> bytes:
     """A completion request whose prompt is ``megabytes`` MiB of text."""
     return b'{"prompt": "' + b"a" * int(megabytes * 2**20) + b'", "max_tokens": 4}'
@@ -85,14 +129,14 @@ def huge_body(megabytes: float) -> bytes:
 
 def measure(url: str, pid: int, body: bytes) -> dict[str, Any]:
     """Send ``body`` and a small completion at the same moment; both answers, and the memory."""
-    import json
-
+    parsed = urlsplit(url)
+    host, port, path = parsed.hostname, parsed.port, parsed.path
     small = json.dumps(SMALL).encode()
     before = _memory_kib(pid)
     peak_reset = _reset_peak(pid)
     results: dict[str, Any] = {}
     threads = [
-        threading.Thread(target=lambda: results.update(huge=_timed_post(url, body))),
+        threading.Thread(target=lambda: results.update(huge=_raw_post(host, port, path, body))),
         threading.Thread(target=lambda: results.update(small=_timed_post(url, small))),
     ]
     for t in threads:
@@ -108,14 +152,13 @@ def measure(url: str, pid: int, body: bytes) -> dict[str, Any]:
 
 
 def run(model: str, prompt_mb: float, under_limit_mb: float, max_model_len: int | None,
-        repeats: int = 3) -> dict[str, Any]:  # fmt: skip
+        body_limit_mb: float, repeats: int = 3) -> dict[str, Any]:  # fmt: skip
     """Start a server process, measure both huge prompts and the small request alone."""
-    import json
-
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "paged_llm.serve", "--model", model, "--port", str(port),
-           "--disable-log-stats", "--uvicorn-log-level", "warning"]  # fmt: skip
+           "--disable-log-stats", "--uvicorn-log-level", "warning",
+           "--max-request-body-bytes", str(int(body_limit_mb * 2**20))]  # fmt: skip
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -133,8 +176,9 @@ def run(model: str, prompt_mb: float, under_limit_mb: float, max_model_len: int 
         proc.wait(30)
     return {
         "server_command": " ".join(cmd[1:]),
+        "body_limit_mib": body_limit_mb,
         "small_request_alone_seconds_median": round(statistics.median(alone), 4),
-        "over_body_limit": over,
+        "huge_prompt": over,
         "under_body_limit_too_long": under,
         "health_after": healthy,
     }
@@ -144,19 +188,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the measurement; write serve_big_prompt.json; return it."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
-    p.add_argument("--prompt-mb", type=float, default=50.0, help="MiB, over the body limit")
+    p.add_argument("--prompt-mb", type=float, default=50.0, help="the huge prompt, MiB")
     p.add_argument("--under-limit-mb", type=float, default=8.0,
-                   help="MiB, under the 16 MiB body limit but beyond the context")  # fmt: skip
+                   help="MiB, under every body limit but beyond the context")  # fmt: skip
+    p.add_argument(
+        "--body-limit-mb",
+        type=float,
+        nargs="+",
+        default=[16.0],
+        help="the servers' --max-request-body-bytes, in MiB (one server each)",
+    )
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--out", default="outputs/serve_big_prompt")
     args = p.parse_args(argv)
-    doc = {**run_info("real"), "model": args.model,
-           **run(args.model, args.prompt_mb, args.under_limit_mb, args.max_model_len)}  # fmt: skip
+    if any(args.under_limit_mb >= limit for limit in args.body_limit_mb):
+        p.error("--under-limit-mb must be under every --body-limit-mb")
+    runs = [run(args.model, args.prompt_mb, args.under_limit_mb, args.max_model_len, limit)
+            for limit in args.body_limit_mb]  # fmt: skip
+    doc = {**run_info("real"), "model": args.model, "prompt_mib": args.prompt_mb, "runs": runs}
     path = write_json(args.out, "serve_big_prompt.json", doc)
     print(f"wrote {path}")
-    for key in ("over_body_limit", "under_body_limit_too_long"):
-        print(key, doc[key])
-    print("small request alone (median s):", doc["small_request_alone_seconds_median"])
+    for r in runs:
+        print(f"body limit {r['body_limit_mib']} MiB:", {k: r[k] for k in
+              ("huge_prompt", "under_body_limit_too_long")})  # fmt: skip
+        print("  small request alone (median s):", r["small_request_alone_seconds_median"])
     return doc
 
 

@@ -20,7 +20,8 @@ from paged_llm.models.presets import default_model_dir
 from paged_llm.models.tokenizer_builder import CHAT_TEMPLATE
 from paged_llm.serve.background import ServerThread
 from paged_llm.serve.cli import build, make_parser
-from paged_llm.serve.tokenization import max_chars_per_token
+from paged_llm.serve.errors import BadRequest
+from paged_llm.serve.tokenization import LengthGuardedTokenizer, max_chars_per_token
 
 LIMIT = 4 * 2**20  # this module's --max-request-body-bytes
 COMPLETIONS = "/v1/completions"
@@ -183,6 +184,19 @@ def test_tokenizer_bound_comes_from_the_vocabulary(server):
     assert len(tokenizer.encode(text, add_special_tokens=False)) >= len(text) / bound
 
 
+def test_the_guard_checks_every_way_in():
+    tokenizer = load_tokenizer(default_model_dir())
+    guarded = LengthGuardedTokenizer(tokenizer, 8, max_chars_per_token(tokenizer))
+    long = "a" * (8 * 80 + 1)  # at least 9 tokens by its length
+    for call in (lambda: guarded.encode(long), lambda: guarded(long),
+                 lambda: guarded(text="x", text_pair=long)):  # fmt: skip
+        with pytest.raises(BadRequest, match="at least 9 tokens"):
+            call()
+    assert guarded.encode("a b") == tokenizer.encode("a b")
+    assert guarded(text="a", text_pair="b")["input_ids"] == tokenizer("a", "b")["input_ids"]
+    assert guarded.decode([5, 6]) == tokenizer.decode([5, 6])  # the rest passes through
+
+
 def test_the_bound_is_given_only_where_it_holds():
     from tokenizers import Tokenizer, models, normalizers
 
@@ -310,18 +324,23 @@ def test_code_small_recipe_ships_the_chat_template(tmp_path):
 
 
 def test_big_prompt_benchmark(tmp_path):
-    """experiments/serve_big_prompt.py against a live server process, at 20 MiB over the
-    16 MiB body limit and 6 MiB under it: both refused, the small request sent at the same time
-    completes, and the server's memory grows by less than 200 MB."""
+    """experiments/serve_big_prompt.py against live server processes: a 20 MiB prompt over a
+    16 MiB body limit (413) and under a 32 MiB one (400 from its length alone), and a 6 MiB one
+    under both (400 from its length alone). The small request sent at the same time completes,
+    and the server's memory grows by less than 200 MB."""
     from experiments import serve_big_prompt
 
     doc = serve_big_prompt.main(["--prompt-mb", "20", "--under-limit-mb", "6",
-                                 "--max-model-len", "512", "--out", str(tmp_path)])  # fmt: skip
+                                 "--body-limit-mb", "16", "32", "--max-model-len", "512",
+                                 "--out", str(tmp_path)])  # fmt: skip
     assert doc["mode"] == "real" and (tmp_path / "serve_big_prompt.json").is_file()
-    over, under = doc["over_body_limit"], doc["under_body_limit_too_long"]
-    assert over["huge"]["status"] == 413 and under["huge"]["status"] == 400
-    assert "at least" in under["huge"]["error"]
-    for case in (over, under):
-        assert case["small"]["status"] == 200
-        assert case["rss_growth_mib"] < 200 and case.get("peak_growth_mib", 0) < 200
-    assert doc["health_after"] == 200
+    over_limit, under_limit = doc["runs"]
+    assert over_limit["huge_prompt"]["huge"]["status"] == 413
+    assert under_limit["huge_prompt"]["huge"]["status"] == 400
+    for run in doc["runs"]:
+        assert run["under_body_limit_too_long"]["huge"]["status"] == 400
+        for case in (run["huge_prompt"], run["under_body_limit_too_long"]):
+            assert case["small"]["status"] == 200
+            assert case["rss_growth_mib"] < 200 and case.get("peak_growth_mib", 0) < 200
+            assert case["huge"]["status"] == 413 or "at least" in case["huge"]["error"]
+        assert run["health_after"] == 200

@@ -60,20 +60,16 @@ class Conflict(APIError):
     default_code = "conflict"
 
 
-class PayloadTooLarge(APIError):
+class PayloadTooLarge(BadRequest):
     """413: the request body is over the server's limit (``--max-request-body-bytes``)."""
 
-    status_code = 413
-    error_type = "invalid_request_error"
-    default_code = "payload_too_large"
+    status_code, default_code = 413, "payload_too_large"
 
 
-class UnsupportedMediaType(APIError):
+class UnsupportedMediaType(BadRequest):
     """415: the body is not ``application/json``."""
 
-    status_code = 415
-    error_type = "invalid_request_error"
-    default_code = "unsupported_media_type"
+    status_code, default_code = 415, "unsupported_media_type"
 
 
 class ServerBusy(APIError):

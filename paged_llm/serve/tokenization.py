@@ -75,8 +75,8 @@ def _keeps_length(normalizer: dict[str, Any] | None) -> bool:
 
 
 class LengthGuardedTokenizer:
-    """A tokenizer whose ``encode`` first refuses a text that has, provably, more than
-    ``max_tokens`` tokens; everything else is the wrapped tokenizer's."""
+    """A tokenizer whose ``encode`` (and call) first refuses a text that has, provably, more
+    than ``max_tokens`` tokens; everything else is the wrapped tokenizer's."""
 
     def __init__(self, tokenizer: Any, max_tokens: int | None, chars_per_token: int | None):
         self._tokenizer = tokenizer
@@ -91,6 +91,14 @@ class LengthGuardedTokenizer:
         if isinstance(text, str):
             self.check_length(text)
         return self._tokenizer.encode(text, *args, **kwargs)
+
+    def __call__(self, *texts: Any, **kwargs: Any) -> Any:
+        """The wrapped ``tokenizer(text, text_pair=...)``, after the length proof of each text
+        (a pair has at least as many tokens as either part)."""
+        for text in (*texts, kwargs.get("text"), kwargs.get("text_pair")):
+            if isinstance(text, str) and not kwargs.get("truncation"):
+                self.check_length(text)
+        return self._tokenizer(*texts, **kwargs)
 
     def check_length(self, text: str) -> None:
         """A BadRequest if ``text`` has more than ``max_tokens`` tokens by its length alone."""
