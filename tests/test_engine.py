@@ -484,8 +484,11 @@ def test_chat_renders_the_template_and_generates_like_generate():
         assert out.prompt == text and out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
     assert len(llm.chat(first, sp, chat_template=template, use_tqdm=False)) == 1
+    own = tok.chat_template  # the built-in chat template (tokenizer_builder.CHAT_TEMPLATE)
+    tok.chat_template = None
     with pytest.raises(ValueError, match="conversation 0: .*chat template"):
-        llm.chat(first, sp)  # the tiny tokenizer has no template of its own
+        llm.chat(first, sp)  # a tokenizer without a template of its own
+    tok.chat_template = own
     # tools go to the template, as in vLLM's LLM.chat
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
     with_tools = "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}" + template

@@ -351,7 +351,8 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
 def test_bad_requests_get_openai_errors(server, path, body, status, param):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    json_body = {"content": body, "headers": {"Content-Type": "application/json"}}
+    kw = json_body if isinstance(body, bytes) else {"json": body}
     r = httpx.post(server.url + path, **kw, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]

@@ -1,6 +1,6 @@
 """Server limits on loopback: API key (401), the bounded waiting queue (429), and the clear
-error for chat on a checkpoint without a chat template. One in-process server that runs one
-sequence at a time (--max-num-seqs 1), so queued requests stay queued."""
+error for chat on a checkpoint without a chat template (a renderer test). One in-process server
+that runs one sequence at a time (--max-num-seqs 1), so queued requests stay queued."""
 
 import asyncio
 import json
@@ -9,8 +9,12 @@ import httpx
 import openai
 import pytest
 
+from paged_llm.engine.loading import load_tokenizer
+from paged_llm.models.presets import default_model_dir
 from paged_llm.serve.background import ServerThread
 from paged_llm.serve.cli import build, make_parser
+from paged_llm.serve.errors import BadRequest
+from paged_llm.serve.prompts import chat_prompt
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -41,11 +45,14 @@ def test_api_key_required_on_v1_routes_only(server):
     assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens
 
 
-def test_chat_without_template_is_a_clear_400(server):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH)
-    assert r.status_code == 400
-    assert "no chat template" in r.json()["error"]["message"]
+def test_chat_without_template_is_a_clear_400():
+    # the built-in models ship a template; a checkpoint without one gets this 400
+    tokenizer = load_tokenizer(default_model_dir())
+    tokenizer.chat_template = None
+    render = chat_prompt([{"role": "user", "content": "hi"}], None)
+    with pytest.raises(BadRequest, match="no chat template.*--chat-template") as err:
+        render(tokenizer)
+    assert err.value.status_code == 400 and err.value.param == "messages"
 
 
 def test_waiting_queue_is_bounded(server):

@@ -27,13 +27,14 @@ from torch import nn
 from paged_llm.layers.norms import RMSNorm
 from paged_llm.models.base import head_dim_of, num_kv_heads_of
 from paged_llm.models.loader import instantiate_model
-from paged_llm.models.tokenizer_builder import DEFAULT_VOCAB_SIZE, build_tokenizer
+from paged_llm.models.tokenizer_builder import CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, build_tokenizer
 from paged_llm.recipes.cache import cache_root
 
 DEFAULT_PRESET = "tiny"
 MAX_MATERIALIZE_PARAMS = 1_500_000_000
 # Bump when the tiny preset or its tokenizer changes, so stale cache entries are not reused.
-TINY_CACHE_VERSION = "v1"
+# v2: the tokenizer carries the built-in chat template (the weights are v1's).
+TINY_CACHE_VERSION = "v2"
 
 
 def _opt(hidden: int, layers: int, heads: int) -> Any:
@@ -216,7 +217,7 @@ def materialize_preset(
         hf_model = AutoModelForCausalLM.from_config(config)
     hf_model.to(dtype).save_pretrained(str(out_dir))
     if name.lower() == DEFAULT_PRESET:
-        build_tokenizer(out_dir, vocab_size=config.vocab_size)
+        build_tokenizer(out_dir, vocab_size=config.vocab_size, chat_template=CHAT_TEMPLATE)
     return out_dir
 
 

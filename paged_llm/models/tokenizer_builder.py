@@ -16,6 +16,14 @@ SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2 (trainer adds them first, in thi
 # Long-lived stdlib modules with plenty of prose (docstrings) and code; present in 3.10-3.13.
 CORPUS_FILES = ("argparse.py", "difflib.py", "textwrap.py", "functools.py", "string.py")
 MODEL_MAX_LENGTH = 2048
+# The built-in models' chat template (tiny, code-small): each message as a Python comment
+# header and its text, then the assistant's header, so /v1/chat/completions and LLM.chat work
+# out of the box. These models were never tuned on conversations: the reply is code-shaped text.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}# {{ message['role'] }}:\n"
+    "{{ message['content'] or '' }}\n{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:\n{% endif %}"
+)
 
 
 def corpus_files() -> list[Path]:
@@ -54,12 +62,16 @@ def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):  # -> tokenizers.Toke
     return train_bpe([p.read_text(encoding="utf-8") for p in corpus_files()], vocab_size)
 
 
-def save_hf_tokenizer(tok, out_dir: str | Path) -> None:  # tok: tokenizers.Tokenizer
+def save_hf_tokenizer(
+    tok, out_dir: str | Path, chat_template: str | None = None
+) -> None:  # tok: tokenizers.Tokenizer
     """Save a trained BPE in HF format (tokenizer.json and configs) with this project's special
-    tokens, so AutoTokenizer loads it."""
+    tokens (and ``chat_template`` in tokenizer_config.json, if given), so AutoTokenizer loads
+    it."""
     from transformers import PreTrainedTokenizerFast
 
     hf_tok = PreTrainedTokenizerFast(
+        chat_template=chat_template,
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
@@ -70,9 +82,12 @@ def save_hf_tokenizer(tok, out_dir: str | Path) -> None:  # tok: tokenizers.Toke
     hf_tok.save_pretrained(str(out_dir))
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
-    """Train the tokenizer and save it in HF format into ``out_dir``; return ``out_dir``."""
+def build_tokenizer(
+    out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE, chat_template: str | None = None
+) -> Path:
+    """Train the tokenizer and save it in HF format (with ``chat_template``, if given) into
+    ``out_dir``; return ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_hf_tokenizer(train_tokenizer(vocab_size), out_dir)
+    save_hf_tokenizer(train_tokenizer(vocab_size), out_dir, chat_template)
     return out_dir

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paged_llm.models.tokenizer_builder import CHAT_TEMPLATE
 from paged_llm.recipes.cache import cache_root, cached_dir
 from paged_llm.recipes.corpus import CorpusSpec, build_corpus
 from paged_llm.recipes.training import (
@@ -51,6 +52,8 @@ class Recipe:
     # A built-in model (same corpus) whose predictions this one learns to imitate, with weight
     # ``train.distill``: drafts imitate their target.
     teacher: str | None = None
+    # Written into the checkpoint's tokenizer_config.json, so chat works without flags.
+    chat_template: str | None = None
 
     def key(self) -> str:
         """Hash of the recipe, the code version, the corpus it reads and its teacher's key."""
@@ -60,6 +63,8 @@ class Recipe:
         # Distillation came later: recipes without it keep the keys (and caches) they had.
         if not fields["train"]["distill"]:
             del fields["train"]["distill"]
+        if fields["chat_template"] is None:  # likewise for recipes without a chat template
+            del fields["chat_template"]
         del fields["teacher"]
         if self.teacher is not None:
             fields["teacher"] = [self.teacher, recipe(self.teacher).key()]
@@ -121,6 +126,7 @@ RECIPES["code-small"] = Recipe(
         eval_windows=64,
     ),
     threads=1,  # two threads of these small matmuls were 14x slower on a busy 2-core machine
+    chat_template=CHAT_TEMPLATE,  # the server's chat route works with no --chat-template
 )
 DEFAULT_MODEL = "code-small"
 # What a first use costs on a 2-core CPU, for the line that announces a build.
@@ -224,8 +230,19 @@ def _add_tokenizer_and_log(
     for f in TOKENIZER_FILES:
         if (data / f).is_file():
             shutil.copy(data / f, out_dir / f)
+    if getattr(r, "chat_template", None):
+        add_chat_template(out_dir, r.chat_template)
     info = {"name": name, "recipe_key": r.key(), "recipe": asdict(r), **log}
     (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def add_chat_template(out_dir: Path, template: str) -> None:
+    """Put ``template`` into ``out_dir``'s tokenizer_config.json (where transformers and vLLM
+    read a checkpoint's chat template)."""
+    path = out_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _build_eagle(name: str, r: EagleRecipe, out_dir: Path) -> None:

@@ -32,6 +32,7 @@ from paged_llm.serve.errors import (
     Unauthorized,
     error_body,
 )
+from paged_llm.serve.limits import RequestLimits
 from paged_llm.serve.pooling_routes import pooling_routes
 from paged_llm.serve.prompts import chat_prompt, completion_prompt, text_prompt
 from paged_llm.serve.protocol import (
@@ -44,7 +45,7 @@ from paged_llm.serve.protocol import (
     chat_messages,
     completion_prompts,
     max_tokens_unset,
-    parse_request,
+    read_request,
     requested_max_tokens,
     sampling_params,
 )
@@ -90,6 +91,8 @@ class ServerSettings:
     max_stored_responses: int = 1000
     # vLLM's VLLM_SERVER_DEV_MODE: /sleep, /wake_up, /is_sleeping, /collective_rpc
     dev_mode: bool = False
+    # body size, JSON depth and list lengths a request may have (docs/serving.md, "Limits")
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -153,9 +156,16 @@ def _public_routes(engine: AsyncEngine) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
+        """200 while the engine loop runs and keeps up; 503 once it failed, shuts down, or one
+        step has run longer than ``--engine-stall-timeout`` (a hung loop)."""
         if not engine.is_running:
             body = error_body("the engine is not running", "service_unavailable")
             return JSONResponse(body, status_code=503)
+        stalled = engine.stalled_for()
+        if stalled is not None:
+            message = (f"the engine loop has been inside one step for {stalled:.1f} s (limit "
+                       f"{engine.stall_timeout:g} s, --engine-stall-timeout)")  # fmt: skip
+            return JSONResponse(error_body(message, "service_unavailable"), status_code=503)
         return Response(status_code=200)
 
     @router.get("/metrics")
@@ -206,7 +216,7 @@ def _lora_admin_routes(router: APIRouter, engine: AsyncEngine, settings: ServerS
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         from paged_llm.lora.request import LoRARequest
 
-        req = parse_request(await request.body(), LoadLoRAAdapterRequest)
+        req = await read_request(request, LoadLoRAAdapterRequest)
         name = req.lora_name
         if name in settings.lora_modules or name in settings.served_model_names:
             raise BadRequest(f"The lora adapter '{name}' has already been loaded.")
@@ -221,7 +231,7 @@ def _lora_admin_routes(router: APIRouter, engine: AsyncEngine, settings: ServerS
 
     @router.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
-        req = parse_request(await request.body(), UnloadLoRAAdapterRequest)
+        req = await read_request(request, UnloadLoRAAdapterRequest)
         lora = settings.lora_modules.get(req.lora_name)
         if lora is None:
             raise ModelNotFound(f"The lora adapter '{req.lora_name}' cannot be found.")
@@ -232,14 +242,14 @@ def _lora_admin_routes(router: APIRouter, engine: AsyncEngine, settings: ServerS
 
 def _tokenizer_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRouter:
     """vLLM's ``/tokenize`` and ``/detokenize`` (outside ``/v1``, so without the API key, as
-    in vLLM). The tokenizer runs on the engine thread, like every other use of it."""
+    in vLLM). The tokenizer runs on a tokenizer thread, never the engine's."""
     router = APIRouter()
     max_model_len = engine.engine.max_model_len
     vocab_size = engine.engine.vocab_size
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = parse_request(await request.body(), TokenizeRequest)
+        req = await read_request(request, TokenizeRequest)
         _check_model(settings, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise BadRequest("send exactly one of 'prompt' and 'messages'", param="prompt")
@@ -252,7 +262,7 @@ def _tokenizer_routes(engine: AsyncEngine, settings: ServerSettings) -> APIRoute
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = parse_request(await request.body(), DetokenizeRequest)
+        req = await read_request(request, DetokenizeRequest)
         _check_model(settings, req.model)
         bad = [t for t in req.tokens if not 0 <= t < vocab_size]
         if bad:
@@ -299,14 +309,14 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        req = parse_request(await request.body(), CompletionRequest)
+        req = await read_request(request, CompletionRequest)
         model = model_name(req.model)
         # echo shows token prompts as text
         renders = [completion_prompt(p, req.add_special_tokens, decode=req.echo)
                    for p in completion_prompts(req.prompt)]  # fmt: skip
         if req.use_beam_search:
             return await _beam_response(request, req, renders, model, chat=False)
-        params = sampling_params(req, settings.max_logprobs, defaults)
+        params = sampling_params(req, settings.max_logprobs, defaults, limits=settings.limits)
         # one engine request per prompt; the engine samples its n choices itself
         subs = [
             SubRequest(
@@ -334,7 +344,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
         tools = parse_tools(req.tools)
         mode = tool_mode(tools, req.tool_choice, settings.tool_parser, req.parallel_tool_calls)
         forced = mode.structured_output() if mode is not None else None
-        params = sampling_params(req, settings.max_logprobs, defaults, forced)
+        params = sampling_params(req, settings.max_logprobs, defaults, forced, settings.limits)
         if mode is not None and mode.keeps_special_tokens():  # e.g. Mistral's [TOOL_CALLS]
             params = dataclasses.replace(params, skip_special_tokens=False)
         render = _chat_render(req, settings, tools)  # offered even with tool_choice "none"
@@ -349,7 +359,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_request(await request.body(), ChatCompletionRequest)
+        req = await read_request(request, ChatCompletionRequest)
         model = model_name(req.model)
         if req.use_beam_search:  # (with tools it is a 400: beam_params)
             render = _chat_render(req, settings, [])
@@ -362,7 +372,7 @@ def _openai_routes(engine: AsyncEngine, settings: ServerSettings) -> list[APIRou
 
     @router.post("/responses")
     async def responses(request: Request) -> Response:
-        req = parse_request(await request.body(), ResponsesRequest)
+        req = await read_request(request, ResponsesRequest)
         model = model_name(req.model)
         if req.background and store.capacity == 0:
             raise BadRequest("background responses need the response store "

@@ -1,11 +1,13 @@
 """AsyncEngine: the blocking LLMEngine behind asyncio handlers.
 
-One dedicated thread owns the engine (and its tokenizer): between steps it drains a queue of
-add / abort / stop commands, then runs ``step()`` while any request is unfinished, and hands
-each step's outputs to the event loop with one ``call_soon_threadsafe``. Handlers never touch
-the engine; they submit a group of engine requests (one per prompt, each sampling the request's
-``n`` choices itself, sharing the prompt's KV blocks) and read its updates from an asyncio queue.
-Closing a group that has not finished aborts it, which frees its KV blocks: that is how a client
+One dedicated thread owns the engine (and the tokenizer it detokenizes steps with); prompts are
+tokenized before they reach it, on worker threads with their own tokenizer copies
+(``serve/tokenization.py``). Between steps it drains a queue of add / abort / stop commands,
+then runs ``step()`` while any request is unfinished, and hands each step's outputs to the event
+loop with one ``call_soon_threadsafe``. Handlers never touch the engine; they submit a group of
+engine requests (one per prompt, each sampling the request's ``n`` choices itself, sharing the
+prompt's KV blocks) and read its updates from an asyncio queue. Closing a group that has not
+finished aborts it, which frees its KV blocks: that is how a client
 disconnect reaches the engine.
 """
 
@@ -17,6 +19,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,10 +33,12 @@ from paged_llm.sampling_params import SamplingParams
 from paged_llm.serve.errors import APIError, BadRequest, EngineUnavailable, ServerBusy
 from paged_llm.serve.metrics import EngineGauges, ServerMetrics, engine_gauges
 from paged_llm.serve.prompts import PromptRenderer, check_fits
+from paged_llm.serve.tokenization import TokenizerPool
 
 logger = logging.getLogger(__name__)
 
 _LIVENESS_S = 1.0  # how often waiting handlers check that the engine thread is still alive
+DEFAULT_STALL_TIMEOUT_S = 60.0  # /health fails once one step (or command) runs longer
 
 
 @dataclass
@@ -136,6 +141,7 @@ class RequestGroup:
 @dataclass
 class _Add:
     group: RequestGroup
+    prompts: list[dict[str, Any]]  # each sub-request's rendered prompt (token ids, text)
     future: asyncio.Future
     arrival_time: float
 
@@ -181,11 +187,21 @@ class AsyncEngine:
     """Runs an LLMEngine on a background thread and serves it to asyncio code."""
 
     def __init__(
-        self, engine: LLMEngine, metrics: ServerMetrics, max_waiting: int | None = None
+        self,
+        engine: LLMEngine,
+        metrics: ServerMetrics,
+        max_waiting: int | None = None,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S,
+        tokenizer_threads: int = 4,
     ) -> None:
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        if stall_timeout is not None and not stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 (or None), got {stall_timeout}")
         self.engine = engine
+        self.stall_timeout = stall_timeout  # None: a busy engine is never reported stalled
+        self.tokenizers = TokenizerPool(engine.tokenizer, engine.max_model_len, tokenizer_threads)
+        self._working_since: float | None = None  # engine thread: when its current work began
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.gauges = EngineGauges()
@@ -217,6 +233,7 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.0f s", timeout)
+        self.tokenizers.shutdown()
 
     @property
     def started(self) -> bool:
@@ -233,15 +250,45 @@ class AsyncEngine:
         """True while the engine thread accepts requests."""
         return self.thread_alive and not self._stopping and self.dead is None
 
+    def stalled_for(self) -> float | None:
+        """Seconds the engine thread has been inside one step or command, if that is longer
+        than ``stall_timeout`` (a hung step, a deadlock); None while it keeps up or waits idle."""
+        since = self._working_since
+        if since is None or self.stall_timeout is None:
+            return None
+        busy = time.monotonic() - since
+        return busy if busy > self.stall_timeout else None
+
     # ---- requests (event loop) ----------------------------------------------------------------
     async def submit(self, subs: list[SubRequest], request_id: str | None = None) -> RequestGroup:
         """Validate and queue engine requests; raise an APIError (nothing queued) if any is bad.
 
         The caller must ``close()`` the returned group when done (also on cancellation).
         """
+        num_seqs = sum(sub.num_seqs for sub in subs)
+        self._check_admission(num_seqs)
+        # tokenized on a tokenizer thread, never the engine's; checked again after it
+        prompts = await self.tokenizers.run(self._render_all, subs)
+        self._check_admission(num_seqs)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._groups:
+            raise BadRequest(f"request id '{request_id}' is already in use")
+        group = RequestGroup(self, request_id, subs)
+        self._groups[group.request_id] = group
+        self.num_unstarted += num_seqs
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Add(group, prompts, future, self.engine.clock()))
+        try:
+            await self._engine_result(future)
+        except BaseException:  # invalid input, or the handler was cancelled meanwhile
+            group.close()
+            raise
+        return group
+
+    def _check_admission(self, num_seqs: int) -> None:
+        """An APIError if the engine is down or the waiting bound leaves no room."""
         if not self.is_running:
             raise EngineUnavailable("the engine is not running (shutting down or failed)")
-        num_seqs = sum(sub.num_seqs for sub in subs)
         if self.max_waiting is not None and num_seqs > self.max_waiting:
             raise BadRequest(
                 f"this request needs {num_seqs} sequences (prompts x n), more than the server's "
@@ -252,20 +299,21 @@ class AsyncEngine:
                 f"too many waiting requests ({self.num_unstarted} waiting, limit "
                 f"{self.max_waiting}); retry later"
             )
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._groups:
-            raise BadRequest(f"request id '{request_id}' is already in use")
-        group = RequestGroup(self, request_id, subs)
-        self._groups[group.request_id] = group
-        self.num_unstarted += num_seqs
-        future = asyncio.get_running_loop().create_future()
-        self._commands.put(_Add(group, future, self.engine.clock()))
-        try:
-            await self._engine_result(future)
-        except BaseException:  # invalid input, or the handler was cancelled meanwhile
-            group.close()
-            raise
-        return group
+
+    def _render_all(self, subs: list[SubRequest]) -> list[dict[str, Any]]:
+        """A tokenizer thread: every sub-request's prompt; a text that cannot fit the context is
+        refused before it is tokenized (unless the request keeps only its last tokens)."""
+        prompts = []
+        for sub in subs:
+            truncated = getattr(sub.params, "truncate_prompt_tokens", None) is not None
+            prompts.append(sub.render(self.tokenizers.guarded(check_length=not truncated)))
+        return prompts
+
+    async def render(self, render: PromptRenderer) -> dict[str, Any]:
+        """One prompt rendered on a tokenizer thread (texts that cannot fit refused early)."""
+        if not self.is_running:
+            raise EngineUnavailable("the engine is not running (shutting down or failed)")
+        return await self.tokenizers.run(lambda: render(self.tokenizers.guarded()))
 
     def abort(self, request_id: str) -> bool:
         """Abort a submitted request from outside its handler, whose updates then end with
@@ -313,8 +361,11 @@ class AsyncEngine:
             future.set_exception(error)
 
     async def with_tokenizer(self, fn: Any) -> Any:
-        """``fn(tokenizer)`` computed on the engine thread; its APIError reaches the caller."""
-        return await self.with_engine(lambda engine: fn(engine.tokenizer))
+        """``fn(tokenizer)`` computed on a tokenizer thread (the engine keeps stepping); its
+        APIError reaches the caller, any other exception as a BadRequest."""
+        if not self.is_running:
+            raise EngineUnavailable("the engine is not running (shutting down or failed)")
+        return await self.tokenizers.run(lambda: fn(self.tokenizers.tokenizer()))
 
     async def with_engine(self, fn: Any) -> Any:
         """``fn(engine)`` computed on the engine thread between steps (e.g. loading an adapter);
@@ -345,8 +396,10 @@ class AsyncEngine:
                 if not self._drain(block=not self.engine.has_unfinished_requests()):
                     return
                 if self.engine.has_unfinished_requests():
+                    self._working_since = time.monotonic()
                     self._step()
                 self._snapshot()
+                self._working_since = None
         except BaseException as err:  # a bug in the engine: fail every request, stay down
             logger.exception("the engine loop failed; the server cannot serve requests")
             self.dead = err
@@ -358,6 +411,7 @@ class AsyncEngine:
             command = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
         except queue.Empty:
             return True
+        self._working_since = time.monotonic()  # cleared by _run after the step that follows
         while True:
             if isinstance(command, _Stop):
                 self._abort_all()
@@ -377,8 +431,9 @@ class AsyncEngine:
     def _add(self, command: _Add) -> None:
         group, added = command.group, []
         try:
-            for index, (sub_id, sub) in enumerate(zip(group.sub_ids, group.subs)):
-                prompt = sub.render(self.engine.tokenizer)
+            for index, (sub_id, sub, prompt) in enumerate(
+                zip(group.sub_ids, group.subs, command.prompts)
+            ):
                 # the engine truncates first, so the kept prompt must fit (pooling requests
                 # generate nothing: the engine's own length check is the whole rule)
                 if sub.check_fits and isinstance(sub.params, SamplingParams):

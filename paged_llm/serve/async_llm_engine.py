@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from paged_llm.config import EngineArgs
+from paged_llm.engine.inputs import to_token_ids
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
@@ -84,7 +86,8 @@ class AsyncLLMEngine:
             self.start_background_loop()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(sampling_params).__name__}")
-        sub = SubRequest(lambda _tokenizer: prompt, sampling_params, check_fits=False,
+        # tokenized on a tokenizer thread, as the server's prompts are, not the engine's
+        sub = SubRequest(partial(_tokenized, prompt), sampling_params, check_fits=False,
                          priority=priority, lora_request=lora_request)  # fmt: skip
         try:
             group = await self._loop.submit([sub], str(request_id))
@@ -151,3 +154,13 @@ class AsyncLLMEngine:
             raise RuntimeError(f"the engine failed: {self.dead_error!r}")
         if self._loop.started and not self.is_running:
             raise RuntimeError("the engine loop has stopped")
+
+
+def _tokenized(prompt: Any, tokenizer: Any) -> dict[str, Any]:
+    """``prompt`` (text, a prompt dict or token ids) as the engine's token-ids input, tokenized
+    as the engine would (``to_token_ids``); a BadRequest for what it cannot take."""
+    try:
+        text, ids = to_token_ids(prompt, tokenizer)
+    except ValueError as err:
+        raise BadRequest(str(err)) from None
+    return {"prompt_token_ids": ids, "prompt": text}

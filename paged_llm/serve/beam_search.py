@@ -67,7 +67,7 @@ async def beam_search(
 ) -> RequestOutput:
     """The best ``beam_width`` beams of one prompt as a RequestOutput (one completion per beam,
     best first; text decoded without the prompt)."""
-    prompt = await engine.with_tokenizer(render)
+    prompt = await engine.render(render)  # on the tokenizer thread, too-long texts refused
     prompt_ids: list[int] = prompt["prompt_token_ids"]
     max_model_len = engine.engine.max_model_len
     if unset_max_tokens:

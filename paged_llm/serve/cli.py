@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from paged_llm.engine.reasoning import REASONING_PARSERS
+from paged_llm.serve.async_engine import DEFAULT_STALL_TIMEOUT_S
+from paged_llm.serve.limits import RequestLimits
 from paged_llm.serve.tool_calls import TOOL_PARSERS, tool_parser
 
 logger = logging.getLogger("paged_llm.serve")
@@ -74,6 +76,24 @@ def make_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds SIGTERM waits for in-flight requests before aborting them",
     )
+    lim = p.add_argument_group('request limits (docs/serving.md, "Limits")')
+    lim.add_argument("--max-request-body-bytes", type=int, default=RequestLimits.max_body_bytes,
+                     help="larger request bodies get 413, refused while reading")  # fmt: skip
+    lim.add_argument("--max-json-depth", type=int, default=RequestLimits.max_json_depth,
+                     help="bodies nested deeper get 400")  # fmt: skip
+    lim.add_argument("--max-stop-strings", type=int, default=RequestLimits.max_stop_strings,
+                     help="entries of stop (and of bad_words) a request may give")  # fmt: skip
+    lim.add_argument("--max-stop-string-chars", type=int,
+                     default=RequestLimits.max_stop_string_chars,
+                     help="the longest stop string (or bad word) a request may give")  # fmt: skip
+    lim.add_argument("--max-logit-bias", type=int, default=RequestLimits.max_logit_bias,
+                     help="logit_bias entries a request may give")  # fmt: skip
+    lim.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                     help="/health answers 503 while one engine step runs longer than this many "
+                     "seconds (0: never)")  # fmt: skip
+    lim.add_argument("--tokenizer-threads", type=int, default=4,
+                     help="threads that tokenize prompts (each with its own tokenizer copy), "
+                     "off the engine loop")  # fmt: skip
     srv.add_argument("--timeout-keep-alive", type=int, default=5)
     srv.add_argument(
         "--uvicorn-log-level",
@@ -394,6 +414,10 @@ def server_settings(args: argparse.Namespace) -> Any:
         raise ValueError("--max-logprobs must be >= 0")
     if args.max_stored_responses < 0:
         raise ValueError("--max-stored-responses must be >= 0")
+    if args.tokenizer_threads < 1:
+        raise ValueError("--tokenizer-threads must be >= 1")
+    if args.engine_stall_timeout < 0:
+        raise ValueError("--engine-stall-timeout must be >= 0 (0: never)")
     model = model_name(args)
     parser = tool_parser(args.tool_call_parser) if args.tool_call_parser else None
     if args.enable_auto_tool_choice and parser is None:
@@ -411,7 +435,21 @@ def server_settings(args: argparse.Namespace) -> Any:
         tool_parser=parser if args.enable_auto_tool_choice else None,
         max_stored_responses=args.max_stored_responses,
         dev_mode=server_dev_mode(),
+        limits=request_limits(args),
     )
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """The request limits from their flags (ValueError naming a bad one)."""
+    flags = {"max_body_bytes": "--max-request-body-bytes", "max_json_depth": "--max-json-depth",
+             "max_stop_strings": "--max-stop-strings",
+             "max_stop_string_chars": "--max-stop-string-chars",
+             "max_logit_bias": "--max-logit-bias"}  # fmt: skip
+    values = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in flags.items()}
+    for field, value in values.items():
+        if value < 1:
+            raise ValueError(f"{flags[field]} must be >= 1, got {value}")
+    return RequestLimits(**values)
 
 
 def build(args: argparse.Namespace) -> Any:
@@ -428,7 +466,9 @@ def build(args: argparse.Namespace) -> Any:
     for lora in settings.lora_modules.values():  # a bad adapter stops the server here
         engine.add_lora(lora)
     metrics = ServerMetrics(settings.served_model_names[0])
-    async_engine = AsyncEngine(engine, metrics, max_waiting=args.max_waiting or None)
+    async_engine = AsyncEngine(engine, metrics, max_waiting=args.max_waiting or None,
+                               stall_timeout=args.engine_stall_timeout or None,
+                               tokenizer_threads=args.tokenizer_threads)  # fmt: skip
     return build_app(async_engine, settings)
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from paged_llm.serve.async_engine import AsyncEngine
 from paged_llm.serve.errors import Conflict
-from paged_llm.serve.protocol import parse_request
+from paged_llm.serve.protocol import read_request
 
 
 class CollectiveRPCRequest(BaseModel):
@@ -58,7 +58,7 @@ def dev_routes(engine: AsyncEngine) -> APIRouter:
     async def collective_rpc(request: Request) -> dict[str, Any]:
         """``{"results": [...]}``, one per rank (a result JSON cannot hold is sent as its
         ``repr``); an error on any rank is a 400 with its message."""
-        req = parse_request(await request.body(), CollectiveRPCRequest)
+        req = await read_request(request, CollectiveRPCRequest)
         results = await engine.with_engine(
             lambda e: e.collective_rpc(req.method, req.timeout, tuple(req.args), req.kwargs)
         )

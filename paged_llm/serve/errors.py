@@ -60,6 +60,18 @@ class Conflict(APIError):
     default_code = "conflict"
 
 
+class PayloadTooLarge(BadRequest):
+    """413: the request body is over the server's limit (``--max-request-body-bytes``)."""
+
+    status_code, default_code = 413, "payload_too_large"
+
+
+class UnsupportedMediaType(BadRequest):
+    """415: the body is not ``application/json``."""
+
+    status_code, default_code = 415, "unsupported_media_type"
+
+
 class ServerBusy(APIError):
     """429: the waiting queue is full; the client should retry later."""
 

@@ -24,8 +24,8 @@ from paged_llm.serve.protocol import (
     RerankRequest,
     ScoreRequest,
     completion_prompts,
-    parse_request,
     pooling_params,
+    read_request,
 )
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def pooling_routes(
 
     @router.post("/embeddings")
     async def embeddings(request: Request) -> Response:
-        req = parse_request(await request.body(), EmbeddingRequest)
+        req = await read_request(request, EmbeddingRequest)
         model = model_name(req.model)
         pooled = await _pool_inputs(request, req, "/v1/embeddings", False, "embd")
         if pooled is None:
@@ -130,7 +130,7 @@ def pooling_routes(
         return request_id, scores, [outputs[j] for pair in pairs for j in pair]
 
     async def score(request: Request) -> Response:
-        req = parse_request(await request.body(), ScoreRequest)
+        req = await read_request(request, ScoreRequest)
         result = await _scores(request, req, completion_prompts(req.text_1),
                                completion_prompts(req.text_2), "/score")  # fmt: skip
         if result is None:
@@ -145,7 +145,7 @@ def pooling_routes(
     aliases.add_api_route("/score", score, methods=["POST"])
 
     async def rerank(request: Request) -> Response:
-        req = parse_request(await request.body(), RerankRequest)
+        req = await read_request(request, RerankRequest)
         if not req.documents:
             raise BadRequest("documents must not be empty", param="documents")
         if req.top_n is not None and req.top_n < 0:
@@ -167,7 +167,7 @@ def pooling_routes(
     aliases.add_api_route("/v2/rerank", rerank, methods=["POST"])
 
     async def classify(request: Request) -> Response:
-        req = parse_request(await request.body(), ClassifyRequest)
+        req = await read_request(request, ClassifyRequest)
         model = model_name(req.model)
         pooled = await _pool_inputs(request, req, "/classify", True, "classify")
         if pooled is None:

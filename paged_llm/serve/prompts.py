@@ -1,7 +1,8 @@
 """Prompt renderers: turn a request's prompt (text, token ids, chat messages) into engine input.
 
-A renderer is called on the engine thread with the tokenizer, so tokenizers are only ever used
-from one thread. Problems raise BadRequest before anything is queued.
+A renderer is called on a tokenizer thread (``serve/tokenization.py``) with that thread's own
+tokenizer copy, so no tokenizer is shared between threads and the engine thread never tokenizes.
+Problems raise BadRequest before anything is queued.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ SamplingParams / PoolingParams.
 
 Fields beyond OpenAI's are vLLM's extensions with vLLM's names (``top_k``, ``min_p``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ...), so clients written for vLLM work.
-Unknown fields are ignored (and logged), as vLLM does; known fields of the wrong type are a 400.
+Unknown fields are ignored (and logged), as vLLM does; known fields of the wrong type are a 400:
+types are checked strictly (``"stream": "yes"`` or ``"max_tokens": 2.0`` is refused, not coerced).
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import SamplingParams, StructuredOutputsParams
 from paged_llm.serve.errors import BadRequest
+from paged_llm.serve.limits import RequestLimits, read_body
 
 logger = logging.getLogger(__name__)
 
 MAX_N = 128  # choices per prompt; the engine samples them in one request
+INT64 = (-(2**63), 2**63 - 1)  # seeds: torch generators take 64-bit ones (vLLM's bounds)
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
@@ -46,7 +49,7 @@ class _GenerationRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
@@ -231,14 +234,29 @@ def pooling_params(
     return params
 
 
-def parse_request(raw: bytes, model_cls: type[BaseModel]) -> Any:
+async def read_request(request: Any, model_cls: type[BaseModel]) -> Any:
+    """Read, parse and validate an HTTP request's JSON body within the app's limits
+    (``app.state.settings.limits``): 415, 413 or 400 before any work."""
+    settings = getattr(request.app.state, "settings", None)
+    limits = getattr(settings, "limits", None) or RequestLimits()
+    return parse_request(await read_body(request, limits), model_cls, limits.max_json_depth)
+
+
+def parse_request(
+    raw: bytes, model_cls: type[BaseModel], max_depth: int = RequestLimits.max_json_depth
+) -> Any:
     """Parse and validate a JSON body; any problem is a BadRequest naming the field."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise BadRequest(f"malformed JSON body: {err}") from None
+    except RecursionError:  # nested deeper than the interpreter's recursion limit
+        raise BadRequest(f"the JSON body is nested deeper than {max_depth} levels") from None
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
+    if json_depth(data, stop_after=max_depth) > max_depth:
+        # later steps (templates, grammars, json.dumps) recurse over what the body holds
+        raise BadRequest(f"the JSON body is nested deeper than {max_depth} levels")
     req = validate_request(data, model_cls)
     # fields a request model hands on to another one (``passthrough``) are not unknown
     unknown = set(req.model_extra or ()) - getattr(model_cls, "passthrough", frozenset())
@@ -247,10 +265,25 @@ def parse_request(raw: bytes, model_cls: type[BaseModel]) -> Any:
     return req
 
 
+def json_depth(value: Any, stop_after: int) -> int:
+    """How deep ``value``'s lists and objects nest (a scalar is 0), counted without recursion;
+    the count stops once it passes ``stop_after``."""
+    if not isinstance(value, (dict, list)):
+        return 0
+    deepest, todo = 0, [(value, 1)]
+    while todo and deepest <= stop_after:
+        item, depth = todo.pop()
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item
+        todo.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
 def validate_request(data: dict[str, Any], model_cls: type[BaseModel]) -> Any:
-    """``data`` as a ``model_cls``; a BadRequest naming the first bad field."""
+    """``data`` as a ``model_cls``, types checked strictly (no "yes" for true, no 2.0 for 2, as
+    in vLLM); a BadRequest naming the first bad field."""
     try:
-        return model_cls.model_validate(data)
+        return model_cls.model_validate(data, strict=True)
     except ValidationError as err:
         first = err.errors()[0]
         loc = [str(p) for p in first["loc"]]
@@ -275,16 +308,47 @@ def _param_of(message: str) -> str | None:
     return word if word in {f.name for f in dataclasses.fields(SamplingParams)} else None
 
 
+def check_counts(req: _GenerationRequest, limits: RequestLimits) -> None:
+    """Refuse more stop strings, bad words or logit-bias entries than ``limits`` allow (each is
+    work in every step of every sequence)."""
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    counted = {"stop": stops, "bad_words": req.bad_words or []}
+    for name, items in counted.items():
+        if len(items) > limits.max_stop_strings:
+            raise BadRequest(
+                f"{name} has {len(items)} entries; this server takes at most "
+                f"{limits.max_stop_strings} (--max-stop-strings)",
+                param=name,
+            )
+    for name, items in counted.items():
+        longest = max(map(len, items), default=0)
+        if longest > limits.max_stop_string_chars:
+            raise BadRequest(
+                f"{name} has an entry of {longest} characters; this server takes at most "
+                f"{limits.max_stop_string_chars} (--max-stop-string-chars)",
+                param=name,
+            )
+    if len(req.logit_bias or {}) > limits.max_logit_bias:
+        raise BadRequest(
+            f"logit_bias has {len(req.logit_bias or {})} entries; this server takes at most "
+            f"{limits.max_logit_bias} (--max-logit-bias)",
+            param="logit_bias",
+        )
+
+
 def sampling_params(
     req: _GenerationRequest,
     max_logprobs: int,
     defaults: Mapping[str, Any] | None = None,
     forced: StructuredOutputsParams | None = None,
+    limits: RequestLimits | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams, ``n`` included (the engine gives choice i seed + i).
     ``defaults`` (the model's generation_config.json) fill the sampling fields it leaves unset;
-    ``forced`` is a constraint the server adds (tool calls), exclusive of the request's own."""
+    ``forced`` is a constraint the server adds (tool calls), exclusive of the request's own;
+    ``limits`` bound the request's lists (default: RequestLimits())."""
     _reject_unsupported(req)
+    check_counts(req, limits or RequestLimits())
     recommended = dict(defaults or {})
     default_max_tokens = recommended.pop("max_tokens", None)  # None: up to max_model_len
     if not 1 <= req.n <= MAX_N:
@@ -295,6 +359,13 @@ def sampling_params(
         )
     if req.stream and (req.best_of or req.n) > req.n:  # chunks would change choice mid-stream
         raise BadRequest("best_of > n is not available when stream is true", param="best_of")
+    samples = max(req.n, req.best_of or 0)
+    if req.seed is not None and req.seed + samples - 1 > INT64[1]:  # sample i uses seed + i
+        raise BadRequest(
+            f"seed + {samples - 1} (the last sample's seed) must stay within int64, got seed "
+            f"{req.seed}",
+            param="seed",
+        )
     max_tokens, max_tokens_field = requested_max_tokens(req)
     if isinstance(req, ChatCompletionRequest):
         logprobs = _chat_logprobs(req, max_logprobs)
@@ -311,14 +382,11 @@ def sampling_params(
         raise BadRequest(
             f"{max_tokens_field} must be at least 1, got {max_tokens}", param=max_tokens_field
         )
-    # torch generators take seeds below 2**64; wrap instead of rejecting large or negative ones
-    # (the engine adds the choice index, so stay below 2**63 to leave room for it)
-    seed = None if req.seed is None else req.seed % 2**63
     try:
         return SamplingParams(
             n=req.n,
             best_of=req.best_of,
-            seed=seed,
+            seed=req.seed,  # within int64 (checked); torch takes seed + i up to 2**64 - 1
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=req.stop,
