@@ -80,6 +80,8 @@ FILE_TIERS = {
         "test_serve_beam_search",
         "test_serve_cli",
         "test_serve_disagg",
+        "test_serve_fuzz",
+        "test_serve_hardening",
         "test_serve_limits",
         "test_serve_responses",
         "test_serve_sleep",
