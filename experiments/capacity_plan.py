@@ -19,6 +19,7 @@ from experiments.capacity.evaluate import Prober, RateSearch, capacity
 from experiments.capacity.rate_search import SLO
 from experiments.capacity.report import RESULT, write_report
 from paged_llm.metrics.run_info import run_info
+from paged_llm.sim.hardware import get_hardware
 from paged_llm.workloads.arrivals import WorkloadSpec, build_workload
 from paper_repro.common import _clean, hydra_output_dir, module_command
 
@@ -28,10 +29,19 @@ def seeds_of(spec: Any) -> list[int]:
     return list(range(spec)) if isinstance(spec, int) else [int(s) for s in spec]
 
 
+def resolved(cfg: DictConfig) -> dict[str, Any]:
+    """The config as plain containers, without the ``hydra`` node (a sweep's callback sees a
+    job's config before Hydra fills in the job's number)."""
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    plain.pop("hydra", None)
+    return OmegaConf.to_container(OmegaConf.create(plain), resolve=True)
+
+
 def check(cfg: DictConfig | dict[str, Any]) -> None:
     """Refuse a bad job before any simulation: unknown names, bad SLOs or search settings."""
-    c = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+    c = cfg if isinstance(cfg, dict) else resolved(cfg)
     dep = Deployment(**c["deployment"])
+    get_hardware(dep.hardware)  # raises naming the presets
     SLO(**c["slo"])
     RateSearch(**c["rate_search"])
     dep.price_per_hour(c["prices"])

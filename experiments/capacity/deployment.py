@@ -10,7 +10,6 @@ from typing import Any
 
 from paged_llm.core.kv import POLICIES
 from paged_llm.sim.executor import SimulatedExecutor
-from paged_llm.sim.hardware import HARDWARE
 from paged_llm.sim.model_shapes import ModelShape, get_model_shape
 from paged_llm.sim.settings import ServingSettings
 
@@ -60,7 +59,8 @@ def quantized(shape: ModelShape, weights: str, kv_cache_dtype: str) -> ModelShap
 class Deployment:
     """What the search varies (the ``deployment`` config node)."""
 
-    hardware: str = "a100-40gb"  # a preset of paged_llm/sim/hardware.py
+    # a preset of paged_llm/sim/hardware.py (or the device a given executor prices: "cpu")
+    hardware: str = "a100-40gb"
     num_gpus: int = 1  # tensor-parallel degree
     policy: str = "paged"  # a KV policy of paged_llm.core.kv.POLICIES
     block_size: int = 16
@@ -71,8 +71,6 @@ class Deployment:
     kv_cache_dtype: str = "auto"  # a key of KV_BYTES
 
     def __post_init__(self) -> None:
-        if self.hardware.lower() not in HARDWARE:
-            raise ValueError(f"unknown hardware '{self.hardware}'; choose one of {list(HARDWARE)}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy '{self.policy}'; choose one of {list(POLICIES)}")
         if self.num_gpus < 1 or self.block_size < 1:
@@ -85,9 +83,10 @@ class Deployment:
 
     def settings(self, engine: Mapping[str, Any]) -> ServingSettings:
         """The engine settings: the shared ``engine`` node with this deployment's own values;
-        the KV pool is what fits the GPUs' memory. Without chunked prefill a step must hold a
+        the KV pool is the node's ``num_gpu_blocks`` (absent or null: what fits the GPUs'
+        memory). Without chunked prefill a step must hold a
         whole prompt, so the token budget must cover ``max_model_len`` (vLLM's rule)."""
-        s = ServingSettings(**{**engine, "num_gpu_blocks": None}).with_overrides(
+        s = ServingSettings(**engine).with_overrides(
             block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
