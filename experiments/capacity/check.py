@@ -10,11 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.bench_model import resolve_model_dir
 from experiments.capacity.deployment import Deployment
 from experiments.capacity.rate_search import SLO, judge
 from experiments.capacity.report import ranked, write_report
@@ -25,12 +22,7 @@ from paged_llm.metrics.serving import serving_metrics
 from paged_llm.workloads.arrivals import WorkloadSpec, build_workload
 from paper_repro.common import Experiment, hydra_output_dir, write_results
 from paper_repro.validation.compare import Check, table
-from paper_repro.validation.device_calibration import (
-    fit_quality,
-    measure_device,
-    simulated_executor,
-    write_calibration,
-)
+from paper_repro.validation.device_calibration import calibrate_here, fit_quality
 
 
 def quantities(trace: Any, rate: float, slo: SLO) -> dict[str, float]:
@@ -47,15 +39,8 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> dict[str, Any]
     c = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    real = instantiate(c["executor"], _convert_="all")
-    if c.get("random_llama"):  # a random Llama of that shape, written once into the cache
-        real.model["model"] = str(resolve_model_dir({"arch": c["random_llama"]}, torch.float32, 0))
-    real_exp = Experiment(c, real, NullLogger(), out)
-    data, probe = measure_device(
-        real, real_exp.settings("paged"), c["calibration_grid"], c["calibration_law"],
-        c["speed_probe"],
-    )  # fmt: skip
-    sim = simulated_executor(data, write_calibration(data, out / "calibration.json"))
+    real_exp, data, probe, sim = calibrate_here(c, out)
+    real = real_exp.executor
     fit = fit_quality(sim, data)
     # the plan: every deployment of the space, simulated on this device's calibrated law
     results = [evaluate(apply(c, job), executor=sim) for job in grid(c["space"])]
