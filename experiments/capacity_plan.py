@@ -101,7 +101,7 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> float:
                 "rate": (result.get("rate") or {}).get("rate", 0.0),
                 "price_per_hour": result["price_per_hour"]})  # fmt: skip
     logger.log_file(path)
-    if c.get("single_report", True) and not _in_multirun():
+    if not _in_multirun():  # a sweep writes one table of all its jobs instead
         for p in write_report(out, [json.loads(path.read_text())])[1]:
             logger.log_file(p)
     logger.finish()
