@@ -10,21 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.bench_model import resolve_model_dir
 from paged_llm.metrics.loggers import NullLogger
 from paged_llm.workloads.arrivals import Workload, WorkloadSpec, build_workload
 from paper_repro.common import Experiment, hydra_output_dir, write_results
 from paper_repro.validation.compare import Check, compare, plot, table
-from paper_repro.validation.device_calibration import (
-    fit_quality,
-    measure_device,
-    simulated_executor,
-    write_calibration,
-)
+from paper_repro.validation.device_calibration import calibrate_here, fit_quality
 from paper_repro.validation.drift import SpeedProbe
 from paper_repro.validation.parts import PARTS, diagnostics, window_of
 
@@ -86,16 +78,9 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     c = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    real = instantiate(c["executor"], _convert_="all")
-    if c.get("random_llama"):  # a random Llama of that shape, written once into the cache
-        real.model["model"] = str(resolve_model_dir({"arch": c["random_llama"]}, torch.float32, 0))
-    real_exp = Experiment(c, real, NullLogger(), out)
-    data, probe = measure_device(
-        real, real_exp.settings("paged"), c["calibration_grid"], c["calibration_law"],
-        c["speed_probe"],
-    )  # fmt: skip
-    path = write_calibration(data, out / "calibration.json")
-    sim_exp = Experiment(c, simulated_executor(data, path), NullLogger(), out)
+    real_exp, data, probe, sim = calibrate_here(c, out)
+    real, path = real_exp.executor, out / "calibration.json"
+    sim_exp = Experiment(c, sim, NullLogger(), out)
     fit = fit_quality(sim_exp.executor, data)
     print(f"fitted {data['law']} law: {fit['law']} (mean |error| on the grid "
           f"{100 * fit['mean_abs_relative_error']:.1f}%)")  # fmt: skip

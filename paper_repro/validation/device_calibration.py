@@ -105,3 +105,27 @@ def fit_quality(sim: DriftCorrectedExecutor, data: dict[str, Any]) -> dict[str, 
         "max_abs_relative_error": max(errs),
         "points": rows,
     }
+
+
+def calibrate_here(c: dict[str, Any], out: Path) -> tuple[Any, dict[str, Any], SpeedProbe, Any]:
+    """validate_sim's first steps from its resolved config ``c``: the real executor (a random
+    Llama of ``c["random_llama"]``'s shape, cached), its experiment writing into ``out``, the
+    measured grid (the calibration file's contents) with the speed probe, and the simulated
+    executor loading ``out/calibration.json``."""
+    import torch
+    from hydra.utils import instantiate
+
+    from experiments.bench_model import resolve_model_dir
+    from paged_llm.metrics.loggers import NullLogger
+    from paper_repro.common import Experiment
+
+    real = instantiate(c["executor"], _convert_="all")
+    if c.get("random_llama"):  # a random Llama of that shape, written once into the cache
+        real.model["model"] = str(resolve_model_dir({"arch": c["random_llama"]}, torch.float32, 0))
+    real_exp = Experiment(c, real, NullLogger(), out)
+    data, probe = measure_device(
+        real, real_exp.settings("paged"), c["calibration_grid"], c["calibration_law"],
+        c["speed_probe"],
+    )  # fmt: skip
+    sim = simulated_executor(data, write_calibration(data, out / "calibration.json"))
+    return real_exp, data, probe, sim

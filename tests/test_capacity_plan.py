@@ -1,0 +1,229 @@
+"""Capacity planning by simulation (issue 51): the bracketing search on rate against a known
+threshold, SLO percentiles with unfinished requests, quantized shapes, the ranking and its
+Pareto front, a grid and an Optuna search through Hydra's sweepers and launchers, and the
+"search the search" acceptance: on a 128-deployment space Optuna finds the grid's best (within
+2%) in a quarter of the grid's runs."""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from experiments.capacity.deployment import Deployment, quantized
+from experiments.capacity.rate_search import SLO, RatePoint, bracket, judge, percentile_inf
+from experiments.capacity.report import pareto, ranked
+from experiments.capacity.space import apply, grid
+from experiments.capacity_plan import check, evaluate
+from paged_llm.metrics.serving import RequestRecord, RunTrace
+from paged_llm.sim.model_shapes import get_model_shape
+from paper_repro.common import CONFIG_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _point(rate: float, meets: bool) -> RatePoint:
+    return RatePoint(rate, meets, 0.0, 0.0, 1.0, rate, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    threshold=st.floats(0.01, 2000.0),
+    start=st.floats(0.1, 100.0),
+    growth=st.sampled_from([1.5, 2.0, 4.0]),
+    tol=st.sampled_from([0.01, 0.05, 0.2]),
+)
+def test_bracket_finds_a_known_threshold_or_says_which_bound(threshold, start, growth, tol):
+    floor, ceiling = 0.05, 512.0
+    start = min(max(start, floor), ceiling)
+    b = bracket(lambda r: _point(r, r <= threshold), start, floor, ceiling, growth, tol)
+    if threshold >= ceiling:
+        assert b.kind == "at_least" and b.rate == ceiling and b.text().startswith(">=")
+    elif threshold < floor:
+        assert b.kind == "below" and b.rate == 0.0 and b.upper == floor
+    else:
+        assert b.kind == "exact"
+        assert b.rate <= threshold < b.upper and b.upper / b.rate <= 1 + tol + 1e-12
+    assert all(p.meets == (p.rate <= threshold) for p in b.points)
+
+
+def test_bracket_refuses_bad_settings():
+    with pytest.raises(ValueError, match="floor <= start <= ceiling"):
+        bracket(lambda r: _point(r, True), 1000.0, 0.1, 10.0)
+    with pytest.raises(ValueError, match="growth > 1"):
+        bracket(lambda r: _point(r, True), 1.0, 0.1, 10.0, growth=1.0)
+
+
+def _record(i, arrival, first=None, finished=None, out=11):
+    return RequestRecord(str(i), 10, out, arrival, first_token_time=first, finished_time=finished)
+
+
+def _trace(reqs, end):
+    return RunTrace(reqs, [], end, "simulated", "test", "paged", 10, 16)
+
+
+def test_judge_pools_requests_and_counts_unfinished_as_late():
+    # 9 requests with TTFT 0.1 s and TPOT 0.01 s; one that never finished
+    done = [_record(i, 0.0, 0.1, 0.2) for i in range(9)]
+    slo = SLO(ttft_ms=150, tpot_ms=20, ttft_percentile=80, tpot_percentile=80)
+    point = judge([_trace(done[:5], 1.0), _trace([*done[5:], _record(9, 0.0)], 1.0)], 1.0, slo)
+    assert point.meets and point.num_requests == 10
+    assert point.ttft_ms == pytest.approx(100.0) and point.tpot_ms == pytest.approx(10.0)
+    assert point.attainment == pytest.approx(0.9)
+    # at P95 the unfinished request decides: infinitely late, the SLO fails
+    strict = SLO(ttft_ms=150, tpot_ms=20, ttft_percentile=95, tpot_percentile=80)
+    late = judge([_trace([*done, _record(9, 0.0)], 1.0)], 1.0, strict)
+    assert not late.meets and math.isinf(late.ttft_ms)
+
+
+def test_percentile_inf_matches_linear_interpolation_on_finite_values():
+    xs = [3.0, 1.0, 4.0, 1.5, 9.0]
+    assert percentile_inf(xs, 50) == 3.0 and percentile_inf(xs, 100) == 9.0
+    assert percentile_inf(xs, 90) == pytest.approx(4.0 + 0.6 * 5.0)
+    assert percentile_inf([1.0, math.inf], 0) == 1.0 and math.isinf(
+        percentile_inf([1.0, math.inf], 50)
+    )
+    assert percentile_inf([], 99) == 0.0
+
+
+def test_slo_refuses_bad_targets():
+    with pytest.raises(ValueError, match="> 0 ms"):
+        SLO(ttft_ms=0)
+    with pytest.raises(ValueError, match="percentiles"):
+        SLO(tpot_percentile=120)
+
+
+def test_quantized_shape_prices_weight_and_kv_bytes_separately():
+    base = get_model_shape("opt-13b")
+    same = quantized(base, "fp16", "auto")
+    assert (
+        same.weight_bytes == base.weight_bytes
+        and same.kv_bytes_per_token == base.kv_bytes_per_token
+    )
+    assert same.weight_bytes_read(7) == base.weight_bytes_read(7)
+    q = quantized(base, "int8", "fp8_e4m3")
+    assert q.weight_bytes == base.weight_bytes // 2
+    assert q.kv_bytes_per_token == base.kv_bytes_per_token // 2
+    assert q.weight_bytes_read(7) == pytest.approx(base.weight_bytes_read(7) / 2)
+    assert quantized(base, "int4", "auto").weight_bytes == base.weight_bytes // 4
+    assert q.linear_flops_per_token == base.linear_flops_per_token  # the arithmetic is unchanged
+    # half the KV bytes and half the weights: more than twice the blocks on one A100-40GB
+    fp16 = Deployment().executor({"name": "opt-13b"}, {}).cost_model(16).num_kv_blocks()
+    int8 = Deployment(weights="int8", kv_cache_dtype="fp8_e4m3").executor(
+        {"name": "opt-13b"}, {}).cost_model(16).num_kv_blocks()  # fmt: skip
+    assert int8 > 2 * fp16
+
+
+def test_deployment_refuses_bad_input_before_work():
+    with pytest.raises(ValueError, match="unknown policy"):
+        Deployment(policy="nope")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        Deployment(weights="int3")
+    with pytest.raises(ValueError, match="needs enable_chunked_prefill"):
+        Deployment(max_num_batched_tokens=512).settings({"max_model_len": 2048})
+    with pytest.raises(ValueError, match="no price per GPU-hour for 'h200'"):
+        Deployment(hardware="h200").price_per_hour({"a100-40gb": 1.0})
+    cfg = _config("capacity_plan")[0]
+    check(cfg)
+    with pytest.raises(ValueError, match="unknown hardware"):
+        check(apply(cfg, {"deployment.hardware": "tpu"}))
+
+
+def _row(name, rate, price):
+    return {"label": name, "status": "ok", "price_per_hour": price,
+            "requests_per_dollar": rate * 3600 / price, "deployment": {},
+            "rate": {"rate": rate, "kind": "exact", "text": f"{rate}"}}  # fmt: skip
+
+
+def test_ranking_by_requests_per_dollar_and_the_pareto_front():
+    results = [_row("cheap", 1.0, 1.0), _row("fast", 4.0, 8.0), _row("worse", 0.9, 2.0),
+               _row("mid", 3.0, 2.0), {**_row("none", 0.0, 1.0), "status": "infeasible: x",
+                                       "requests_per_dollar": 0.0}]  # fmt: skip
+    rows = ranked(results)
+    assert [r["deployment"] for r in rows] == ["mid", "cheap", "fast", "worse", "none"]
+    assert {r["deployment"] for r in rows if r["pareto"]} == {"cheap", "mid", "fast"}
+    assert rows[-1]["rate"] == "-" and not rows[-1]["pareto"]
+    assert pareto([]) == set()
+
+
+def _config(name, overrides=()):
+    """A resolved config (no hydra node) and its sweeper's search space."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        c = compose(name, overrides=list(overrides), return_hydra_config=True)
+    params = OmegaConf.to_container(c.hydra.sweeper.params)
+    plain = OmegaConf.to_container(c, resolve=False)
+    plain.pop("hydra")
+    return OmegaConf.to_container(OmegaConf.create(plain), resolve=True), params
+
+
+def _capacity_plan(tmp_path, *args):
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
+           "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    cmd = [sys.executable, "-m", "experiments.capacity_plan", *args]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def _rows(path):
+    return list(csv.DictReader(path.read_text().splitlines()))
+
+
+def test_optuna_finds_the_grids_best_in_a_quarter_of_its_runs(tmp_path):
+    cfg, params = _config("capacity_plan_quick")
+    jobs = grid(params)
+    assert len(jobs) >= 100
+    values = {json.dumps(apply(cfg, j)["deployment"], sort_keys=True):
+              evaluate(apply(cfg, j))["requests_per_dollar"] for j in jobs}  # fmt: skip
+    best = max(values.values())
+    trials = len(jobs) // 4
+    sweep_dir = tmp_path / "optuna"
+    _capacity_plan(tmp_path, "--config-name", "capacity_plan_quick", "-m",
+                   "hydra/sweeper=capacity_optuna", f"hydra.sweeper.n_trials={trials}",
+                   f"hydra.sweep.dir={sweep_dir}")  # fmt: skip
+    found = [json.loads(p.read_text()) for p in sweep_dir.glob("*/capacity_plan.json")]
+    assert len(found) == trials
+    for job in found:  # each trial computed what the grid computed for its deployment
+        key = json.dumps(job["deployment"], sort_keys=True)
+        assert job["requests_per_dollar"] == pytest.approx(values[key])
+    top = _rows(sweep_dir / "capacity_plan.csv")[0]
+    assert float(top["requests_per_dollar"]) >= 0.98 * best
+    assert (sweep_dir / "capacity_plan_pareto.png").stat().st_size > 0
+    assert len(_rows(sweep_dir / "sweep.csv")) == trials  # the merged table of every sweep
+
+
+def test_grid_through_the_basic_sweeper_and_the_joblib_launcher(tmp_path):
+    sweep_dir = tmp_path / "grid"
+    # the command line's sweeps instead of the config's space (params=null)
+    _capacity_plan(tmp_path, "--config-name", "capacity_plan_quick", "-m",
+                   "hydra.sweeper.params=null", "deployment.hardware=a100-40gb,h100",
+                   "deployment.num_gpus=1,2", "deployment.max_num_seqs=32",
+                   "hydra/launcher=parallel", "logger=wandb",
+                   f"hydra.sweep.dir={sweep_dir}")  # fmt: skip
+    rows = _rows(sweep_dir / "capacity_plan.csv")
+    assert len(rows) == 4 and [int(r["rank"]) for r in rows] == [1, 2, 3, 4]
+    per_dollar = [float(r["requests_per_dollar"]) for r in rows]
+    assert per_dollar == sorted(per_dollar, reverse=True)
+    for r in rows:  # the rank's number is the rate over the price
+        rate = float(r["rate_value"])
+        assert float(r["requests_per_dollar"]) == pytest.approx(
+            rate * 3600 / float(r["price_per_hour"])
+        )
+    md = (sweep_dir / "capacity_plan.md").read_text()
+    assert "simulated" in md and "P90 TTFT <= 200 ms" in md
+    merged = _rows(sweep_dir / "sweep.csv")
+    assert {(r["deployment.hardware"], r["deployment.num_gpus"]) for r in merged} == {
+        ("a100-40gb", "1"),
+        ("a100-40gb", "2"),
+        ("h100", "1"),
+        ("h100", "2"),
+    }
+    assert any((tmp_path / "wandb").glob("offline-run-*"))  # W&B, as every experiment logs
