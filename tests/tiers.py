@@ -91,6 +91,7 @@ FILE_TIERS = {
     "distributed": ["test_tensor_parallel"],
     "experiment": [
         "test_beam_sharing_experiment",
+        "test_capacity_plan",
         "test_figure_sweeps",
         "test_gpu_check",
         "test_kernel_compile",
