@@ -130,3 +130,27 @@ def test_held_out_comparison_is_computed_from_the_results():
     assert not out["ranges"]["fig12/paged_over_orca_oracle"]["within"]  # below 1.7
     assert out["ranges"]["fig12/paged_over_orca_max"]["within"]
     assert held_out_errors({"a": 2.0}, {"a": 1.0, "b": 3.0}, 0.5)["a"]["within"] is False
+
+
+@pytest.mark.slow  # eight short simulated runs, ~10 s of CPU
+def test_fit_experiment_runs_a_small_grid(tmp_path):
+    from paper_repro import fit_cost_model
+    from paper_repro.common import compose
+
+    cfg = compose("fit_cost_model", [
+        "per_seq_grid_ms=[0.0,0.3]", "seeds=[0]", "write_calibration=null",
+        "workloads.alpaca.duration_s=60", "workloads.sharegpt.duration_s=60",
+        "windows.alpaca=[30,60]", "windows.sharegpt=[30,60]",
+    ])  # fmt: skip
+    fit_cost_model.run(cfg, tmp_path)
+    out = json.loads((tmp_path / "fit_cost_model.json").read_text())
+    low, high = out["grid"]
+    assert (low["fig1_context_tokens"], high["fig1_context_tokens"]) == (418, 113)
+    assert high["alpaca/paged"]["mean"] > low["alpaca/paged"]["mean"]  # slower steps batch more
+    assert set(out["per_seq_ms_each_bar_needs"]) == {
+        "sharegpt/paged",
+        "sharegpt/orca_oracle",
+        "alpaca/paged",
+        "alpaca/orca_oracle",
+    }
+    assert "calibration_written" not in out and (tmp_path / "fit_cost_model.png").exists()
