@@ -69,3 +69,10 @@ FIG16_GAIN_OVER_ORACLE = {"one_shot": 1.67, "five_shot": 3.58}
 
 # Fig. 17 (OPT-13B, ShareGPT chatbot, history cut to 1024 tokens): 2x every Orca variant.
 FIG17_GAIN_OVER_ORCA = 2.0
+
+# Fig. 18a (fig): the paged attention kernel's latency (us) per layer, by batch size and context
+# length 64 / 128 / 256 (FasterTransformer's contiguous kernel: 21.9/34.9/62.3, 61.4/106.7/194.5).
+FIG18A_PAGED_KERNEL_US = {
+    8: {64: 31.5, 128: 43.6, 256: 84.3},
+    32: {64: 77.1, 128: 127.1, 256: 235.3},
+}

@@ -14,6 +14,10 @@ bandwidth (a least-squares line, overhead >= 0); compute-bound points, if any, f
 achievable FLOP/s. ``linear`` (a CPU): a non-negative sum of per-step, per-request, per-token
 (piecewise, breaks at the file's ``token_knots``), per-KV-token and per-pair costs
 (``paged_llm/sim/step_law.py``).
+
+An optional ``"per_seq_overhead_s"`` is host time per scheduled request per step that the file
+states rather than fits (``paper_repro/fit_cost_model.py`` fits it to a paper figure); the
+roofline fit then prices the points with it, and the calibrated model keeps it.
 """
 
 from __future__ import annotations
@@ -150,6 +154,8 @@ def calibrate(cm: RooflineCostModel, path: str | Path) -> RooflineCostModel:
     law = data.get("law", "roofline")
     if law not in LAWS:
         raise ValueError(f"{path}: unknown law '{law}'; choose one of {list(LAWS)}")
+    if "per_seq_overhead_s" in data:  # stated, not fitted: it replaces the executor's value
+        cm = cm.with_params(per_seq_overhead_s=float(data["per_seq_overhead_s"]))
     block_size = int(data.get("block_size", cm.block_size))
     points = [_point(p, block_size) for p in data["points"]]
     return LAWS[law](cm, points, data)
