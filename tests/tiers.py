@@ -104,6 +104,7 @@ FILE_TIERS = {
         "test_real_executor_sharing",
         "test_sim",
         "test_sim_disagg",
+        "test_sim_paper_fit",
         "test_spec_decode_experiment",
         "test_sweeps",
         "test_throughput_bench",
