@@ -27,10 +27,12 @@ QUICK = (
         "fig12",
         [
             "workload.duration_s=200",
-            "rates.paged=[1.5,2.0,2.5,3.0]",
-            "rates.orca_oracle=[0.75,1.0,1.25,1.5]",
-            "rates.orca_pow2=[0.5,0.75,1.0,1.25]",
-            "rates.orca_max=[0.4,0.6,0.8,1.0]",
+            # each grid spans its policy's threshold crossing with room on both sides, so
+            # every sustained rate is a crossing, not the grid's end (tests/test_paper_repro.py)
+            "rates.paged=[1.0,1.5,2.0,2.5,3.0,4.0]",
+            "rates.orca_oracle=[0.5,0.75,1.0,1.25,1.5,2.0]",
+            "rates.orca_pow2=[0.25,0.5,0.75,1.0,1.25,1.5]",
+            "rates.orca_max=[0.2,0.4,0.6,0.8,1.0,1.25]",
             "~rates.static",
             "progress=false",
             "seeds=[0,1,2]",
