@@ -15,7 +15,7 @@ from paged_llm.metrics.serving import max_sustained_rate, mean_batched_requests,
 from paper_repro.common import Experiment, figure, hydra_output_dir, setup, write_results
 from paper_repro.paper_numbers import FIG12_RATIO_MIN, FIG12_RATIO_RANGE
 from paper_repro.seeds import error_bars, over_seeds, stat
-from paper_repro.verdicts import MEASURED, check, merged_kind, rate_kind, rate_text
+from paper_repro.verdicts import MEASURED, bounds, check, merged_kind, rate_kind, sustained_text
 
 # How "the highest rate a policy sustains" is read off its points (config: sustained_rate_from).
 SUSTAINED_RATE = {
@@ -78,12 +78,6 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _bounds(result: dict[str, Any], policies: list[str]) -> str:
-    """Which of these policies' sustained rates are bounds, not crossings ('' if none)."""
-    kinds = {p: result[p].get("sustained_rate_kind", MEASURED) for p in policies if p in result}
-    return ", ".join(f"{p}: {k}" for p, k in kinds.items() if k != MEASURED)
-
-
 def ratio_checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The simulated A100 check: paged >= 1.7x Orca (Oracle) and >= 2.7x Orca (Max), from
     curves that cross the threshold (a ratio of a bound is undetermined)."""
@@ -92,10 +86,10 @@ def ratio_checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for p, need in FIG12_RATIO_MIN.items():
         if p not in rat:
             continue
-        bounds = _bounds(result, ["paged", p])
-        extra = {"why": f"sustained rate is a bound ({bounds}); widen the grid"} if bounds else {}
+        b = bounds(result, ["paged", p])
+        extra = {"why": f"sustained rate is a bound ({b}); widen the grid"} if b else {}
         out[f"paged_over_{p}"] = check(
-            rat[p], FIG12_RATIO_RANGE[p], f">= {need}", rat[p] >= need, not bounds, **extra
+            rat[p], FIG12_RATIO_RANGE[p], f">= {need}", rat[p] >= need, not b, **extra
         )
     return out
 
@@ -103,10 +97,10 @@ def ratio_checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def ordering_checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The real-run check: the paper's ordering of sustained rates (undetermined on bounds)."""
     ok = result["ordering_paged_oracle_pow2_max"]
-    bounds = _bounds(result, ["paged", "orca_oracle", "orca_pow2", "orca_max"])
-    extra = {"why": f"sustained rate is a bound ({bounds})"} if bounds else {}
+    b = bounds(result, ["paged", "orca_oracle", "orca_pow2", "orca_max"])
+    extra = {"why": f"sustained rate is a bound ({b})"} if b else {}
     target = "paged >= oracle >= pow2 >= max"
-    return {"ordering": check(ok, target, target, ok, not bounds, **extra)}
+    return {"ordering": check(ok, target, target, ok, not b, **extra)}
 
 
 # Which acceptance applies (config: checks): ratios on the simulated A100, ordering on a real run.
@@ -130,7 +124,7 @@ def plot(result: dict[str, Any], policies: list[str], threshold: float, title: s
         xs = [q["request_rate"] for q in pts]
         ys = [q["normalized_latency"] for q in pts]
         yerr = error_bars(result, [f"{p}/points/{i}/normalized_latency" for i in range(len(pts))])
-        label = f"{p} (sustains {sustained_text(result, p)})"
+        label = f"{p} (sustains {sustained_text(result[p])})"
         ax.errorbar(xs, ys, yerr=yerr, marker="o", capsize=2, label=label)
         ymax = max([ymax] + [y for y in ys if y is not None and y <= 5 * threshold])
     ax.axhline(threshold, color="gray", ls="--", lw=0.8, label=f"threshold {threshold:g} s/token")
@@ -201,24 +195,17 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     for p in policies:
         r = result[p]
         print(
-            f"{p:12s} sustains {sustained_text(result, p)}{interval(result, p)} req/s "
+            f"{p:12s} sustains {sustained_text(result[p])}{interval(result, p)} req/s "
             f"(capacity {r['saturation_throughput']:.2f} req/s)"
         )
     for p, r in rat.items():
-        bounds = _bounds(result, ["paged", p])
-        note = f"undetermined: built from a bound ({bounds})" if bounds else "from crossings"
+        b = bounds(result, ["paged", p])
+        note = f"undetermined: built from a bound ({b})" if b else "from crossings"
         lo_hi = FIG12_RATIO_RANGE.get(p)
         paper = f"{lo_hi[0]:g}-{lo_hi[1]:g}x" if lo_hi else "-"
         print(f"paged / {p}: {r:.2f}x, {note} (paper range {paper})")
     print(f"fig12 ({exp.executor.describe()}, {n} seeds): {', '.join(str(p) for p in paths)}")
     return paths
-
-
-def sustained_text(result: dict[str, Any], policy: str) -> str:
-    """A policy's sustained rate, marked as a bound where its curve never crossed."""
-    r = result[policy]
-    lowest = min(q["request_rate"] for q in r["points"])
-    return rate_text(r["max_sustained_rate"], r.get("sustained_rate_kind", MEASURED), lowest)
 
 
 def interval(result: dict[str, Any], policy: str) -> str:

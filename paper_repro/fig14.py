@@ -23,7 +23,15 @@ from paper_repro.common import Experiment, hydra_output_dir, setup, write_result
 from paper_repro.fig12 import SUSTAINED_RATE
 from paper_repro.paper_numbers import FIG14_GAIN_OVER_ORACLE
 from paper_repro.seeds import error_bars, over_seeds
-from paper_repro.verdicts import LOWER_BOUND, MEASURED, check, merged_kind, rate_kind, rate_text
+from paper_repro.verdicts import (
+    LOWER_BOUND,
+    MEASURED,
+    bounds,
+    check,
+    merged_kind,
+    rate_kind,
+    sustained_text,
+)
 
 ORDER = ("paged", "orca_oracle", "orca_pow2", "orca_max")  # the paper's ordering
 
@@ -152,26 +160,13 @@ def sustained_capped(res: dict[str, Any], policy: str) -> bool:
     return res[policy].get("sustained_rate_kind", MEASURED) == LOWER_BOUND
 
 
-def sustained_text(res: dict[str, Any], policy: str) -> str:
-    """A policy's sustained rate in a setting, marked as a bound where its curve never crossed."""
-    r = res[policy]
-    lowest = min(q["request_rate"] for q in r["points"])
-    return rate_text(r["max_sustained_rate"], r.get("sustained_rate_kind", MEASURED), lowest)
-
-
-def bounds(res: dict[str, Any], policies: Any = ORDER) -> str:
-    """The policies of a setting whose sustained rate is a bound, not a crossing ('' if none)."""
-    kinds = {p: res[p].get("sustained_rate_kind", MEASURED) for p in policies if p in res}
-    return ", ".join(f"{p}: {k}" for p, k in kinds.items() if k != MEASURED)
-
-
 def acceptance(result: dict[str, Any], settings: list[str]) -> dict[str, dict[str, Any]]:
     """The paper's ordering (paged >= Oracle >= Pow2 >= Max) in every setting; undetermined
     where a sustained rate is a bound of the rate grid."""
     target = "paged >= orca_oracle >= orca_pow2 >= orca_max"
     out = {}
     for s in settings:
-        ok, b = result[s]["ordering_ok"], bounds(result[s])
+        ok, b = result[s]["ordering_ok"], bounds(result[s], ORDER)
         extra = {"why": f"sustained rate is a bound ({b}); widen the grid"} if b else {}
         out[f"{s}_ordering"] = check(ok, target, target, ok, not b, **extra)
     return out
@@ -196,7 +191,7 @@ def plot(result: dict[str, Any], settings: list[str], threshold: float, title: s
             xs = [q["request_rate"] for q in pts]
             ys = [q["normalized_latency"] for q in pts]
             paths = [f"{s}/{p}/points/{i}/normalized_latency" for i in range(len(pts))]
-            label = f"{p} ({sustained_text(res, p)})"
+            label = f"{p} ({sustained_text(res[p])})"
             yerr = error_bars(result, paths)
             ax.errorbar(xs, ys, yerr=yerr, marker="o", ms=3, capsize=2, label=label)
         ax.axhline(threshold, color="gray", ls="--", lw=0.8)
@@ -214,7 +209,7 @@ def print_summary(result: dict[str, Any], settings: list[str], paper: dict[str, 
     """Sustained rates and the paged policy's gains, with the paper's where it gives one."""
     for s in settings:
         res = result[s]
-        rates = ", ".join(f"{p} {sustained_text(res, p)}" for p in ORDER if p in res)
+        rates = ", ".join(f"{p} {sustained_text(res[p])}" for p in ORDER if p in res)
         gains = ", ".join(f"/{p} {r:.2f}x" for p, r in res["ratios_vs_paged"].items())
         ref = f" (paper vs oracle {paper[s]:g}x)" if s in paper else ""
         print(f"{s:11s} sustained req/s: {rates}; paged {gains}{ref}")

@@ -16,9 +16,9 @@ import hydra
 from omegaconf import DictConfig
 
 from paper_repro.common import hydra_output_dir, setup, write_results
-from paper_repro.fig14 import bounds, plot, print_summary, settings_over_seeds, sustained_capped
+from paper_repro.fig14 import plot, print_summary, settings_over_seeds, sustained_capped
 from paper_repro.paper_numbers import FIG16_GAIN_OVER_ORACLE, FIG16_PREFIX_LEN
-from paper_repro.verdicts import UNDETERMINED, check
+from paper_repro.verdicts import UNDETERMINED, bounds, check
 
 
 def acceptance(result: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -17,10 +17,10 @@ import hydra
 from omegaconf import DictConfig
 
 from paper_repro.common import hydra_output_dir, setup, write_results
-from paper_repro.fig14 import bounds, plot, print_summary, settings_over_seeds, sustained_capped
+from paper_repro.fig14 import plot, print_summary, settings_over_seeds, sustained_capped
 from paper_repro.paper_numbers import FIG17_GAIN_OVER_ORCA
 from paper_repro.seeds import aggregate
-from paper_repro.verdicts import check
+from paper_repro.verdicts import bounds, check
 
 
 def acceptance(result: dict[str, Any]) -> dict[str, dict[str, Any]]:

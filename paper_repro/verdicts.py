@@ -56,6 +56,20 @@ def rate_text(rate: float, kind: str, lowest: float | None = None) -> str:
     return f"{rate:.2f}"
 
 
+def sustained_text(entry: dict[str, Any]) -> str:
+    """One policy's sustained rate (its result: points, max_sustained_rate, sustained_rate_kind),
+    marked as a bound where its curve never crossed."""
+    lowest = min(q["request_rate"] for q in entry["points"])
+    kind = entry.get("sustained_rate_kind", MEASURED)
+    return rate_text(entry["max_sustained_rate"], kind, lowest)
+
+
+def bounds(result: dict[str, Any], policies: Sequence[str]) -> str:
+    """Which of these policies' sustained rates are bounds, not crossings ('' if none)."""
+    kinds = {p: result[p].get("sustained_rate_kind", MEASURED) for p in policies if p in result}
+    return ", ".join(f"{p}: {k}" for p, k in kinds.items() if k != MEASURED)
+
+
 def verdict(ok: bool, determined: bool = True) -> str:
     """pass / fail, or undetermined when the value rests on a bound."""
     if not determined:
