@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 
 from paged_llm.metrics.run_info import cpu_name, run_info
 from paper_repro import make_table
-from paper_repro.common import compose
+from paper_repro.common import compose, module_command
 
 # In order of cost (cheapest first), so an interrupted run has the cheap figures done.
 FIGURES = ("fig1", "fig2", "fig17", "fig13", "fig12", "fig15", "fig16", "fig19", "fig18b",
@@ -55,8 +56,10 @@ def run_figure(name: str, overrides: list[str], out: Path) -> dict[str, Any]:
     if result.is_file():
         d = json.loads(result.read_text())
         d.setdefault("run_info", {}).update(
-            wall_time_s=round(wall, 1), command=command, run_by="python -m paper_repro.all_figures"
-        )
+            wall_time_s=round(wall, 1), command=command, run_by="python -m paper_repro.all_figures",
+            # other processes stretch wall time: the 1-min load average at the end, and the cores
+            load_average_1m=round(os.getloadavg()[0], 2), cpus=os.cpu_count(),
+        )  # fmt: skip
         result.write_text(json.dumps(d, indent=2))
         mode = d["run_info"].get("mode")
     print(f"{name}: {wall:.0f} s wall ({command})", flush=True)
@@ -80,9 +83,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.out or f"outputs/paper_repro/all/{stamp}")
     out.mkdir(parents=True, exist_ok=True)
+    info = run_info("per figure", hardware=f"{cpu_name()} (CPU)")
     summary: dict[str, Any] = {
         # each figure's JSON says whether it is real or simulated (fig19 measures both)
-        "run_info": run_info("per figure", hardware=f"{cpu_name()} (CPU)"),
+        "run_info": {
+            **info,
+            "command": module_command(info["command"]),
+            # wall times depend on what else the machine runs: its load when this started
+            "cpus": os.cpu_count(),
+            "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        },
         "seeds": args.seeds,
         "figures": {},
     }

@@ -404,7 +404,9 @@ def source(d: dict[str, Any]) -> str:
     cmd = info.get("command")
     wall = info.get("wall_time_s")  # stamped by paper_repro.all_figures
     where = info.get("computed_on") or "this machine"
-    took = f"; {wall:.0f} s wall on {where}" if wall is not None else ""
+    load = info.get("load_average_1m")
+    busy = f" (load {load:g} on {info.get('cpus')} cores)" if load is not None else ""
+    took = f"; {wall:.0f} s wall on {where}{busy}" if wall is not None else ""
     return (
         f"{info.get('mode', '?')}: {hw}{', ' + lengths if lengths else ''}; {date}; `{cmd}`"
         f"{_seeds_note(d)}{took}"
