@@ -9,8 +9,9 @@ figure's wall time into its JSON's ``run_info`` (make_table prints it under the 
 block) and, unless ``--no-table``, rewrites the figures' blocks of paper_repro/README.md.
 OVERRIDEs (Hydra syntax) go to every figure.
 
-Wall time on 2 CPU cores (per run of five seeds): Fig. 1, 2, 12, 13, 15, 16, 17 a few minutes
-each, Fig. 18b ~15 min, Fig. 14 ~100 min (its 6 settings x 4 policies x rate sweeps). Fig. 19
+Wall time for five seeds, measured on 2 CPU cores shared with other jobs (2026-12-06): Fig. 1
+121 s, Fig. 17 1092 s; each block of paper_repro/README.md names its own. Fig. 14, the longest
+(6 settings x 4 policies x rate sweeps), takes ~20 min per seed on 2 idle cores. Fig. 19
 measures real swap and recompute times once per block size (a timing, not a random draw), so
 it runs once."""
 
