@@ -49,6 +49,8 @@ def rate_text(rate: float, kind: str, lowest: float | None = None) -> str:
     (``lowest``: the grid's lowest rate; such a curve's sustained rate reads as 0)."""
     if kind == LOWER_BOUND:
         return f">= {rate:.2f} (top of grid)"
+    if kind == UPPER_BOUND and rate > 0:  # a mean over seeds, some of them above throughout
+        return f"<= {rate:.2f} (some seeds above threshold at the lowest rate)"
     if kind == UPPER_BOUND:
         return f"< {rate if lowest is None else lowest:.2f} (above threshold at the lowest rate)"
     if kind != MEASURED:

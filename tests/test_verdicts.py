@@ -60,6 +60,7 @@ def test_check_and_text():
     assert und["verdict"] == UNDETERMINED and und["pass"] is False  # never a pass
     assert rate_text(3.0, LOWER_BOUND) == ">= 3.00 (top of grid)"
     assert rate_text(0.0, UPPER_BOUND, lowest=0.5).startswith("< 0.50")
+    assert rate_text(0.21, UPPER_BOUND, lowest=0.05).startswith("<= 0.21 (some seeds")
     assert rate_text(2.414, MEASURED) == "2.41"
     (line,) = acceptance_lines("fig12", {"paged_over_orca_max": und})
     assert line == "fig12 paged_over_orca_max: undetermined (ours 2, paper 1.7, target >= 1.7)"
