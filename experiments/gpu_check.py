@@ -7,7 +7,7 @@ section, so a run cut short still leaves its results.
     python -m experiments.gpu_check --quick --out outputs/gpu_check    # ~4 min
     ... --extras    # + kernel_sweep and quant_decode (experiments/gpu_sweeps.py), ~2.5 min more
     python -m experiments.gpu_check --smoke --out /tmp/gpu_check       # CPU, tiny, interpreter
-    ... --trace ../shared/datasets/sharegpt_opt_lengths.csv            # ShareGPT lengths
+    ... --trace paged_llm/workloads/data/sharegpt_opt_lengths.csv            # ShareGPT lengths
 
 Sections, in order (later ones use the bandwidth measured first):
 

@@ -1,7 +1,7 @@
 """Offline throughput benchmark in the style of vLLM's ``benchmark_throughput``.
 
     python -m experiments.throughput [overrides]
-    python -m experiments.throughput workload.path=../shared/datasets/sharegpt_opt_lengths.csv
+    python -m experiments.throughput workload.path=paged_llm/workloads/data/sharegpt_opt_lengths.csv
 
 The same requests (random prompt token ids, lengths from a trace or a synthetic fit) run
 through this project's paged engine and through transformers (static-batch ``generate`` and

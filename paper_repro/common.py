@@ -19,6 +19,7 @@ from paged_llm.metrics.serving import RunTrace
 from paged_llm.sim.settings import ServingSettings
 from paged_llm.workloads.arrivals import Workload, WorkloadSpec, build_workload
 from paper_repro.real_mode import apply_probe, prepare_config
+from paper_repro.verdicts import acceptance_lines
 
 log = logging.getLogger("paper_repro")
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -160,6 +161,8 @@ def write_results(
         paths.append(path)
     for p in paths:
         exp.logger.log_file(p)
+    for line in acceptance_lines(name, result.get("acceptance") or {}):
+        print(line)
     return paths
 
 

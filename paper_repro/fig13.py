@@ -13,6 +13,7 @@ from paged_llm.metrics.serving import mean_batched_requests, serving_metrics
 from paper_repro.common import Experiment, figure, hydra_output_dir, setup, write_results
 from paper_repro.paper_numbers import FIG13, FIG13_TOLERANCE
 from paper_repro.seeds import error_bars, over_seeds, stat
+from paper_repro.verdicts import check
 
 
 def acceptance(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -23,12 +24,11 @@ def acceptance(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if ours is None:
             continue
         paper = FIG13["sharegpt"][policy]
-        checks[f"sharegpt_{policy}"] = {
-            "value": ours,
-            "paper": paper,
-            "relative_error": ours / paper - 1,
-            "pass": abs(ours / paper - 1) <= FIG13_TOLERANCE,
-        }
+        err = ours / paper - 1
+        checks[f"sharegpt_{policy}"] = check(
+            ours, paper, f"within {FIG13_TOLERANCE:.0%}", abs(err) <= FIG13_TOLERANCE,
+            relative_error=err,
+        )  # fmt: skip
     return checks
 
 

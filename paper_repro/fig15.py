@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from paper_repro.common import Experiment, figure, hydra_output_dir, setup, write_results
 from paper_repro.paper_numbers import FIG15, FIG15_SHAREGPT_RANGE, FIG15_TOLERANCE_PP
 from paper_repro.seeds import error_bars, over_seeds
+from paper_repro.verdicts import check
 
 
 def measure(exp: Experiment, spec: dict[str, Any], policy: str) -> dict[str, Any]:
@@ -52,19 +53,13 @@ def acceptance(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     paper = FIG15["alpaca"]
     order = sorted(ours, key=lambda s: paper[s])
     ok = all(ours[a] < ours[b] for a, b in zip(order, order[1:]))
-    checks["alpaca_ordering"] = {
-        "value": [s for s in sorted(ours, key=ours.get)],
-        "target": order,
-        "pass": ok,
-    }
+    checks["alpaca_ordering"] = check(sorted(ours, key=ours.get), order, order, ok)
     for s, v in ours.items():
         err = 100 * (v - paper[s])
-        checks[f"alpaca_{s}"] = {
-            "value": v,
-            "paper": paper[s],
-            "error_pp": err,
-            "pass": abs(err) <= FIG15_TOLERANCE_PP,
-        }
+        checks[f"alpaca_{s}"] = check(
+            v, paper[s], f"within {FIG15_TOLERANCE_PP:g} pp", abs(err) <= FIG15_TOLERANCE_PP,
+            error_pp=err,
+        )  # fmt: skip
     return checks
 
 

@@ -13,6 +13,7 @@ from paged_llm.metrics.serving import SHARE_KEYS, mean_batched_requests, memory_
 from paper_repro.common import Experiment, figure, hydra_output_dir, setup, write_results
 from paper_repro.paper_numbers import FIG2, FIG2_PAGED_MIN, FIG2_TOLERANCE_PP
 from paper_repro.seeds import error_bars, over_seeds, stat
+from paper_repro.verdicts import check
 
 LABELS = {
     "token_states": "token states",
@@ -36,21 +37,19 @@ def artifact_presentation(shares: dict[str, float], free: float) -> dict[str, fl
 
 def acceptance(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The issue's checks: paged >= 95% token states; each Orca within 6 pp of the paper."""
+    paged = result["paged"]["token_states"]
     checks = {
-        "paged_token_states": {
-            "value": result["paged"]["token_states"],
-            "target": f">= {FIG2_PAGED_MIN}",
-            "pass": result["paged"]["token_states"] >= FIG2_PAGED_MIN,
-        }
+        "paged_token_states": check(
+            paged, FIG2["paged"]["token_states"], f">= {FIG2_PAGED_MIN}", paged >= FIG2_PAGED_MIN
+        )
     }
     for policy in ("orca_max", "orca_pow2", "orca_oracle"):
         if policy in result:
             ours, paper = result[policy]["token_states"], FIG2[policy]["token_states"]
-            checks[f"{policy}_token_states"] = {
-                "value": ours,
-                "target": f"{paper} +- {FIG2_TOLERANCE_PP / 100}",
-                "pass": abs(ours - paper) * 100 <= FIG2_TOLERANCE_PP,
-            }
+            checks[f"{policy}_token_states"] = check(
+                ours, paper, f"{paper} +- {FIG2_TOLERANCE_PP / 100}",
+                abs(ours - paper) * 100 <= FIG2_TOLERANCE_PP,
+            )  # fmt: skip
     return checks
 
 

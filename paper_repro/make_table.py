@@ -29,6 +29,7 @@ from paper_repro.paper_numbers import (
     FIG19_SWAP_MS,
 )
 from paper_repro.seeds import stat, value_at
+from paper_repro.verdicts import FAIL, LOWER_BOUND, PASS, UNDETERMINED, UPPER_BOUND, verdict_of
 
 ROOT = Path(__file__).resolve().parents[1]
 README = Path(__file__).resolve().parent / "README.md"
@@ -60,7 +61,14 @@ def _times(x: float | None) -> str:
 
 def _check(acc: dict[str, Any], key: str) -> str:
     a = acc.get(key)
-    return "-" if a is None else ("pass" if a.get("pass") else "**fail**")
+    if a is None:
+        return "-"
+    v = verdict_of(a)
+    return "**fail**" if v == FAIL else v
+
+
+# How a sustained rate that is a bound of the rate grid is written beside its number.
+_BOUND_MARK = {LOWER_BOUND: ">= ", UPPER_BOUND: "<= "}
 
 
 def fig2_rows(d: dict[str, Any]) -> list[Row]:
@@ -87,7 +95,10 @@ def fig12_rows(d: dict[str, Any]) -> list[Row]:
     for p in ("paged", "orca_oracle", "orca_pow2", "orca_max", "static"):
         if p in d:
             rate, cap = _ci(d, f"{p}/max_sustained_rate"), _ci(d, f"{p}/saturation_throughput")
-            ours = f"{rate} (capacity {cap})"
+            kind = d[p].get("sustained_rate_kind")
+            mark = _BOUND_MARK.get(kind, "")
+            note = " (top of grid)" if kind == LOWER_BOUND else ""
+            ours = f"{mark}{rate}{note} (capacity {cap})"
             rows.append((f"Fig. 12 max sustained rate, {p} (req/s)", ours, "-", "-"))
     paper = {"orca_oracle": "1.7-2.7x", "orca_max": "2.7-8x", "static": "up to 22x"}
     for p in d.get("ratios_vs_paged", {}):
@@ -256,6 +267,9 @@ def _sweep_rows(
 
 
 def _capped(r: dict[str, Any]) -> bool:
+    """True when the policy's curve never crossed the threshold (older files: rate == top)."""
+    if "sustained_rate_kind" in r:
+        return r["sustained_rate_kind"] == LOWER_BOUND
     return abs(r["max_sustained_rate"] - max(q["request_rate"] for q in r["points"])) < 1e-9
 
 
@@ -334,7 +348,10 @@ def _highest(acc: dict[str, Any], setting: str) -> str:
     mine = [a for k, a in acc.items() if k.startswith(f"{setting}_paged_over_")]
     if not mine:
         return "-"
-    return "pass (paged highest)" if all(a["pass"] for a in mine) else "**fail**"
+    verdicts = {verdict_of(a) for a in mine}
+    if FAIL in verdicts:
+        return "**fail**"
+    return UNDETERMINED if UNDETERMINED in verdicts else f"{PASS} (paged highest)"
 
 
 def fig17_rows(d: dict[str, Any]) -> list[Row]:
@@ -385,9 +402,14 @@ def source(d: dict[str, Any]) -> str:
     lengths = "lengths: " + ", ".join(dict.fromkeys(kinds)) if kinds else ""
     date = str(info.get("date", ""))[:10]
     cmd = info.get("command")
+    wall = info.get("wall_time_s")  # stamped by paper_repro.all_figures
+    where = info.get("computed_on") or "this machine"
+    load = info.get("load_average_1m")
+    busy = f" (load {load:g} on {info.get('cpus')} cores)" if load is not None else ""
+    took = f"; {wall:.0f} s wall on {where}{busy}" if wall is not None else ""
     return (
         f"{info.get('mode', '?')}: {hw}{', ' + lengths if lengths else ''}; {date}; `{cmd}`"
-        f"{_seeds_note(d)}"
+        f"{_seeds_note(d)}{took}"
     )
 
 

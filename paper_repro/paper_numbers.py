@@ -1,7 +1,14 @@
 """The paper's published numbers that the figure scripts compare against
-(shared/PAPER_NUMBERS.md; Kwon et al., SOSP 2023). (fig) marks values read off a figure."""
+(docs/paper_numbers.md; Kwon et al., SOSP 2023). (fig) marks values read off a figure."""
 
 from __future__ import annotations
+
+# Fig. 11: mean request lengths (tokens, OPT tokenizer) of the two workloads, after the filter
+# input + output < 2048.
+FIG11_MEAN_LENGTHS = {
+    "sharegpt": {"input_len": 161.31, "output_len": 337.99},
+    "alpaca": {"input_len": 19.31, "output_len": 58.45},
+}
 
 # Fig. 2: shares of the KV pool (fractions), OPT-13B / A100-40GB / ShareGPT.
 _SHARE_KEYS = ("token_states", "reservation", "internal_fragmentation", "external_fragmentation")

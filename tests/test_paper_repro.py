@@ -14,7 +14,6 @@ from paper_repro import fig1, fig2, fig12, fig13, fig18b, fig19, make_table
 from paper_repro.common import compose
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_TRACE = ROOT.parent / "shared/datasets/sharegpt_opt_lengths.csv"
 SHARE_KEYS = {"token_states", "reservation", "internal_fragmentation", "external_fragmentation"}
 POLICIES = ("orca_max", "orca_pow2", "orca_oracle", "paged")
 
@@ -32,18 +31,15 @@ def check_files(paths, out, name):
 
 
 def test_fig2_acceptance_guard(tmp_path):
-    """Fig. 2 on a 300 s ShareGPT trace (the shared one when present): the paged policy keeps
+    """Fig. 2 for 300 s of the shipped ShareGPT trace (its default): the paged policy keeps
     >= 95% of the pool in token states, each Orca variant within 6 pp of the paper."""
-    trace = [f"workload.path={SHARED_TRACE}"] if SHARED_TRACE.is_file() else []
     over = ["workload.duration_s=300", "window=[100,300]", "progress=false", "seeds=[0]"]
-    cfg = compose("fig2", [*over, *trace])
-    d = check_files(fig2.run(cfg, tmp_path), tmp_path, "fig2")
+    d = check_files(fig2.run(compose("fig2", over), tmp_path), tmp_path, "fig2")
     for p in POLICIES:
         assert set(d[p]) == SHARE_KEYS and sum(d[p].values()) == pytest.approx(1.0)
-    assert d["run_info"]["synthetic_lengths"] is (not SHARED_TRACE.is_file())
+    assert d["run_info"]["synthetic_lengths"] is False
     assert d["paged"]["token_states"] >= 0.95
-    if SHARED_TRACE.is_file():
-        assert all(a["pass"] for a in d["acceptance"].values()), d["acceptance"]
+    assert all(a["verdict"] == "pass" for a in d["acceptance"].values()), d["acceptance"]
 
 
 def test_fig12_and_fig13_small(tmp_path):
@@ -184,6 +180,12 @@ def test_quick_runs_all_three(tmp_path):
     for name in ("fig2", "fig12", "fig13"):  # a mean with an interval, never one draw
         seeds = json.loads((tmp_path / name / f"{name}.json").read_text())["seeds"]
         assert seeds["n"] == 3 and seeds["interval"].startswith("Student-t")
+    # the quick grid spans every policy's knee: sustained rates are crossings, and the ratio
+    # checks are verdicts, not a property of the grid
+    d = json.loads((tmp_path / "fig12" / "fig12.json").read_text())
+    for p in ("paged", "orca_oracle", "orca_pow2", "orca_max"):
+        assert d[p]["sustained_rate_kind"] == "measured", (p, d[p]["sustained_rate_kind"])
+    assert {a["verdict"] for a in d["acceptance"].values()} <= {"pass", "fail"}
 
 
 @pytest.mark.slow

@@ -102,7 +102,7 @@ def test_calibration_recovers_parameters_and_fits_fig1(tmp_path):
     for p in data["points"]:
         model = cm.step_time(StepShape.decode(p["num_seqs"], p["context_tokens_per_seq"]))
         assert model == pytest.approx(p["step_time_s"], rel=0.02)
-    assert 0.9e12 < cm.bandwidth < 1.1e12  # the note in PAPER_NUMBERS: ~0.97 TB/s effective
+    assert 0.9e12 < cm.bandwidth < 1.1e12  # docs/paper_numbers.md's note: ~0.97 TB/s effective
     with pytest.raises(ValueError, match="executor.calibration=null"):
         calibrate(cost("h100"), ex.calibration)
 

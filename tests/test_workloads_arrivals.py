@@ -21,14 +21,13 @@ from paged_llm.workloads.arrivals import (
 from paged_llm.workloads.lengths import LengthPair
 from paged_llm.workloads.traces import (
     ALPACA,
+    SHAREGPT_TRACE,
     length_source,
     load_artifact_pickle,
     load_sharegpt_json,
     load_trace,
     scale_lengths,
 )
-
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/datasets/sharegpt_opt_lengths.csv"
 
 
 def test_poisson_mean_gap_and_seed():
@@ -92,9 +91,10 @@ def test_csv_trace_and_filter(tmp_path):
         build_workload({"path": str(tmp_path / "missing.csv")})
 
 
-@pytest.mark.skipif(not SHARED_TRACE.is_file(), reason="shared ShareGPT trace not present")
-def test_shared_sharegpt_trace_means():
-    src = length_source(str(SHARED_TRACE))
+def test_shipped_sharegpt_trace_means():
+    """The shipped trace after the paper's filter: the row count and means its README states."""
+    src = length_source(SHAREGPT_TRACE)
+    assert not src.synthetic and src.label == f"trace:{SHAREGPT_TRACE}"
     assert len(src.pairs) == 79725
     assert statistics.mean(p.input_len for p in src.pairs) == pytest.approx(161.18, abs=0.01)
     assert statistics.mean(p.output_len for p in src.pairs) == pytest.approx(338.00, abs=0.01)

@@ -44,8 +44,8 @@ def _sigma_for_median(mean: float, median: float) -> float:
 
 # Means are the paper's Fig. 11 ShareGPT means (OPT tokenizer); sigmas are chosen so the
 # medians match the published length-only trace after the paper's filter (input p50 35,
-# output p50 271; see shared/datasets/README.md). The input tail is heavy (sigma ~1.75), as
-# in the trace, where p90 is 14x the median.
+# output p50 271; see paged_llm/workloads/data/README.md). The input tail is heavy
+# (sigma ~1.75), as in the trace, where p90 is 14x the median.
 SHAREGPT = LogNormalLengths(
     name="sharegpt",
     input_mean=161.31,

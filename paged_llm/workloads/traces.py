@@ -1,6 +1,8 @@
 """Length traces in every format the paper's experiments use, and synthetic fallbacks.
 
-* CSV ``input_len,output_len`` (the shared ShareGPT trace), via :mod:`lengths`.
+* CSV ``input_len,output_len``, via :mod:`lengths`. The paper's ShareGPT trace ships with the
+  package (``data/``, provenance in ``data/README.md``): the path ``shipped:NAME`` names a file
+  there, wherever the package is installed and whatever the working directory.
 * The artifact's pickle: a plain list of (input_len, output_len) int pairs, read by an
   unpickler that refuses every global, so a crafted file cannot run code.
 * ShareGPT JSON conversations: first user turn and first reply, tokenized with a given
@@ -48,6 +50,25 @@ WMT16 = LogNormalLengths(
 )
 
 SYNTHETIC: dict[str, LogNormalLengths] = {"sharegpt": SHAREGPT, "alpaca": ALPACA, "wmt16": WMT16}
+
+# Traces shipped inside the package; "shipped:sharegpt_opt_lengths.csv" names one in a config.
+DATA_DIR = Path(__file__).resolve().parent / "data"
+SHIPPED = "shipped:"
+SHAREGPT_TRACE = f"{SHIPPED}sharegpt_opt_lengths.csv"
+
+
+def resolve_trace_path(path: str | Path) -> Path:
+    """The file a trace path names: ``shipped:NAME`` is NAME in the package's data directory,
+    anything else a path (``~`` expanded)."""
+    text = str(path)
+    if not text.startswith(SHIPPED):
+        return Path(text).expanduser()
+    name = text[len(SHIPPED) :]
+    found = DATA_DIR / name
+    if not name or Path(name).name != name or not found.is_file():
+        shipped = sorted(f"{SHIPPED}{q.name}" for q in DATA_DIR.glob("*.csv"))
+        raise FileNotFoundError(f"no shipped trace '{text}'; shipped traces: {shipped}")
+    return found
 
 
 @dataclass(frozen=True)
@@ -130,8 +151,9 @@ _LOADERS: dict[str, Callable[[Path, Any], list[LengthPair]]] = {
 
 
 def load_trace(path: str | Path, tokenizer: Any = None) -> list[LengthPair]:
-    """Load length pairs from a CSV, artifact pickle or ShareGPT JSON file."""
-    p = Path(path).expanduser()
+    """Load length pairs from a CSV, artifact pickle or ShareGPT JSON file (or a shipped trace,
+    ``shipped:NAME``)."""
+    p = resolve_trace_path(path)
     if not p.is_file():
         raise FileNotFoundError(
             f"trace file '{path}' not found (cwd {Path.cwd()}); give an existing CSV/pickle/JSON "
