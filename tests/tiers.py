@@ -34,7 +34,9 @@ FILE_TIERS = {
         "test_scheduler",
         "test_sim_metrics",
         "test_tiers",
+        "test_verdicts",
         "test_workloads_arrivals",
+        "test_workloads_traces",
     ],
     "engine": [
         "test_async_llm_engine",
@@ -90,6 +92,7 @@ FILE_TIERS = {
     ],
     "distributed": ["test_tensor_parallel"],
     "experiment": [
+        "test_all_figures",
         "test_beam_sharing_experiment",
         "test_capacity_plan",
         "test_figure_sweeps",
