@@ -59,6 +59,16 @@ def _assert_error(r, status, param=None, match=None):
 
 @pytest.mark.parametrize("path", [COMPLETIONS, "/v1/chat/completions", "/v1/responses",
                                   "/tokenize", "/detokenize"])  # fmt: skip
+def test_nan_infinity_and_overflowing_numbers_are_a_400(server, path):
+    """Python's json reads them, but they are not JSON, and a route that echoes a field (the
+    Responses API's ``text``) could not send them back: the fuzz test found a 500 there."""
+    for value in ("NaN", "Infinity", "-Infinity", "1e999"):
+        body = f'{{"input": "def f", "prompt": "x", "max_tokens": 1, "text": {{"a": [{value}]}}}}'
+        _assert_error(_post(server, path, body.encode()), 400, match="malformed JSON body")
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, "/v1/chat/completions", "/v1/responses",
+                                  "/tokenize", "/detokenize"])  # fmt: skip
 def test_a_100000_deep_body_is_a_400(server, path):
     for body in ("[" * 100_000 + "]" * 100_000, '{"a":' * 100_000 + "1" + "}" * 100_000):
         _assert_error(_post(server, path, body.encode()), 400, match="nested deeper")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -246,8 +247,8 @@ def parse_request(
     raw: bytes, model_cls: type[BaseModel], max_depth: int = RequestLimits.max_json_depth
 ) -> Any:
     """Parse and validate a JSON body; any problem is a BadRequest naming the field."""
-    try:
-        data = json.loads(raw)
+    try:  # strict JSON: NaN and Infinity are not JSON, and an echoed field could not be sent
+        data = json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise BadRequest(f"malformed JSON body: {err}") from None
     except RecursionError:  # nested deeper than the interpreter's recursion limit
@@ -263,6 +264,19 @@ def parse_request(
     if unknown:
         logger.warning("ignoring unknown request fields: %s", sorted(unknown))
     return req
+
+
+def _not_json(name: str) -> Any:
+    """json.loads' hook for NaN, Infinity and -Infinity, which RFC 8259 does not allow."""
+    raise BadRequest(f"malformed JSON body: {name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    """json.loads' hook for a number with a fraction or exponent: refused if it overflows."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadRequest(f"malformed JSON body: the number {text[:32]} is out of range")
+    return value
 
 
 def json_depth(value: Any, stop_after: int) -> int:
