@@ -24,7 +24,7 @@ GROUP_HOME = {
     "model": "throughput", "policy": "throughput", "quant": "throughput",
     "scheduler": "throughput", "scheduling": "throughput", "speculative": "throughput",
     "logger": "fig2", "hardware": "fig2", "model_shape": "fig2", "workload": "fig2",
-    "executor": "fig2", "device": "fig12_real",
+    "executor": "fig2", "device": "fig12_real", "prices": "capacity_plan",
 }  # fmt: skip
 GROUPS = sorted(
     (d.name, p.stem) for d in CONFIG_DIR.iterdir() if d.is_dir() and d.name in GROUP_HOME
