@@ -328,8 +328,7 @@ class SimulatedExecutor:
             extra["sharing"] = stats.to_dict()
         cache = kv.cache_stats()
         if distinct and cache is not None:
-            q, h = cache.prefix_queries, cache.prefix_hits
-            extra["prefix_cache_hit_rate"] = h / q if q else 0.0
+            extra["prefix_cache_hit_rate"] = cache.prefix_hit_rate
         if cache is not None and cache.offload is not None:
             saved, loaded = cache.offload
             extra["kv_offload"] = {"blocks": cache.offload_blocks, "saved": saved,

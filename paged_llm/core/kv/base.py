@@ -51,6 +51,11 @@ class KVCacheStats:
     offload: tuple[int, int] | None = None  # CPU tier: (copied out, copied back); None: no tier
     offload_blocks: int = 0  # the CPU tier's size
 
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of looked-up prompt blocks that were found (0 before any lookup)."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
 
 class KVCacheManager(ABC):
     """Answers 'can this request get slots for N more tokens?' and owns the block tables."""

@@ -319,7 +319,7 @@ class PagedKVCacheManager(KVCacheManager):
 
     def prefix_cache_hit_rate(self) -> float:
         """Fraction of looked-up prompt blocks found in the cache."""
-        return self.prefix_cache.hit_rate()
+        return self.cache_stats().prefix_hit_rate
 
     # ---- swapping (core/kv/swap.py) -----------------------------------------------------------
     def swap_out(self, requests: list[Request]) -> list[tuple[int, int]] | None:
