@@ -6,7 +6,6 @@ The public names are imported on first use (PEP 562), so the plain-Python bookke
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 from typing import TYPE_CHECKING, Any
 
@@ -93,10 +92,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from paged_llm.serve.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
 
 
-# the Hydra configs' typed schemas and --help, before any entry point composes a config; no
-# hydra (the GPU scripts' machine): there are no configs to check
-with contextlib.suppress(ImportError):
-    from paged_llm import config_help, config_schemas  # noqa: F401
+# The Hydra configs' typed schemas and --help are registered by hydra_plugins/paged_llm_configs,
+# which Hydra imports before composing any config: importing paged_llm does not import hydra.
 
 
 def __getattr__(name: str) -> Any:

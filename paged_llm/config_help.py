@@ -1,7 +1,7 @@
 """``--help`` of every Hydra entry point (configs/hydra/help/entry.yaml): the running module's
 docstring and the leading comment of its primary config (what it does, examples), then the
 config groups, where results land and every key. The ``entry_help`` resolver gives the first
-part; registered on import of ``paged_llm``, like the schemas."""
+part; registered by hydra_plugins/paged_llm_configs when Hydra starts, like the schemas."""
 
 from __future__ import annotations
 

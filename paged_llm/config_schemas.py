@@ -1,8 +1,9 @@
 """Typed schemas of the Hydra configs, registered in Hydra's ConfigStore under ``schema/``: a
 config file that lists one in its defaults (``- /schema/cache@_here_``) is checked against it
 when composed, so a wrong type (``scheduler.max_num_seqs=abc``) or an unknown key fails before
-any job of a run or a sweep starts, naming the key's path. Registered on import of ``paged_llm``
-(the package's ``__init__``), so every entry point and ``paper_repro.common.compose`` has them."""
+any job of a run or a sweep starts, naming the key's path. Registered by the Hydra plugin
+module ``hydra_plugins/paged_llm_configs`` (Hydra imports it before composing any config), so
+every entry point and ``paper_repro.common.compose`` has them."""
 
 from __future__ import annotations
 
