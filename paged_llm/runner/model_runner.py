@@ -185,8 +185,8 @@ class ModelRunner:
         )  # fmt: skip
         for owner in self._graph_owners():
             model, caches, owner_strides = owner.graph_inputs(sizes, tuple(strides))
-            owner.cuda_graphs = self._capture(
-                model, caches, None, sizes, max_model_len, owner_strides
+            owner.use_cuda_graphs(
+                self._capture(model, caches, None, sizes, max_model_len, owner_strides)
             )
 
     def _graph_owners(self) -> list[Any]:
@@ -234,7 +234,7 @@ class ModelRunner:
         free_before = device_free_bytes(self.device)
         self.cuda_graphs = None  # their memory pool is freed with them
         for owner in self._graph_owners():
-            owner.cuda_graphs = None
+            owner.use_cuda_graphs(None)
         self.backend.release_buffers()
         report = self.sleeper.sleep(level, self.device_memory())
         if self.device.type == "cuda":

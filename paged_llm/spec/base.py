@@ -53,6 +53,8 @@ class Drafter(ABC):
     reads_hidden_states: ClassVar[bool] = False
 
     k: int  # the most tokens drafted per sequence and step (num_speculative_tokens)
+    # runs_model: the runner's CudaGraphRunner over graph_inputs(), handed in by use_cuda_graphs
+    cuda_graphs: Any = None
     # request id -> where its last drafts came from (a drafter mixing sources of different
     # quality names them, so spec_stats can predict tokens per step per source)
     draft_sources: dict[str, str]
@@ -94,6 +96,11 @@ class Drafter(ABC):
     def graph_inputs(self, sizes: list[int], strides: tuple[int, ...]) -> tuple[Any, Any, Any]:
         """(model, KV caches, strides) the runner captures CUDA graphs of (runs_model)."""
         raise NotImplementedError(f"{type(self).__name__} sets runs_model but has no graphs")
+
+    def use_cuda_graphs(self, graphs: Any) -> None:
+        """Keep the graphs the runner captured of ``graph_inputs()`` (None: run eagerly, e.g.
+        after sleep or a failed capture); ``propose`` replays them when set (runs_model)."""
+        self.cuda_graphs = graphs
 
     def block_pools(self, where: str) -> list[tuple[Any, ...]]:
         """The "device" or "cpu" pools that block moves carry along (moves_with_blocks)."""

@@ -30,8 +30,6 @@ class DraftModelDrafter(Drafter):
     def __init__(self, num_speculative_tokens: int, model: str, **_: Any) -> None:
         super().__init__(num_speculative_tokens)
         self.model_path = model
-        # the runner captures graphs of the draft model beside the target's (CUDA only)
-        self.cuda_graphs: Any = None
         self._computed: dict[str, tuple[int, int]] = {}  # request -> (preemptions, tokens)
 
     def load(self, context: DraftContext) -> None:
@@ -74,9 +72,9 @@ class DraftModelDrafter(Drafter):
     def graph_inputs(
         self, sizes: list[int], strides: tuple[int, ...]
     ) -> tuple[Any, Any, tuple[int, ...]]:
-        """What the runner captures CUDA graphs of (into ``cuda_graphs``): the draft model over
-        its KV pool, at the target's strides (1 for the one-token steps, k + 1 for the
-        catch-up)."""
+        """What the runner captures CUDA graphs of (given back by ``use_cuda_graphs``): the
+        draft model over its KV pool, at the target's strides (1 for the one-token steps,
+        k + 1 for the catch-up)."""
         return self.model, self.kv_caches, strides
 
     def forget(self, request_id: str) -> None:

@@ -98,8 +98,6 @@ class EagleDrafter(Drafter):
         super().__init__(num_speculative_tokens)
         self.model_path = model
         self._first: dict[str, _FirstStep] = {}  # request -> draft step 1, run by observe
-        # the runner captures graphs of the head (CUDA only; see graph_inputs)
-        self.cuda_graphs: Any = None
         self._graph_features: torch.Tensor | None = None  # [tokens, H] the graphs' input
 
     def load(self, context: DraftContext) -> None:
@@ -162,9 +160,10 @@ class EagleDrafter(Drafter):
     def graph_inputs(
         self, sizes: list[int], strides: tuple[int, ...]
     ) -> tuple[Any, Any, tuple[int, ...]]:
-        """What the runner captures CUDA graphs of (into ``cuda_graphs``): the head reading its
-        features from a static buffer, over its KV pool. Strides 1 (propose's steps) and
-        k + 2 (observe: up to k + 1 computed tokens and the first draft step)."""
+        """What the runner captures CUDA graphs of (given back by ``use_cuda_graphs``): the
+        head reading its features from a static buffer, over its KV pool. Strides 1
+        (propose's steps) and k + 2 (observe: up to k + 1 computed tokens and the first draft
+        step)."""
         strides = (1, self.k + 2)
         tokens = max(sizes) * max(strides)
         self._graph_features = torch.zeros(tokens, self.hidden, dtype=self.dtype,
