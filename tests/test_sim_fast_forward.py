@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from paged_llm.core.kv.paged import PagedKVCacheManager
 from paged_llm.sim import executor as sim_executor
-from paged_llm.sim.executor import SimulatedExecutor
+from paged_llm.sim.executor import RunCheck, SimulatedExecutor
 from paged_llm.sim.settings import ServingSettings
 from paged_llm.workloads.arrivals import TimedRequest, Workload
 
@@ -171,3 +171,27 @@ def test_windows_happen_on_a_decode_heavy_workload(monkeypatch, policy):
     counted = fast.extra["fast_forward"]
     assert counted["windows"] > 0
     assert counted["iterations"] > len(fast.iterations) // 2
+
+
+@pytest.mark.parametrize("policy", ["paged", "orca_oracle"])
+def test_a_check_stops_the_run_where_stop_time_would(monkeypatch, policy):
+    """RunCheck: a look that says stop ends the run in the state run(stop_time=t) ends in; a
+    look that does not changes nothing."""
+    wl = workload(random.Random(11), 40, 6.0)
+    s = ServingSettings(max_model_len=LEN, num_gpu_blocks=100)
+    ex = SimulatedExecutor()
+    seen = []
+
+    def stop(trace):
+        seen.append(trace.end_time)
+        return len(seen) == 2
+
+    stopped = ex.run(wl, policy, s, memory_every=0, check=RunCheck([1.0, 2.5, 4.0], stop))
+    assert seen[0] >= 1.0 and seen[1] >= 2.5 and stopped.end_time == seen[1]
+    plain = ex.run(wl, policy, s, memory_every=0, stop_time=2.5)
+    assert (stopped.requests, stopped.iterations) == (plain.requests, plain.iterations)
+    looked = ex.run(wl, policy, s, memory_every=0, check=RunCheck([1.0, 3.0], lambda t: False))
+    whole = ex.run(wl, policy, s, memory_every=0)
+    assert (looked.requests, looked.iterations, looked.end_time) == (
+        whole.requests, whole.iterations, whole.end_time,
+    )  # fmt: skip

@@ -9,7 +9,8 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,16 @@ def shape_of_checkpoint(model: str, name: str | None = None, dtype_bytes: int = 
     from paged_llm.sim.model_shapes import from_hf_config
 
     return from_hf_config(model_hf_config(model), name or str(model), dtype_bytes=dtype_bytes)
+
+
+@dataclass(frozen=True)
+class RunCheck:
+    """Looks at a run as it goes: at each of ``times`` (simulated seconds) the trace so far,
+    the one ``run(stop_time=t)`` would return, goes to ``stop``; the run ends there when it
+    says True (e.g. an SLO already lost for good). ``stop`` must not keep the trace."""
+
+    times: Sequence[float]
+    stop: Callable[[RunTrace], bool]
 
 
 HOST_DEVICE_MOVES = frozenset({"swap_in", "swap_out", "offload", "onload"})
@@ -215,8 +226,10 @@ class SimulatedExecutor:
         progress: bool = False,
         memory_window: tuple[float | None, float | None] | None = None,
         memory_every: int = 1,
+        check: RunCheck | None = None,
     ) -> RunTrace:
-        """Replay the workload; stop when every request finished or at ``stop_time``.
+        """Replay the workload; stop when every request finished, at ``stop_time``, or at a
+        time of ``check`` whose look at the run says so.
 
         The Fig. 2 memory breakdown is taken at every ``memory_every``-th iteration that starts
         inside ``memory_window`` (all iterations by default; 0 = never); it walks every block,
@@ -224,8 +237,9 @@ class SimulatedExecutor:
         """
         with quiet_preemption_warnings():
             return self._run(
-                workload, policy, settings, stop_time, progress, memory_window, memory_every
-            )
+                workload, policy, settings, stop_time, progress, memory_window, memory_every,
+                check,
+            )  # fmt: skip
 
     def _run(
         self,
@@ -236,6 +250,7 @@ class SimulatedExecutor:
         progress: bool,
         memory_window: tuple[float | None, float | None] | None,
         memory_every: int,
+        check: RunCheck | None,
     ) -> RunTrace:
         wall0 = time.perf_counter()
         lo, hi = memory_window or (None, None)
@@ -293,13 +308,43 @@ class SimulatedExecutor:
             if bar is not None and done:
                 bar.update(len(done))
 
+        looks = deque(sorted(check.times) if check is not None else ())
+
         def must_step(clock: float) -> bool:
             """A step starting at ``clock`` is the ordinary loop's (see fast_forward.py)."""
             return (
                 (stop_time is not None and clock >= stop_time)
+                or (bool(looks) and clock >= looks[0])
                 or (bool(pending) and pending[0].arrival_time <= clock)
                 or memory.active(clock)
                 or sim.measures_sharing(clock)
+            )
+
+        def trace() -> RunTrace:
+            """The run so far (unfinished requests keep what they did)."""
+            for rid, g in groups.items():  # stopped early: keep what the unfinished ones did
+                g.fill_record(records[rid])
+            extra: dict[str, Any] = {"cost_model": cm.to_dict(), "fast_forward": ff.to_dict()}
+            if stats is not None:
+                extra["sharing"] = stats.to_dict()
+            cache = kv.cache_stats()
+            if distinct and cache is not None:
+                extra["prefix_cache_hit_rate"] = cache.prefix_hit_rate
+            if cache is not None and cache.offload is not None:
+                saved, loaded = cache.offload
+                extra["kv_offload"] = {"blocks": cache.offload_blocks, "saved": saved,
+                                       "loaded": loaded}  # fmt: skip
+            return RunTrace(
+                requests=list(records.values()),
+                iterations=iterations,
+                end_time=sim.clock,
+                mode=self.mode,
+                hardware=self.describe(),
+                policy=kv.name,
+                num_kv_blocks=num_blocks,
+                block_size=settings.block_size,
+                wall_time_s=time.perf_counter() - wall0,
+                extra=extra,
             )
 
         ff = DecodeFastForward(scheduler, sim, owner, settings.block_size, iterations, retire)
@@ -310,6 +355,11 @@ class SimulatedExecutor:
                 continue
             if stop_time is not None and sim.clock >= stop_time:
                 break
+            if looks and sim.clock >= looks[0]:  # the state run(stop_time=looks[0]) ends in
+                while looks and sim.clock >= looks[0]:
+                    looks.popleft()
+                if check.stop(trace()):
+                    break
             while pending and pending[0].arrival_time <= sim.clock:
                 tr = pending.popleft()
                 prompt = prompt_ids(tr, n_arrived, distinct)
@@ -357,30 +407,7 @@ class SimulatedExecutor:
             close(done)
         if bar is not None:
             bar.close()
-        for rid, g in groups.items():  # stopped early: keep what the unfinished ones did
-            g.fill_record(records[rid])
-        extra: dict[str, Any] = {"cost_model": cm.to_dict(), "fast_forward": ff.to_dict()}
-        if stats is not None:
-            extra["sharing"] = stats.to_dict()
-        cache = kv.cache_stats()
-        if distinct and cache is not None:
-            extra["prefix_cache_hit_rate"] = cache.prefix_hit_rate
-        if cache is not None and cache.offload is not None:
-            saved, loaded = cache.offload
-            extra["kv_offload"] = {"blocks": cache.offload_blocks, "saved": saved,
-                                   "loaded": loaded}  # fmt: skip
-        return RunTrace(
-            requests=list(records.values()),
-            iterations=iterations,
-            end_time=sim.clock,
-            mode=self.mode,
-            hardware=self.describe(),
-            policy=kv.name,
-            num_kv_blocks=num_blocks,
-            block_size=settings.block_size,
-            wall_time_s=time.perf_counter() - wall0,
-            extra=extra,
-        )
+        return trace()
 
 
 @contextlib.contextmanager
