@@ -173,6 +173,18 @@ def test_windows_happen_on_a_decode_heavy_workload(monkeypatch, policy):
     assert counted["iterations"] > len(fast.iterations) // 2
 
 
+@pytest.mark.parametrize("policy", ["paged", "orca_max"])
+def test_windows_go_on_while_requests_wait_for_room(monkeypatch, policy):
+    """A small pool: arrivals wait for blocks, and the steps in which none can start are
+    advanced too (the admission that finally succeeds is the scheduler's)."""
+    rng = random.Random(9)
+    reqs = [TimedRequest(f"r{i}", rng.randint(100, 300), 200, 0.2 * i) for i in range(16)]
+    wl = Workload(reqs, "synthetic:test", True, 5.0)
+    fast = assert_identical(monkeypatch, wl, policy, ServingSettings(max_model_len=LEN,
+                            num_gpu_blocks=96))  # fmt: skip
+    assert fast.extra["fast_forward"]["waiting_iterations"] > 0
+
+
 @pytest.mark.parametrize("policy", ["paged", "orca_oracle"])
 def test_a_check_stops_the_run_where_stop_time_would(monkeypatch, policy):
     """RunCheck: a look that says stop ends the run in the state run(stop_time=t) ends in; a

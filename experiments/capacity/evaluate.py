@@ -14,7 +14,7 @@ from experiments.capacity.rate_search import (
     RateBound,
     RatePoint,
     bracket,
-    fail_count,
+    fail_counts,
     judge,
     late_requests,
 )
@@ -73,35 +73,37 @@ class Prober:
 
     def __call__(self, rate: float) -> RatePoint:
         """The SLO verdict at ``rate``: the seeds' runs one after another; with
-        ``early_fraction``, stopped (with the seeds left) as soon as enough requests are late
-        that the TTFT SLO is lost (an exact count, rate_search.fail_count), then judged on
-        what ran and marked ``early_stop``."""
+        ``early_fraction``, stopped (with the seeds left) as soon as enough requests are over
+        the TTFT or the TPOT target that its percentile is lost whatever the rest do (exact
+        counts, rate_search.fail_counts), then judged on what ran and marked ``early_stop``."""
         loads = self.workloads(rate)
-        needed = fail_count(sum(len(w.requests) for w in loads), self.slo)
+        needed = fail_counts(loads, self.slo)
         traces: list[Any] = []
-        late = 0
+        late = (0, 0)
         for w in loads:
             traces.append(self._run(w, self._check(w, late, needed)))
-            late += late_requests(traces[-1], self.slo)
-            if late >= needed and self.early_fraction:
+            late = _add(late, late_requests(traces[-1], self.slo))
+            if _lost(late, needed) and self.early_fraction:
                 break
         point = judge(traces, rate, self.slo)
         cut = len(traces) < len(loads) or any(
             r.finished_time is None for t in traces for r in t.requests
         )  # a whole run finishes every request
-        if late >= needed:
+        if _lost(late, needed):
             point.meets, point.early_stop = False, cut
         return point
 
-    def _check(self, w: Workload, late_before: int, needed: int) -> RunCheck | None:
+    def _check(
+        self, w: Workload, before: tuple[int, int], needed: tuple[int, int]
+    ) -> RunCheck | None:
         """Looks at the run every ``early_fraction`` of its arrival span: stop once the late
-        requests of the seeds before and of this run so far reach ``needed``."""
+        requests of the seeds before and of this run so far lose an SLO."""
         if not self.early_fraction:
             return None
         span = max(r.arrival_time for r in w.requests)
         times = [k * self.early_fraction * span
                  for k in range(1, math.ceil(1 / self.early_fraction))]  # fmt: skip
-        return RunCheck(times, lambda t: late_before + late_requests(t, self.slo) >= needed)
+        return RunCheck(times, lambda t: _lost(_add(before, late_requests(t, self.slo)), needed))
 
     def speed(self) -> dict[str, float]:
         """Simulated iterations and requests per CPU second of the simulator."""
@@ -109,6 +111,15 @@ class Prober:
         return {"sim_cpu_s": self.seconds, "iterations": self.iterations,
                 "requests": self.requests, "iterations_per_s": self.iterations / s,
                 "requests_per_s": self.requests / s}  # fmt: skip
+
+
+def _add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _lost(late: tuple[int, int], needed: tuple[int, int]) -> bool:
+    """Enough late requests (TTFT, TPOT) to lose either percentile."""
+    return late[0] >= needed[0] or late[1] >= needed[1]
 
 
 def capacity(prober: Prober, search: RateSearch) -> RateBound:

@@ -101,26 +101,32 @@ def _throughput(trace: RunTrace) -> float:
     return len(done) / max(done) if done else 0.0
 
 
-def late_requests(trace: RunTrace, slo: SLO) -> int:
-    """Requests of a run (complete, or stopped at ``end_time``) whose TTFT already exceeds the
-    target: a request still waiting has waited at least until the run's end."""
-    end = trace.end_time
-    return sum(1000 * ttft_s(r, end) > slo.ttft_ms
-               for r in trace.requests if r.arrival_time <= end)  # fmt: skip
+def late_requests(trace: RunTrace, slo: SLO) -> tuple[int, int]:
+    """Requests of a run (complete, or stopped at ``end_time``) already over a target, for
+    good: (TTFT over it: a request still waiting has waited at least until the run's end,
+    finished requests whose TPOT is over it)."""
+    end, ttft, tpot = trace.end_time, 0, 0
+    for r in trace.requests:
+        if r.arrival_time <= end:
+            ttft += 1000 * ttft_s(r, end) > slo.ttft_ms
+            t = tpot_s(r)
+            tpot += t is not None and 1000 * t > slo.tpot_ms
+    return ttft, tpot
 
 
-def fail_count(total: int, slo: SLO) -> int:
-    """The fewest late requests among ``total`` that put the TTFT percentile over the target
-    whatever the others do: ``percentile_inf`` reads the sorted values at index
-    floor((total - 1) q / 100) and above, so that many from the top must be late."""
-    return total - math.floor((total - 1) * slo.ttft_percentile / 100.0)
+def fail_count(total: int, percentile: float) -> int:
+    """The fewest values over a target among ``total`` that put the ``percentile`` over it
+    whatever the others are: ``percentile_inf`` reads the sorted values at index
+    floor((total - 1) q / 100) and above, so that many from the top must be over."""
+    return total - math.floor((total - 1) * percentile / 100.0)
 
 
-def surely_fails(traces: Sequence[RunTrace], totals: Sequence[int], slo: SLO) -> bool:
-    """True when runs (complete or stopped early) already break the TTFT SLO for the whole
-    runs: enough of the ``totals`` requests have waited longer than the target that the
-    percentile exceeds it whatever the rest do."""
-    return sum(late_requests(t, slo) for t in traces) >= fail_count(sum(totals), slo)
+def fail_counts(workloads: Sequence[Any], slo: SLO) -> tuple[int, int]:
+    """``fail_count`` of the TTFT and of the TPOT percentile over the pooled requests of
+    these workloads (TPOT: the requests of two or more output tokens, those ``judge`` counts)."""
+    reqs = [r for w in workloads for r in w.requests]
+    with_tpot = sum(r.output_len >= 2 for r in reqs)
+    return fail_count(len(reqs), slo.ttft_percentile), fail_count(with_tpot, slo.tpot_percentile)
 
 
 @dataclass

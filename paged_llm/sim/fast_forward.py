@@ -44,20 +44,26 @@ class _Seq:
     blocks: Any  # iterator over the steps at which it takes a new block
 
 
-def plain_decoder(req: Request) -> bool:
-    """True when the request's next step is one plain decode token that can only stop by
-    length (no drafts, no grammar, no stop strings, no stop on the simulator's token)."""
+def stops_by_length_only(req: Request) -> bool:
+    """True when the request can only stop by length (no grammar, no stop strings, no stop on
+    the simulator's token, not pooling): fixed for its life."""
     p = req.sampling_params
     return (
-        req.status is RequestStatus.RUNNING
-        and req.num_tokens - req.num_computed_tokens == 1
-        and not req.final_token_pending
-        and not req.spec_token_ids
-        and req.guide is None
+        req.guide is None
         and req.stop_strings is None
         and not req.is_pooling
         and (p.ignore_eos or req.eos_token_id != SAMPLED_TOKEN)
         and SAMPLED_TOKEN not in p.stop_token_ids
+    )
+
+
+def decodes_one(req: Request) -> bool:
+    """True when the request's next step computes one token, with no drafts."""
+    return (
+        req.status is RequestStatus.RUNNING
+        and len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens == 1
+        and not req.final_token_pending
+        and not req.spec_token_ids
     )
 
 
@@ -72,21 +78,33 @@ class DecodeFastForward:
         self.block_size, self.iterations, self.retire = block_size, iterations, retire
         self.num_iterations = 0  # steps advanced here instead of through the scheduler
         self.num_windows = 0
+        self.num_waiting_iterations = 0  # of which some request waited (for a seat or room)
+        self._plain: set[str] = set()  # sequences that stop by length only, in plain groups
 
     def _window(self) -> list[_Seq] | None:
-        """The running requests as a window, or None when a step could do anything more."""
+        """The running requests as a window, or None when a step could do anything more.
+        Requests may wait, for a seat, the token budget or KV room (``_admits`` says when
+        they may start), if the head is a plain one: no group, no adapter, no static batch."""
         s = self.scheduler
-        if s.waiting or s.swapped or not s.running or len(s.requests) != len(s.running):
+        if s.swapped or not s.running or len(s.requests) != len(s.running) + len(s.waiting):
             return None
+        if s.waiting:
+            head = s.waiting[0]
+            if self.kv.static_batching or head.group_id is not None or head.lora_int_id:
+                return None
         limits = s.limits
         if limits.num_lookahead_slots or len(s.running) > limits.max_num_batched_tokens:
             return None
-        seqs = []
+        seqs, plain = [], self._plain
         for req in s.running:
-            g = self.owner[req.request_id]
-            if g.is_beam or g.unforked or not plain_decoder(req):
+            if not decodes_one(req):
                 return None
-            left = req.max_output_tokens - req.num_output_tokens
+            if req.request_id not in plain:
+                g = self.owner[req.request_id]  # samples once forked stay forked
+                if g.is_beam or g.unforked or not stops_by_length_only(req):
+                    return None
+                plain.add(req.request_id)
+            left = req.max_output_tokens - len(req.output_token_ids)
             steps = self.kv.decode_block_steps(req, left)
             if steps is None:
                 return None
@@ -115,6 +133,8 @@ class DecodeFastForward:
         n = len(seqs)
         times: list[float] = []  # the clock after each step: the tokens' times
         usage = kv.usage()
+        waiting = len(self.scheduler.waiting)
+        changed = True  # the pool or the batch changed: may the head of the queue start now?
         step = 0
         while n and not must_step(sim.clock):
             due = alloc_at.pop(step + 1, None)
@@ -127,13 +147,20 @@ class DecodeFastForward:
                         raise RuntimeError("decode_block_steps promised a block it cannot give")
                     _push(alloc_at, next(q.blocks, None), i, q)
                 usage = kv.usage()
+                changed = True
+            if waiting and changed:
+                if self._admits(n):
+                    # the ordinary step admits it; it makes this step's allocations again,
+                    # which finds them made and changes nothing
+                    break
+                changed = False
             step += 1
             blocks += phase[(1 - step) % bs]  # requests whose context enters a new block
             kv_read = context + n * step
             dt = step_time(StepShape(n, n, kv_read, blocks, kv_read, 0))
             start, sim.clock = sim.clock, sim.clock + dt
             times.append(sim.clock)
-            self.iterations.append(IterationRecord(start, dt, n, n, 0, 0, usage, 0, None))
+            self.iterations.append(IterationRecord(start, dt, n, n, waiting, 0, usage, 0, None))
             done = finish_at.pop(step, None)
             if done:
                 finished = []
@@ -148,6 +175,7 @@ class DecodeFastForward:
                     blocks -= -(-(q.computed + step) // bs)
                     phase[q.computed % bs] -= 1
                 usage = kv.usage()
+                changed = True
                 self.retire(finished, sim.clock)
         if not step:
             return 0
@@ -157,12 +185,29 @@ class DecodeFastForward:
         last = self.iterations[-1]
         sim.start, sim.dt, sim.beam_groups = last.time, last.duration, {}
         self.num_iterations += step
+        self.num_waiting_iterations += step if waiting else 0
         self.num_windows += 1
         return step
 
+    def _admits(self, running: int) -> bool:
+        """False only when the scheduler surely starts no waiting request in a step with
+        ``running`` decodes (Scheduler._schedule_waiting): the head finds no seat, no token
+        budget (Scheduler._num_new_tokens) or no room by the KV policy's admission rule.
+        Such a refusal changes nothing, so the window goes on."""
+        s = self.scheduler
+        head, limits = s.waiting[0], s.limits
+        if running + 1 > limits.max_num_seqs:
+            return False
+        budget = limits.max_num_batched_tokens - running
+        tokens = head.num_tokens - head.num_computed_tokens
+        if limits.enable_chunked_prefill:
+            tokens = min(tokens, budget)
+        return 0 < tokens <= budget and self.kv.can_admit(head, tokens)
+
     def to_dict(self) -> dict[str, int]:
         """The counters, for the run's trace."""
-        return {"iterations": self.num_iterations, "windows": self.num_windows}
+        return {"iterations": self.num_iterations, "windows": self.num_windows,
+                "waiting_iterations": self.num_waiting_iterations}  # fmt: skip
 
 
 def _index(item: tuple[int, _Seq]) -> int:
