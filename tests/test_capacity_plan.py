@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from experiments.capacity.deployment import Deployment, quantized
-from experiments.capacity.rate_search import SLO, RatePoint, bracket, judge, percentile_inf
+from experiments.capacity.rate_search import (
+    SLO,
+    RatePoint,
+    bracket,
+    fail_count,
+    judge,
+    percentile_inf,
+)
 from experiments.capacity.report import pareto, ranked
 from experiments.capacity.space import apply, grid
 from experiments.capacity_plan import check, evaluate
@@ -92,6 +99,17 @@ def test_percentile_inf_matches_linear_interpolation_on_finite_values():
         percentile_inf([1.0, math.inf], 50)
     )
     assert percentile_inf([], 99) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 400), q=st.sampled_from([50.0, 90.0, 95.0, 99.0, 100.0]))
+def test_fail_count_is_the_fewest_late_requests_that_lose_the_percentile(n, q):
+    """That many late requests fail the percentile even if all others take no time; one fewer
+    can still pass (others at 0, the late ones just over the target)."""
+    k = fail_count(n, q)
+    assert 1 <= k <= n
+    assert percentile_inf([0.0] * (n - k) + [math.inf] * k, q) > 1000.0
+    assert percentile_inf([0.0] * (n - k + 1) + [1000.001] * (k - 1), q) <= 1000.0
 
 
 def test_slo_refuses_bad_targets():

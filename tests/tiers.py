@@ -32,6 +32,7 @@ FILE_TIERS = {
         "test_quant_layers",
         "test_sampler",
         "test_scheduler",
+        "test_sim_fast_forward",
         "test_sim_metrics",
         "test_tiers",
         "test_verdicts",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ def main() -> None:
         "run_info": {
             **run_info("simulated", hardware=search["hardware"]),
             "computed_on": f"{cpu_name()} (CPU), process time",
+            "load_avg_1_5_15_min": os.getloadavg(),  # other tenants of the machine
         },  # fmt: skip
     }
     out = Path(a.out)

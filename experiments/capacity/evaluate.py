@@ -3,27 +3,38 @@ seed of the configured workload at that rate (plain Python, no torch)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from experiments.capacity.rate_search import SLO, RateBound, RatePoint, bracket, judge, surely_fails
+from experiments.capacity.rate_search import (
+    SLO,
+    RateBound,
+    RatePoint,
+    bracket,
+    fail_counts,
+    judge,
+    late_requests,
+)
+from paged_llm.sim.executor import RunCheck
 from paged_llm.workloads.arrivals import Workload, WorkloadSpec, build_workload
 
 
 @dataclass(frozen=True)
 class RateSearch:
     """The bracketing search's settings (the ``rate_search`` config node). ``early_fraction``:
-    each probe first simulates this share of the arrival span and stops there when the TTFT
-    SLO is already lost for the whole run (0: always simulate whole runs)."""
+    each probe's runs are looked at every this share of their arrival span and stop there
+    once the TTFT SLO is lost for the whole probe, whatever the rest would do (0: always
+    simulate whole runs)."""
 
     start: float = 1.0
     floor: float = 0.05
     ceiling: float = 256.0
     growth: float = 2.0
     rel_tol: float = 0.05
-    early_fraction: float = 0.25
+    early_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0 <= self.early_fraction < 1:
@@ -42,7 +53,7 @@ class Prober:
     workload: Mapping[str, Any]  # WorkloadSpec fields
     seeds: list[int]
     slo: SLO
-    early_fraction: float = 0.25
+    early_fraction: float = 0.1
     iterations: int = 0
     requests: int = 0
     seconds: float = 0.0
@@ -52,26 +63,47 @@ class Prober:
         return [build_workload(WorkloadSpec(**{**self.workload, "seed": s, "request_rate": rate}))
                 for s in self.seeds]  # fmt: skip
 
-    def _run(self, w: Workload, stop_time: float | None) -> Any:
+    def _run(self, w: Workload, check: RunCheck | None) -> Any:
         t0 = time.process_time()
-        trace = self.executor.run(w, self.policy, self.settings, stop_time=stop_time,
-                                  memory_every=0)  # fmt: skip
+        trace = self.executor.run(w, self.policy, self.settings, memory_every=0, check=check)
         self.seconds += time.process_time() - t0
         self.iterations += len(trace.iterations)
         self.requests += sum(r.arrival_time <= trace.end_time for r in trace.requests)
         return trace
 
     def __call__(self, rate: float) -> RatePoint:
-        """The SLO verdict at ``rate``: an early stop when the runs' first part already fails."""
+        """The SLO verdict at ``rate``: the seeds' runs one after another; with
+        ``early_fraction``, stopped (with the seeds left) as soon as enough requests are over
+        the TTFT or the TPOT target that its percentile is lost whatever the rest do (exact
+        counts, rate_search.fail_counts), then judged on what ran and marked ``early_stop``."""
         loads = self.workloads(rate)
-        if self.early_fraction:
-            stops = [self.early_fraction * max(r.arrival_time for r in w.requests) for w in loads]
-            early = [self._run(w, t) for w, t in zip(loads, stops)]
-            if surely_fails(early, [len(w.requests) for w in loads], self.slo):
-                point = judge(early, rate, self.slo)
-                point.meets, point.early_stop = False, True
-                return point
-        return judge([self._run(w, None) for w in loads], rate, self.slo)
+        needed = fail_counts(loads, self.slo)
+        traces: list[Any] = []
+        late = (0, 0)
+        for w in loads:
+            traces.append(self._run(w, self._check(w, late, needed)))
+            late = _add(late, late_requests(traces[-1], self.slo))
+            if _lost(late, needed) and self.early_fraction:
+                break
+        point = judge(traces, rate, self.slo)
+        cut = len(traces) < len(loads) or any(
+            r.finished_time is None for t in traces for r in t.requests
+        )  # a whole run finishes every request
+        if _lost(late, needed):
+            point.meets, point.early_stop = False, cut
+        return point
+
+    def _check(
+        self, w: Workload, before: tuple[int, int], needed: tuple[int, int]
+    ) -> RunCheck | None:
+        """Looks at the run every ``early_fraction`` of its arrival span: stop once the late
+        requests of the seeds before and of this run so far lose an SLO."""
+        if not self.early_fraction:
+            return None
+        span = max(r.arrival_time for r in w.requests)
+        times = [k * self.early_fraction * span
+                 for k in range(1, math.ceil(1 / self.early_fraction))]  # fmt: skip
+        return RunCheck(times, lambda t: _lost(_add(before, late_requests(t, self.slo)), needed))
 
     def speed(self) -> dict[str, float]:
         """Simulated iterations and requests per CPU second of the simulator."""
@@ -79,6 +111,15 @@ class Prober:
         return {"sim_cpu_s": self.seconds, "iterations": self.iterations,
                 "requests": self.requests, "iterations_per_s": self.iterations / s,
                 "requests_per_s": self.requests / s}  # fmt: skip
+
+
+def _add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _lost(late: tuple[int, int], needed: tuple[int, int]) -> bool:
+    """Enough late requests (TTFT, TPOT) to lose either percentile."""
+    return late[0] >= needed[0] or late[1] >= needed[1]
 
 
 def capacity(prober: Prober, search: RateSearch) -> RateBound:

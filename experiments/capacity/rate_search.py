@@ -101,12 +101,32 @@ def _throughput(trace: RunTrace) -> float:
     return len(done) / max(done) if done else 0.0
 
 
-def surely_fails(traces: Sequence[RunTrace], totals: Sequence[int], slo: SLO) -> bool:
-    """True when runs stopped early already break the TTFT SLO for the whole runs: more of
-    the ``totals`` requests have waited longer than the target than the percentile allows."""
-    late = sum(1000 * ttft_s(r, t.end_time) > slo.ttft_ms
-               for t in traces for r in t.requests if r.arrival_time <= t.end_time)  # fmt: skip
-    return late > (1 - slo.ttft_percentile / 100) * sum(totals)
+def late_requests(trace: RunTrace, slo: SLO) -> tuple[int, int]:
+    """Requests of a run (complete, or stopped at ``end_time``) already over a target, for
+    good: (TTFT over it: a request still waiting has waited at least until the run's end,
+    finished requests whose TPOT is over it)."""
+    end, ttft, tpot = trace.end_time, 0, 0
+    for r in trace.requests:
+        if r.arrival_time <= end:
+            ttft += 1000 * ttft_s(r, end) > slo.ttft_ms
+            t = tpot_s(r)
+            tpot += t is not None and 1000 * t > slo.tpot_ms
+    return ttft, tpot
+
+
+def fail_count(total: int, percentile: float) -> int:
+    """The fewest values over a target among ``total`` that put the ``percentile`` over it
+    whatever the others are: ``percentile_inf`` reads the sorted values at index
+    floor((total - 1) q / 100) and above, so that many from the top must be over."""
+    return total - math.floor((total - 1) * percentile / 100.0)
+
+
+def fail_counts(workloads: Sequence[Any], slo: SLO) -> tuple[int, int]:
+    """``fail_count`` of the TTFT and of the TPOT percentile over the pooled requests of
+    these workloads (TPOT: the requests of two or more output tokens, those ``judge`` counts)."""
+    reqs = [r for w in workloads for r in w.requests]
+    with_tpot = sum(r.output_len >= 2 for r in reqs)
+    return fail_count(len(reqs), slo.ttft_percentile), fail_count(with_tpot, slo.tpot_percentile)
 
 
 @dataclass

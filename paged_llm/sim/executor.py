@@ -9,7 +9,8 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from paged_llm.engine.plugins import EnginePlugin, StepState
 from paged_llm.metrics.serving import IterationRecord, RequestRecord, RunTrace
 from paged_llm.sim.calibration import calibrate
 from paged_llm.sim.cost_model import RooflineCostModel, StepShape
+from paged_llm.sim.fast_forward import DecodeFastForward
 from paged_llm.sim.groups import SequenceGroup, SharingStats, check_groups_fit, prompt_ids
 from paged_llm.sim.hardware import GPUSpec, get_hardware
 from paged_llm.sim.model_shapes import ModelShape, get_model_shape
@@ -44,6 +46,16 @@ def shape_of_checkpoint(model: str, name: str | None = None, dtype_bytes: int = 
     from paged_llm.sim.model_shapes import from_hf_config
 
     return from_hf_config(model_hf_config(model), name or str(model), dtype_bytes=dtype_bytes)
+
+
+@dataclass(frozen=True)
+class RunCheck:
+    """Looks at a run as it goes: at each of ``times`` (simulated seconds) the trace so far,
+    the one ``run(stop_time=t)`` would return, goes to ``stop``; the run ends there when it
+    says True (e.g. an SLO already lost for good). ``stop`` must not keep the trace."""
+
+    times: Sequence[float]
+    stop: Callable[[RunTrace], bool]
 
 
 HOST_DEVICE_MOVES = frozenset({"swap_in", "swap_out", "offload", "onload"})
@@ -98,6 +110,11 @@ class SimulatedForward:
         self.start = self.dt = 0.0  # the last step's start and duration
         self.beam_groups: dict[int, SequenceGroup] = {}  # beam searches the last step advanced
 
+    def measures_sharing(self, clock: float) -> bool:
+        """True when a step starting at ``clock`` adds to the sharing statistics."""
+        lo, hi = self.sharing_window
+        return self.sharing is not None and lo <= clock <= hi
+
     def __call__(self, step: StepState) -> None:
         """Run one step on the virtual clock (an empty one takes no time)."""
         out, owner = step.out, self.owner
@@ -111,8 +128,7 @@ class SimulatedForward:
             if g.is_beam:
                 self.beam_groups[id(g)] = g
         self.dt = self.step_time(step_shape(out, self.block_size, self.window))
-        lo, hi = self.sharing_window
-        if self.sharing is not None and lo <= self.clock <= hi:
+        if self.measures_sharing(self.clock):
             kv, running = self.scheduler.kv, self.scheduler.running
             self.sharing.add([kv.block_tables.get(r.request_id, []) for r in running], self.dt)
         self.start, self.clock = self.clock, self.clock + self.dt
@@ -133,11 +149,15 @@ class MemorySampler(EnginePlugin):
         self.count = 0
         self.last: Any = None
 
+    def active(self, clock: float) -> bool:
+        """True when a step starting at ``clock`` counts towards the sampling."""
+        lo, hi = self.window
+        return bool(self.every) and lo <= clock <= hi
+
     def before_forward(self, step: StepState) -> None:
         """Walk the KV manager's blocks if this step is sampled."""
         self.last = None
-        lo, hi = self.window
-        if not self.every or not lo <= self.clock() <= hi:
+        if not self.active(self.clock()):
             return
         if self.count % self.every == 0:
             self.last = self.scheduler.kv.memory_breakdown(self.scheduler.running)
@@ -156,11 +176,14 @@ class SimulatedExecutor:
         num_gpus: int | None = None,
         cost: Mapping[str, Any] | None = None,
         calibration: str | None = None,
+        fast_forward: bool = True,
     ) -> None:
         """``hardware`` / ``model``: a preset name, an object, or a mapping ``{name: preset,
         **field overrides}`` as the ``hardware`` and ``model_shape`` config groups give it (the
         hardware mapping may carry ``num_gpus``; the model mapping may give ``checkpoint:
-        <model=>`` instead, the shape of a real checkpoint or preset)."""
+        <model=>`` instead, the shape of a real checkpoint or preset). ``fast_forward``:
+        advance pure-decode windows without the scheduler, with identical results
+        (sim/fast_forward.py); False steps every iteration through it."""
         hw = dict(hardware) if isinstance(hardware, Mapping) else {"name": hardware}
         gpus = hw.pop("num_gpus", 1)
         self.num_gpus = int(num_gpus if num_gpus is not None else gpus)
@@ -174,6 +197,7 @@ class SimulatedExecutor:
             self.model = name if isinstance(name, ModelShape) else get_model_shape(name, **m)
         self.cost = dict(cost or {})
         self.calibration = resolve_config_path(calibration) if calibration else None
+        self.fast_forward = fast_forward
 
     def cost_model(self, block_size: int) -> RooflineCostModel:
         """The (calibrated, if a file is given) cost model at a block size."""
@@ -202,8 +226,10 @@ class SimulatedExecutor:
         progress: bool = False,
         memory_window: tuple[float | None, float | None] | None = None,
         memory_every: int = 1,
+        check: RunCheck | None = None,
     ) -> RunTrace:
-        """Replay the workload; stop when every request finished or at ``stop_time``.
+        """Replay the workload; stop when every request finished, at ``stop_time``, or at a
+        time of ``check`` whose look at the run says so.
 
         The Fig. 2 memory breakdown is taken at every ``memory_every``-th iteration that starts
         inside ``memory_window`` (all iterations by default; 0 = never); it walks every block,
@@ -211,8 +237,9 @@ class SimulatedExecutor:
         """
         with quiet_preemption_warnings():
             return self._run(
-                workload, policy, settings, stop_time, progress, memory_window, memory_every
-            )
+                workload, policy, settings, stop_time, progress, memory_window, memory_every,
+                check,
+            )  # fmt: skip
 
     def _run(
         self,
@@ -223,6 +250,7 @@ class SimulatedExecutor:
         progress: bool,
         memory_window: tuple[float | None, float | None] | None,
         memory_every: int,
+        check: RunCheck | None,
     ) -> RunTrace:
         wall0 = time.perf_counter()
         lo, hi = memory_window or (None, None)
@@ -262,10 +290,76 @@ class SimulatedExecutor:
         )
         memory = MemorySampler(scheduler, lambda: sim.clock, (lo, hi), memory_every)
         core = EngineCore(scheduler, sim, [memory], lambda: sim.clock)  # the engine's step
+
+        def retire(finished: list[Any], clock: float) -> None:
+            """Close the sequences a step finished, and the requests whose last one it was."""
+            done = []
+            for req in finished:
+                g = owner.pop(req.request_id)
+                g.on_finished(req, clock)
+                if g.finished:
+                    done.append(g)
+            close(done)
+
+        def close(done: list[SequenceGroup]) -> None:
+            for g in done:
+                g.fill_record(records[g.tr.request_id])
+                del groups[g.tr.request_id]
+            if bar is not None and done:
+                bar.update(len(done))
+
+        looks = deque(sorted(check.times) if check is not None else ())
+
+        def must_step(clock: float) -> bool:
+            """A step starting at ``clock`` is the ordinary loop's (see fast_forward.py)."""
+            return (
+                (stop_time is not None and clock >= stop_time)
+                or (bool(looks) and clock >= looks[0])
+                or (bool(pending) and pending[0].arrival_time <= clock)
+                or memory.active(clock)
+                or sim.measures_sharing(clock)
+            )
+
+        def trace() -> RunTrace:
+            """The run so far (unfinished requests keep what they did)."""
+            for rid, g in groups.items():  # stopped early: keep what the unfinished ones did
+                g.fill_record(records[rid])
+            extra: dict[str, Any] = {"cost_model": cm.to_dict(), "fast_forward": ff.to_dict()}
+            if stats is not None:
+                extra["sharing"] = stats.to_dict()
+            cache = kv.cache_stats()
+            if distinct and cache is not None:
+                extra["prefix_cache_hit_rate"] = cache.prefix_hit_rate
+            if cache is not None and cache.offload is not None:
+                saved, loaded = cache.offload
+                extra["kv_offload"] = {"blocks": cache.offload_blocks, "saved": saved,
+                                       "loaded": loaded}  # fmt: skip
+            return RunTrace(
+                requests=list(records.values()),
+                iterations=iterations,
+                end_time=sim.clock,
+                mode=self.mode,
+                hardware=self.describe(),
+                policy=kv.name,
+                num_kv_blocks=num_blocks,
+                block_size=settings.block_size,
+                wall_time_s=time.perf_counter() - wall0,
+                extra=extra,
+            )
+
+        ff = DecodeFastForward(scheduler, sim, owner, settings.block_size, iterations, retire)
+        fast = self.fast_forward and window is None
         n_arrived = 0
         while pending or scheduler.has_unfinished():
+            if fast and ff.advance(must_step):
+                continue
             if stop_time is not None and sim.clock >= stop_time:
                 break
+            if looks and sim.clock >= looks[0]:  # the state run(stop_time=looks[0]) ends in
+                while looks and sim.clock >= looks[0]:
+                    looks.popleft()
+                if check.stop(trace()):
+                    break
             while pending and pending[0].arrival_time <= sim.clock:
                 tr = pending.popleft()
                 prompt = prompt_ids(tr, n_arrived, distinct)
@@ -301,12 +395,8 @@ class SimulatedExecutor:
                     memory.last,
                 )  # fmt: skip
             )
+            retire(step.finished, clock)
             done = []
-            for req in step.finished:
-                g = owner.pop(req.request_id)
-                g.on_finished(req, clock)
-                if g.finished:
-                    done.append(g)
             for g in sim.beam_groups.values():
                 if g.beams_ready():
                     for b in g.live:
@@ -314,37 +404,10 @@ class SimulatedExecutor:
                     owner.update((c.request_id, g) for c in g.advance_beams(scheduler, clock))
                     if g.finished:
                         done.append(g)
-            for g in done:
-                g.fill_record(records[g.tr.request_id])
-                del groups[g.tr.request_id]
-            if bar is not None and done:
-                bar.update(len(done))
+            close(done)
         if bar is not None:
             bar.close()
-        for rid, g in groups.items():  # stopped early: keep what the unfinished ones did
-            g.fill_record(records[rid])
-        extra: dict[str, Any] = {"cost_model": cm.to_dict()}
-        if stats is not None:
-            extra["sharing"] = stats.to_dict()
-        cache = kv.cache_stats()
-        if distinct and cache is not None:
-            extra["prefix_cache_hit_rate"] = cache.prefix_hit_rate
-        if cache is not None and cache.offload is not None:
-            saved, loaded = cache.offload
-            extra["kv_offload"] = {"blocks": cache.offload_blocks, "saved": saved,
-                                   "loaded": loaded}  # fmt: skip
-        return RunTrace(
-            requests=list(records.values()),
-            iterations=iterations,
-            end_time=sim.clock,
-            mode=self.mode,
-            hardware=self.describe(),
-            policy=kv.name,
-            num_kv_blocks=num_blocks,
-            block_size=settings.block_size,
-            wall_time_s=time.perf_counter() - wall0,
-            extra=extra,
-        )
+        return trace()
 
 
 @contextlib.contextmanager

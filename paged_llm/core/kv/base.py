@@ -154,6 +154,13 @@ class KVCacheManager(ABC):
         """Let ``child`` share the parent's blocks (sharing policies only)."""
         raise NotImplementedError(f"policy '{self.name}' cannot share blocks")
 
+    def decode_block_steps(self, request: Request, num_steps: int) -> range | None:
+        """The steps (1-based) among the request's next ``num_steps`` one-token decode steps at
+        which it takes one new block from the pool, or None when the policy cannot promise
+        that plain growth (the default): the simulator's exact fast-forward (sim/fast_forward.py)
+        then runs those steps through the scheduler one by one."""
+        return None
+
     def take_block_ops(self) -> list[tuple[str, list[tuple[int, int]]]]:
         """Block moves of this step, in the order they were decided: ("copy" | "swap_out" |
         "swap_in" | "offload" | "onload", [(src, dst), ...]), and a KV connector's ("kv_load",

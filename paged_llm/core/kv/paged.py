@@ -173,6 +173,19 @@ class PagedKVCacheManager(KVCacheManager):
             table.extend(self.pool.allocate(need))
         return True
 
+    def decode_block_steps(self, request: Request, num_steps: int) -> range | None:
+        """A new block each time a decode step crosses past the table's end (KVCacheManager's);
+        None where a step does more: a copy-on-write of a shared block it writes, a release
+        behind a sliding window, a prefix-cache registration or a KV connector's save."""
+        table = self.block_tables.get(request.request_id)
+        plain = self.sliding_window is None and not self.enable_prefix_caching
+        if not table or not plain or self.connector is not None:
+            return None
+        computed, bs = request.num_computed_tokens, self.block_size
+        if any(self.pool.ref_counts[b] > 1 for b in table[computed // bs :]):
+            return None  # a block it would write is shared: copied on write
+        return range(len(table) * bs - computed + 1, num_steps + 1, bs)
+
     def _log(self, kind: str, pairs: list[tuple[int, int]]) -> None:
         """Append block moves; consecutive moves of one kind batch while no block is reused."""
         if self._ops and self._ops[-1][0] == kind:

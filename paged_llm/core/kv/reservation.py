@@ -86,6 +86,14 @@ class ReservationKVCacheManager(KVCacheManager):
         capacity = len(self.block_tables[rid]) * self.block_size
         return request.num_computed_tokens + num_new_tokens <= capacity
 
+    def decode_block_steps(self, request: Request, num_steps: int) -> range | None:
+        """None, or no step at all while the reserved run holds the tokens (KVCacheManager's)."""
+        table = self.block_tables.get(request.request_id)
+        fits = table is not None and (
+            request.num_computed_tokens + num_steps <= len(table) * self.block_size
+        )
+        return range(0) if fits else None
+
     def free(self, request: Request) -> None:
         """Return the request's run to the buddy allocator."""
         rid = request.request_id
