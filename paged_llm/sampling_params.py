@@ -237,6 +237,28 @@ class SamplingParams:
         return self.logprobs is not None or self.best_of > self.n
 
     @property
+    def has_penalties(self) -> bool:
+        """True when the output history changes the logits (any of the three penalties)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def needs_logits_processing(self, num_output_tokens: int) -> bool:
+        """Whether ``runner.logits_processors.process_logits`` would change a row after
+        ``num_output_tokens`` outputs (cheap, and asked here, so that most requests, which it
+        would leave alone, never enter that module)."""
+        return (
+            num_output_tokens < self.min_tokens
+            or bool(self.logits_processors)
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+            or self.has_penalties
+        )
+
+    @property
     def greedy(self) -> bool:
         """True when sampling is argmax decoding: temperature 0, or so close to it that logits
         divided by it would overflow (vLLM's threshold)."""

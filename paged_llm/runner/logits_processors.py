@@ -63,27 +63,6 @@ def apply_allowed_token_ids(logits: torch.Tensor, params: SamplingParams) -> tor
     return logits
 
 
-def has_penalties(params: SamplingParams) -> bool:
-    """True when the output history changes the logits (any of the three penalties)."""
-    return (
-        params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-    )
-
-
-def needs_processing(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether :func:`process_logits` would change a row (cheap; most requests skip it)."""
-    return (
-        num_output_tokens < params.min_tokens
-        or bool(params.logits_processors)
-        or bool(params.logit_bias)
-        or params.allowed_token_ids is not None
-        or bool(params.bad_words)
-        or has_penalties(params)
-    )
-
-
 def process_logits(
     logits: torch.Tensor,  # [R, V] float32, changed in place
     params: SamplingParams,
@@ -117,7 +96,7 @@ def process_logits(
         ids = to_device(int_tensor(list(params.logit_bias)), logits.device)
         bias = to_device(torch.tensor(list(params.logit_bias.values())), logits.device)
         logits[:, ids] += bias.to(logits.dtype)
-    if has_penalties(params):
+    if params.has_penalties:
         _apply_penalties(logits, params, prompt_token_ids, outputs, pending)
     return logits
 

@@ -15,7 +15,6 @@ from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
 from paged_llm.outputs import Logprob, LogprobEntry
 from paged_llm.runner.logits_processors import (
     apply_allowed_token_ids,
-    needs_processing,
     process_logits,
 )
 from paged_llm.sampling_params import SamplingParams
@@ -368,8 +367,8 @@ def unpack_logprobs(host: list[float], tokens: list[int], ks: list[int]) -> list
 def has_constraints(request: Request, num_output_tokens: int) -> bool:
     """Whether a row after ``num_output_tokens`` tokens needs ``process_request_rows``: logits
     processing or a grammar (most requests have neither)."""
-    return request.guide is not None or needs_processing(request.sampling_params,
-                                                         num_output_tokens)  # fmt: skip
+    params = request.sampling_params
+    return request.guide is not None or params.needs_logits_processing(num_output_tokens)
 
 
 def is_plain_greedy(request: Request, num_drafted: int = 0) -> bool:
@@ -397,7 +396,7 @@ def process_request_rows(
     output stays well-formed. Whether a row was left empty is a device value: without
     ``may_wait`` the weaker constraints are applied by ``torch.where`` without asking."""
     params = request.sampling_params
-    processed = needs_processing(params, min(len(o) for o in outputs))
+    processed = params.needs_logits_processing(min(len(o) for o in outputs))
     if request.guide is None and not processed:
         return logits
     raw = logits.clone()  # the grammar-only fallback, and the base of the whitelists' one
