@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from paged_llm.core.request import PLACEHOLDER_TOKEN
-from paged_llm.sampling_params import SamplingParams, logits_processor_arity
+from paged_llm.sampling_params import SamplingParams
+from paged_llm.sampling_params_checks import logits_processor_arity
 from paged_llm.utils.host import int_tensor, to_device
 
 
