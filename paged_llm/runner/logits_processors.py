@@ -16,8 +16,8 @@ In the order applied:
 6. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): ``logit -= f * count + p *
    (count > 0)``, with ``count`` the token's occurrences in the output only.
 
-Temperature, top-k/p and min-p (``sampler.py``) come after. Every row of one call belongs to one
-request; row i may have seen more output than row 0 (speculative verification scores a draft
+Temperature, top-k/p and min-p (``top_k_top_p.py``) come after. Every row of one call belongs
+to one request; row i may have seen more output than row 0 (speculative verification scores a draft
 after the drafts before it), so each row gets its own output history.
 """
 

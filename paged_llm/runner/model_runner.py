@@ -19,11 +19,8 @@ from paged_llm.runner.async_tokens import DeferredTokens, can_defer, feed_placeh
 from paged_llm.runner.batch import (
     BlockTableRows,
     HostBatch,
-    PromptLogprobs,
     flatten_batch,
     is_decode_batch,
-    pack_prompt_logprobs,
-    prompt_logprobs,
     to_step_inputs,
 )
 from paged_llm.runner.cuda_graphs import VARLEN, CudaGraphRunner
@@ -34,6 +31,7 @@ from paged_llm.runner.kv_cache import (
     kv_bytes_per_block,
     move_blocks,
 )
+from paged_llm.runner.logprobs import PromptLogprobs, pack_prompt_logprobs, prompt_logprobs
 from paged_llm.runner.sampler import PendingTokens, Sampler, SampleResult
 from paged_llm.runner.sleep import (
     HeldFreeSpace,
@@ -439,7 +437,9 @@ class ModelRunner:
             self.deferred_steps += 1
             return {}, {}, pooled, self.last_sampled
         sampled = self._sample(logits, sampling, batch, draft_probs, pending)
-        return sampled, prompt_logprobs(prompt_rows, batch), pooled, None
+        # a step whose requests asked for no prompt logprobs has no rows for them
+        prompt = prompt_logprobs(prompt_rows, batch) if batch.prompt_rows else {}
+        return sampled, prompt, pooled, None
 
     def _sample(
         self,
