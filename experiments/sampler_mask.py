@@ -22,7 +22,7 @@ import torch
 
 from experiments.cpu_attention import time_pass
 from paged_llm.metrics.run_info import run_info, write_json
-from paged_llm.runner.sampler import NUCLEUS_CANDIDATES, apply_top_k_top_p_min_p, mask_rows
+from paged_llm.runner.top_k_top_p import NUCLEUS_CANDIDATES, apply_top_k_top_p_min_p, mask_rows
 
 SETTINGS = {"top_p=0.95": (-1, 0.95), "top_k=50": (50, 1.0), "top_k=50,top_p=0.9": (50, 0.9)}
 

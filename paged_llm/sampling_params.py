@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import copy
 import enum
-import inspect
-import json as _json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_llm.utils.checks import is_int
+# vLLM keeps these here; they live beside the constraint's other code
+from paged_llm.structured_output_params import GuidedDecodingParams, StructuredOutputsParams
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -22,55 +20,6 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything so far, every step
     DELTA = 1  # only what is new since the last output (for streaming)
     FINAL_ONLY = 2  # nothing until the request finishes
-
-
-@dataclass
-class StructuredOutputsParams:
-    """A constraint on a request's output, with vLLM's fields; set exactly one. (vLLM's current
-    name; ``GuidedDecodingParams`` is the older one, kept as an alias.)"""
-
-    json: str | dict | None = None  # a JSON schema (object or its text)
-    regex: str | None = None
-    choice: list[str] | None = None  # the output is exactly one of these
-    grammar: str | None = None  # EBNF (GBNF dialect)
-    json_object: bool | None = None  # any JSON object
-
-    def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) not in (None, False)]  # fmt: skip
-        if len(given) != 1:
-            raise ValueError(
-                "guided decoding takes exactly one of json, regex, choice, grammar or "
-                f"json_object, got {given or 'none'}"
-            )
-        if self.choice is not None:
-            self.choice = list(self.choice)
-            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
-                raise ValueError("guided choice must be a non-empty list of non-empty strings")
-        if isinstance(self.json, str):
-            try:
-                _json.loads(self.json)
-            except ValueError as err:
-                raise ValueError(f"guided json schema is not valid JSON: {err}") from None
-
-    def json_text(self) -> str:
-        """The JSON schema as text."""
-        return self.json if isinstance(self.json, str) else _json.dumps(self.json)
-
-    def key(self) -> tuple[str, str]:
-        """(kind, spec): what identifies the compiled grammar."""
-        if self.json is not None:
-            return "json schema", self.json_text()
-        if self.json_object:
-            return "json object", ""
-        if self.regex is not None:
-            return "regex", self.regex
-        if self.choice is not None:
-            return "choice", _json.dumps(self.choice)
-        return "grammar", str(self.grammar)
-
-
-GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before v0.12
 
 
 @dataclass
@@ -139,90 +88,10 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first out-of-range field."""
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be a positive integer, got {self.n}")
-        if not is_int(self.best_of) or self.best_of < self.n:
-            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
-        for name in ("top_k", "max_tokens", "min_tokens"):  # counts: a float fails late
-            value = getattr(self, name)
-            if value is not None and not is_int(value):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-        # numbers used as floats: an int too large for a float fails here, not in a step
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):  # fmt: skip
-            setattr(self, name, _as_float(name, getattr(self, name)))
-        if not 0 <= self.temperature < math.inf:  # NaN fails too
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is None or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
-        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
-            # torch generators take 64-bit seeds; sample i of n uses seed + i
-            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
-            )
-        for token, bias in (self.logit_bias or {}).items():
-            self.logit_bias[token] = bias = _as_float("logit_bias values", bias)
-            if not is_int(token) or token < 0:
-                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(
-                    f"logit_bias values must be in [-100, 100], got {bias} for {token}"
-                )
-        if self.allowed_token_ids is not None:
-            if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must not be empty")
-            bad = [t for t in self.allowed_token_ids if not is_int(t) or t < 0]
-            if bad:
-                raise ValueError(f"allowed_token_ids must be token ids (ints >= 0), got {bad[:5]}")
-        if self.guided_decoding is not None and not isinstance(
-            self.guided_decoding, GuidedDecodingParams
-        ):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams")
-        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words or []):
-            raise ValueError("bad_words must be non-empty strings")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
-        k = self.truncate_prompt_tokens
-        if k is not None and (not is_int(k) or k < 1):
-            raise ValueError(f"truncate_prompt_tokens must be None or an integer >= 1, got {k!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if not all(map(is_int, self.stop_token_ids)):
-            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
-        for fn in self.logits_processors or []:
-            logits_processor_arity(fn)  # raises for anything but a 2- or 3-argument callable
-        if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        if self.output_kind is RequestOutputKind.DELTA and self.best_of > self.n:
-            # the best n can change while the request runs; deltas could not follow them
-            raise ValueError("best_of > n needs output_kind CUMULATIVE or FINAL_ONLY")
-        for name in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
-        if not self.detokenize and self.stop:
-            raise ValueError("stop strings need detokenize=True (use stop_token_ids instead)")
+        """Raise ValueError naming the first out-of-range field (sampling_params_checks.py)."""
+        from paged_llm.sampling_params_checks import check_sampling_params  # it reads our types
+
+        check_sampling_params(self)
 
     def clone(self) -> SamplingParams:
         """A deep copy that shares the logits processors (vLLM's: they may hold large state;
@@ -237,36 +106,29 @@ class SamplingParams:
         return self.logprobs is not None or self.best_of > self.n
 
     @property
+    def has_penalties(self) -> bool:
+        """True when the output history changes the logits (any of the three penalties)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def needs_logits_processing(self, num_output_tokens: int) -> bool:
+        """Whether ``runner.logits_processors.process_logits`` would change a row after
+        ``num_output_tokens`` outputs (cheap, and asked here, so that most requests, which it
+        would leave alone, never enter that module)."""
+        return (
+            num_output_tokens < self.min_tokens
+            or bool(self.logits_processors)
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+            or self.has_penalties
+        )
+
+    @property
     def greedy(self) -> bool:
         """True when sampling is argmax decoding: temperature 0, or so close to it that logits
         divided by it would overflow (vLLM's threshold)."""
         return self.temperature < GREEDY_BELOW_TEMPERATURE
-
-
-def _as_float(name: str, value: Any) -> float:
-    """``value`` as a float (ints and floats only; bools count as neither)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"{name} is too large for a float ({str(value)[:20]}...)") from None
-
-
-def logits_processor_arity(fn: Any) -> int:
-    """2 (``fn(output_ids, logits)``) or 3 (``fn(prompt_ids, output_ids, logits)``), as vLLM
-    tells them apart; ValueError for anything else."""
-    if not callable(fn):
-        raise ValueError(f"logits_processors must be callables, got {fn!r}")
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # some builtins have no signature: vLLM's default form
-        return 2
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required_keywords = [p for p in parameters if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
-    if len(positional) not in (2, 3) or required_keywords:
-        raise ValueError(
-            "a logits processor takes (output_ids, logits) or (prompt_ids, output_ids, "
-            f"logits), got {getattr(fn, '__name__', fn)!r}{inspect.signature(fn)}"
-        )
-    return len(positional)

@@ -3,7 +3,7 @@ buffers of the batch's bucket and stride, padding included) but eagerly, so the 
 interpreter can check the padding and the replay plumbing (shared by test_gpu_check.py and
 test_eagle.py)."""
 
-from paged_llm.runner import model_runner
+from paged_llm.runner import controls
 from paged_llm.runner.cuda_graphs import CudaGraphRunner
 
 
@@ -22,7 +22,7 @@ class EagerReplay(CudaGraphRunner):
 def replay_graphs_eagerly(llm, monkeypatch, sizes, strides=(1,), mixed_tokens=()):
     """Capture the engine's graphs (the target's and its drafter's, as the runner does on
     CUDA) as ``EagerReplay`` runners; return the target's."""
-    monkeypatch.setattr(model_runner, "CudaGraphRunner", EagerReplay)
+    monkeypatch.setattr(controls, "CudaGraphRunner", EagerReplay)
     engine = llm.llm_engine
     engine.runner.capture_cuda_graphs(sizes, engine.max_model_len, strides, mixed_tokens)
     return engine.runner.cuda_graphs

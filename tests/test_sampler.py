@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_llm.runner import sampler
-from paged_llm.runner.sampler import apply_top_k_top_p_min_p, mask_rows
+from paged_llm.runner import top_k_top_p
+from paged_llm.runner.top_k_top_p import apply_top_k_top_p_min_p, mask_rows
 
 
 def logits_rows(seed: int, rows: int, vocab: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ def test_mask_rows_equals_the_per_row_reference(seed, vocab, candidates, setting
     logits = logits_rows(seed, len(settings_), vocab)
     top_k, top_p, min_p = (list(column) for column in zip(*settings_))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sampler, "NUCLEUS_CANDIDATES", candidates)
+        mp.setattr(top_k_top_p, "NUCLEUS_CANDIDATES", candidates)
         got = mask_rows(logits, top_k, top_p, min_p, may_wait)
     for row, (k, p, m) in zip(range(len(settings_)), settings_):
         want = apply_top_k_top_p_min_p(logits[row], k, p, m)
@@ -63,7 +63,7 @@ def test_a_peaked_nucleus_is_found_among_the_candidates(monkeypatch):
     calls, topk = [], torch.topk
     monkeypatch.setattr(torch, "topk", lambda x, k: calls.append(k) or topk(x, k))
     keep = mask_rows(logits, [-1, -1], [0.9, 0.9], [0.0, 0.0])
-    assert calls == [sampler.NUCLEUS_CANDIDATES]
+    assert calls == [top_k_top_p.NUCLEUS_CANDIDATES]
     for row, got in zip(logits, keep):
         want = apply_top_k_top_p_min_p(row, -1, 0.9, 0.0)
         assert torch.equal(got == float("-inf"), want == float("-inf"))
@@ -81,7 +81,8 @@ def test_draws_follow_the_masked_distribution():
     """Chi-square: 4,000 draws (one row per request, each with its own generator) land on
     tokens as softmax(logits / T) masked by top-p says, and never on a masked token."""
     from paged_llm.core.request import Request
-    from paged_llm.runner.sampler import Sampler, sampling_probs
+    from paged_llm.runner.sampler import Sampler
+    from paged_llm.runner.top_k_top_p import sampling_probs
     from paged_llm.sampling_params import SamplingParams
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0, float("-inf")])

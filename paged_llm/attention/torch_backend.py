@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata, context_blocks
 from paged_llm.ops.kv_store.reference import store_kv_reference
-from paged_llm.ops.paged_attention.reference import attention_mask, gather_blocks, window_start
+from paged_llm.ops.paged_attention.paged_kv import attention_mask, gather_blocks, window_start
 
 
 class TorchAttentionBackend(AttentionBackend):

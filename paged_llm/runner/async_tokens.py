@@ -17,13 +17,14 @@ import torch
 
 from paged_llm.core.request import Request
 from paged_llm.outputs import LogprobEntry
-from paged_llm.runner.batch import PackedPromptLogprobs, PromptLogprobs
-from paged_llm.runner.sampler import (
-    SampleResult,
+from paged_llm.runner.logprobs import (
+    PackedPromptLogprobs,
+    PromptLogprobs,
     logprob_rows,
     pack_logprobs,
     unpack_logprobs,
 )
+from paged_llm.runner.sampler import SampleResult
 from paged_llm.utils.host import int_tensor, to_device
 
 
@@ -51,7 +52,7 @@ class DeferredTokens:
     rows: dict[str, int]  # request id -> its row of ids
     host: torch.Tensor  # [N] int64 on the host (pinned on a GPU), filled by a non-blocking copy
     copied: torch.cuda.Event | None  # recorded after the copies (None on the CPU)
-    # the rows that report logprobs, the top-k of each, and sampler.pack_logprobs' values of
+    # the rows that report logprobs, the top-k of each, and logprobs.pack_logprobs' values of
     # those rows on the host (copied with the ids)
     logprob_rows: list[int] = field(default_factory=list)
     logprob_ks: list[int] = field(default_factory=list)

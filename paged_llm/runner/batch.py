@@ -1,6 +1,6 @@
 """One step's batch as the runner builds it: the scheduled requests flattened into host lists
-(decodes first, for the attention backends), then the device tensors a forward reads, and the
-prompt logprobs read back from its logits."""
+(decodes first, for the attention backends), then the device tensors a forward reads (its
+prompt logprobs are read back by logprobs.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ import torch
 from paged_llm.attention.metadata import AttentionMetadata
 from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
 from paged_llm.core.scheduler import ScheduledRequest
-from paged_llm.outputs import LogprobEntry
-from paged_llm.runner.sampler import pack_logprobs, unpack_logprobs
 from paged_llm.utils.host import int_tensor, to_device
 
 
@@ -180,54 +178,3 @@ def to_step_inputs(
     )
     input_ids, positions = to_device(int_tensor(batch.input_ids + batch.positions), device).chunk(2)
     return StepInputs(input_ids=input_ids, positions=positions, attn_metadata=meta)
-
-
-# (index of the first prompt token scored, then per token: its logprob and the top-k's)
-PromptLogprobs = tuple[int, list[LogprobEntry]]
-
-
-@dataclass
-class PackedPromptLogprobs:
-    """A step's prompt logprobs picked out on the device (``sampler.pack_logprobs``), to be
-    read on the host with ``unpack`` once copied."""
-
-    packed: torch.Tensor  # flat float64 values (on the device, then on the host)
-    targets: list[int]  # [P]: the prompt token each row scores
-    ks: list[int]  # [P]: the top-k each row reports
-    spans: list[tuple[str, int, int, int]]  # HostBatch.prompt_spans
-
-    def unpack(self) -> dict[str, PromptLogprobs]:
-        """The entries by request id: (first scored prompt index, one entry per token)."""
-        entries = unpack_logprobs(self.packed.tolist(), self.targets, self.ks)
-        out: dict[str, PromptLogprobs] = {}
-        row = 0
-        for request_id, first, count, _ in self.spans:
-            out[request_id] = (first, entries[row : row + count])
-            row += count
-        return out
-
-
-def pack_prompt_logprobs(
-    logits: torch.Tensor,  # [P, V]: the batch's prompt-logprob rows, in batch.prompt_rows order
-    batch: HostBatch,
-) -> PackedPromptLogprobs | None:
-    """Each scored prompt token's logprob under the model (raw logits: no penalties or
-    temperature, as vLLM), plus the top ``prompt_logprobs`` alternatives, packed where the
-    logits are: a copy then brings back [P, 2 + 2k] values, not [P, V] (a 2,048-token
-    prompt's full rows at a 32k vocabulary would be 256 MB). None without prompt rows."""
-    if not batch.prompt_rows:
-        return None
-    ks = [top_k for _, _, count, top_k in batch.prompt_spans for _ in range(count)]
-    targets = batch.prompt_targets[: len(ks)]
-    index = to_device(int_tensor(targets), logits.device)
-    packed = pack_logprobs(logits.float().log_softmax(-1), index, max(ks))
-    return PackedPromptLogprobs(packed, targets, ks, batch.prompt_spans)
-
-
-def prompt_logprobs(logits: torch.Tensor, batch: HostBatch) -> dict[str, PromptLogprobs]:
-    """``pack_prompt_logprobs``, copied to the host and read (waits for the device)."""
-    pack = pack_prompt_logprobs(logits, batch)
-    if pack is None:
-        return {}
-    pack.packed = pack.packed.cpu()
-    return pack.unpack()

@@ -16,8 +16,8 @@ In the order applied:
 6. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): ``logit -= f * count + p *
    (count > 0)``, with ``count`` the token's occurrences in the output only.
 
-Temperature, top-k/p and min-p (``sampler.py``) come after. Every row of one call belongs to one
-request; row i may have seen more output than row 0 (speculative verification scores a draft
+Temperature, top-k/p and min-p (``top_k_top_p.py``) come after. Every row of one call belongs
+to one request; row i may have seen more output than row 0 (speculative verification scores a draft
 after the drafts before it), so each row gets its own output history.
 """
 
@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from paged_llm.core.request import PLACEHOLDER_TOKEN
-from paged_llm.sampling_params import SamplingParams, logits_processor_arity
+from paged_llm.sampling_params import SamplingParams
+from paged_llm.sampling_params_checks import logits_processor_arity
 from paged_llm.utils.host import int_tensor, to_device
 
 
@@ -61,27 +62,6 @@ def apply_allowed_token_ids(logits: torch.Tensor, params: SamplingParams) -> tor
         keep[to_device(int_tensor(params.allowed_token_ids), logits.device)] = True
         logits.masked_fill_(~keep, float("-inf"))
     return logits
-
-
-def has_penalties(params: SamplingParams) -> bool:
-    """True when the output history changes the logits (any of the three penalties)."""
-    return (
-        params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-    )
-
-
-def needs_processing(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether :func:`process_logits` would change a row (cheap; most requests skip it)."""
-    return (
-        num_output_tokens < params.min_tokens
-        or bool(params.logits_processors)
-        or bool(params.logit_bias)
-        or params.allowed_token_ids is not None
-        or bool(params.bad_words)
-        or has_penalties(params)
-    )
 
 
 def process_logits(
@@ -117,7 +97,7 @@ def process_logits(
         ids = to_device(int_tensor(list(params.logit_bias)), logits.device)
         bias = to_device(torch.tensor(list(params.logit_bias.values())), logits.device)
         logits[:, ids] += bias.to(logits.dtype)
-    if has_penalties(params):
+    if params.has_penalties:
         _apply_penalties(logits, params, prompt_token_ids, outputs, pending)
     return logits
 

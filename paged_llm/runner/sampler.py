@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Each request's own logits changes (min-tokens ban, logit bias, penalties) happen first, in
-``logits_processors.py``.
+``logits_processors.py``; a sampled row's distribution (temperature, top-k / top-p / min-p) is
+``top_k_top_p.py``'s, and the logprobs reported are ``logprobs.py``'s.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
-from paged_llm.outputs import Logprob, LogprobEntry
+from paged_llm.outputs import LogprobEntry
 from paged_llm.runner.logits_processors import (
     apply_allowed_token_ids,
-    needs_processing,
     process_logits,
 )
+from paged_llm.runner.logprobs import logprob_entries, logprob_rows
+from paged_llm.runner.top_k_top_p import sampling_probs
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.utils.host import int_tensor, to_device
 
@@ -37,123 +39,6 @@ class SampleResult:
     def __post_init__(self) -> None:
         if self.token_ids is None:
             self.token_ids = [self.token_id]
-
-
-def apply_top_k_top_p_min_p(
-    logits: torch.Tensor, top_k: int, top_p: float, min_p: float
-) -> torch.Tensor:
-    """Mask one row of temperature-scaled logits [V] to the allowed tokens (the readable
-    reference of ``mask_rows``, which the sampler uses)."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token once the mass before it already reaches top_p; the most likely token
-        # always stays (a top_p below float32's smallest number would otherwise compare as 0)
-        drop = probs.cumsum(-1) - probs >= top_p
-        drop[..., 0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
-
-
-# top-p first looks at each row's most likely tokens; it sorts a whole row only when they hold
-# less than top_p of its mass (a flat distribution). Sorting a 32k vocabulary for 64 rows takes
-# ~0.1 s on a CPU; a top 256 is what a trained model's nucleus usually fits in.
-NUCLEUS_CANDIDATES = 256
-
-
-def mask_rows(
-    logits: torch.Tensor,  # [R, V] temperature-scaled logits
-    top_k: Sequence[int],  # [R]; 0, -1 or >= V: no limit
-    top_p: Sequence[float],  # [R]; 1: no limit
-    min_p: Sequence[float],  # [R]; 0: no limit
-    may_wait: bool = True,
-) -> torch.Tensor:
-    """``apply_top_k_top_p_min_p`` for many rows at once, each with its own settings.
-
-    Every path is chosen from the host's settings, so nothing waits for the device, except
-    the check that each nucleus lay among its row's candidates. Without ``may_wait`` (async
-    scheduling on a GPU, where such a wait would stall the host for the whole forward) rows
-    with a top_p are sorted whole instead, as vLLM's PyTorch sampler always does: more device
-    work, no wait."""
-    vocab = logits.shape[-1]
-    ks = [k if 0 < k < vocab else vocab for k in top_k]
-    rows = [i for i, (k, p) in enumerate(zip(ks, top_p)) if k < vocab or p < 1.0]
-    if rows:
-        # candidates per row: its top-k limit, else enough for a nucleus (a nucleus lies
-        # within the row's top k, unless logits tie with its k-th: bfloat16 logits often do)
-        nucleus = any(top_p[i] < 1.0 for i in rows)
-        width = max(ks[i] if ks[i] < vocab else NUCLEUS_CANDIDATES * (top_p[i] < 1.0)
-                    for i in rows)  # fmt: skip
-        if 2 * width > vocab or (nucleus and not may_wait):  # sort whole rows at once
-            width = vocab
-        every = len(rows) == len(ks)  # usually: one setting for the whole batch
-        kk, pp = to_device(
-            torch.tensor([[ks[i], top_p[i]] for i in rows], dtype=torch.float64), logits.device
-        ).unbind(1)  # doubles hold every k and float32 top_p exactly
-        kk, pp = kk.long(), pp.float()
-        index = None if every else to_device(int_tensor(rows), logits.device)
-        sub = logits if index is None else logits[index]
-        masked, wide = _keep_top(sub, kk, pp, width, nucleus)
-        if width < vocab and nucleus and bool(wide.any()):  # wider nuclei: sort those rows
-            masked[wide] = _keep_top(sub[wide], kk[wide], pp[wide], vocab, True)[0]
-        logits = masked if index is None else logits.index_put((index,), masked)
-    if any(m > 0.0 for m in min_p):
-        floor = to_device(torch.tensor(min_p, dtype=torch.float64), logits.device).float()
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < floor[:, None] * probs.amax(-1, keepdim=True),
-                                    float("-inf"))  # fmt: skip
-    return logits
-
-
-def _keep_top(
-    logits: torch.Tensor,  # [R, V]
-    k: torch.Tensor,  # [R]: the top-k limit (V: none)
-    top_p: torch.Tensor,  # [R]
-    width: int,  # candidates per row: at least the largest limited k
-    any_nucleus: bool,  # whether some top_p < 1 (known on the host)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask each row to its k largest logits, then to its top-p nucleus among its ``width``
-    most likely tokens; also say which rows' nuclei reach past them ([R] bool, to redo)."""
-    vocab = logits.shape[-1]
-    vals, idx = torch.topk(logits, width)  # [R, W], most likely first
-    kth = vals.gather(1, (k.clamp(max=width) - 1)[:, None])  # [R, 1]: the k-th largest logit
-    kth = kth.masked_fill((k > width)[:, None], float("-inf"))  # limits past the width: none
-    logits = logits.masked_fill(logits < kth, float("-inf"))
-    nucleus = top_p < 1.0
-    if not any_nucleus:
-        return logits, nucleus
-    vals = vals.masked_fill(vals < kth, float("-inf"))
-    if width == vocab:  # whole rows, as apply_top_k_top_p_min_p computes them
-        probs = vals.softmax(-1)
-        wide = torch.zeros_like(nucleus)
-    else:  # the candidates' share of the whole (masked) row's mass, computed as softmax does
-        top = vals[:, :1]
-        probs = (vals - top).exp() / (logits - top).exp().sum(-1, keepdim=True)
-        wide = nucleus & (probs.sum(-1) < top_p)
-    # drop a token once the mass before it already reaches top_p; the most likely token always
-    # stays (a top_p below float32's smallest number would otherwise compare as 0). Tokens
-    # past the candidates come after at least top_p of the mass.
-    drop = probs.cumsum(-1) - probs >= top_p[:, None]
-    drop[:, 0] = False
-    kept = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, ~drop)
-    return logits.masked_fill(~kept & nucleus[:, None], float("-inf")), wide
-
-
-def sampling_probs(
-    logits: torch.Tensor, params: Sequence[SamplingParams], may_wait: bool = True
-) -> torch.Tensor:
-    """The distributions sampling draws from: row i of logits [R, V] (float32, on any device)
-    scaled by params[i].temperature and masked by its top_k / top_p / min_p (``mask_rows``,
-    which says what ``may_wait`` changes), then softmaxed."""
-    temperature = to_device(torch.tensor([p.temperature for p in params]), logits.device)
-    top_k, top_p, min_p = ([getattr(p, s) for p in params] for s in ("top_k", "top_p", "min_p"))
-    return mask_rows(logits / temperature[:, None], top_k, top_p, min_p, may_wait).softmax(-1)
 
 
 # request id -> its last output token, still on the device ([1] int64; async scheduling)
@@ -309,67 +194,11 @@ class Sampler:
         return picked
 
 
-def logprob_rows(params: Sequence[SamplingParams]) -> tuple[list[int], list[int]]:
-    """The rows whose sampled token's logprob is reported, and the top-k each asks for."""
-    rows = [row for row, p in enumerate(params) if p.tracks_logprobs]
-    return rows, [params[row].logprobs or 0 for row in rows]
-
-
-def logprob_entries(
-    logprobs: torch.Tensor,  # [N, V] log-probabilities
-    tokens: Sequence[int],  # [N]: the token each row chose (or scores)
-    top_k: int | Sequence[int],  # for every row, or one per row
-) -> list[LogprobEntry]:
-    """vLLM's logprobs per row: ``{token: Logprob}`` plus the ``top_k`` most likely tokens,
-    each with its rank in the row (1 = most likely; the number of strictly likelier tokens
-    plus one, as vLLM counts)."""
-    ks = [top_k] * len(tokens) if isinstance(top_k, int) else list(top_k)
-    # the token ids go over without waiting for the stream; everything comes back in one copy
-    index = to_device(int_tensor(list(tokens)), logprobs.device)
-    packed = pack_logprobs(logprobs, index, max(ks, default=0))
-    return unpack_logprobs(packed.cpu().tolist(), list(tokens), ks)
-
-
-def pack_logprobs(
-    logprobs: torch.Tensor,  # [N, V] log-probabilities
-    tokens: torch.Tensor,  # [N] int64 on their device: the token each row chose
-    most: int,  # the largest top-k asked for
-) -> torch.Tensor:  # [N * (2 + 2 * most)] float64, on the device
-    """``logprob_entries``' device half: each row's chosen logprob and rank, then its ``most``
-    largest logprobs and their ids, in one tensor (doubles hold float32s and ids exactly), so
-    one copy brings them to the host (async scheduling makes it with the sampled ids)."""
-    n = logprobs.shape[0]
-    chosen = logprobs[torch.arange(n, device=logprobs.device), tokens]  # [N]
-    ranks = (logprobs > chosen[:, None]).sum(-1) + 1  # [N]
-    parts = [chosen.double(), ranks.double()]
-    if most > 0:
-        top = torch.topk(logprobs, most)  # [N, most]
-        parts += [top.values.double().flatten(), top.indices.double().flatten()]
-    return torch.cat(parts)
-
-
-def unpack_logprobs(host: list[float], tokens: list[int], ks: list[int]) -> list[LogprobEntry]:
-    """``logprob_entries``' host half: the entries from ``pack_logprobs``' values."""
-    n, most = len(tokens), max(ks, default=0)
-    chosen, ranks = host[:n], [int(r) for r in host[n : 2 * n]]
-    entries = [{t: Logprob(lp, rank)} for t, lp, rank in zip(tokens, chosen, ranks)]
-    if most > 0:
-        values, ids = host[2 * n : 2 * n + n * most], host[2 * n + n * most :]
-        for row, (entry, k) in enumerate(zip(entries, ks)):
-            row_ids = [int(t) for t in ids[row * most : row * most + k]]
-            row_values = values[row * most : row * most + k]
-            entry.update(
-                (t, entry[t] if t in entry else Logprob(lp, r))  # ties keep the chosen's rank
-                for r, (t, lp) in enumerate(zip(row_ids, row_values), start=1)
-            )
-    return entries
-
-
 def has_constraints(request: Request, num_output_tokens: int) -> bool:
     """Whether a row after ``num_output_tokens`` tokens needs ``process_request_rows``: logits
     processing or a grammar (most requests have neither)."""
-    return request.guide is not None or needs_processing(request.sampling_params,
-                                                         num_output_tokens)  # fmt: skip
+    params = request.sampling_params
+    return request.guide is not None or params.needs_logits_processing(num_output_tokens)
 
 
 def is_plain_greedy(request: Request, num_drafted: int = 0) -> bool:
@@ -397,7 +226,7 @@ def process_request_rows(
     output stays well-formed. Whether a row was left empty is a device value: without
     ``may_wait`` the weaker constraints are applied by ``torch.where`` without asking."""
     params = request.sampling_params
-    processed = needs_processing(params, min(len(o) for o in outputs))
+    processed = params.needs_logits_processing(min(len(o) for o in outputs))
     if request.guide is None and not processed:
         return logits
     raw = logits.clone()  # the grammar-only fallback, and the base of the whitelists' one

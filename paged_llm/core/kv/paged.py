@@ -13,7 +13,7 @@ no torch)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from paged_llm.core.block_pool import BlockPool
@@ -85,6 +85,16 @@ class PagedKVCacheManager(KVCacheManager):
             )
             self._tier_loads["ext"] = self._external.load
         self._loads_external = kv_connector is not None and kv_connector.can_load
+        # What a finished request leaves behind, one entry per feature that keeps per-request
+        # state, chosen here: free() runs only these, so with a feature off a step does not
+        # enter its module (the reading path, docs/architecture.md).
+        self._forgetters: list[Callable[[str], None]] = []
+        if num_cpu_blocks > 0:
+            self._forgetters.append(self._swap.free)
+        if enable_prefix_caching or kv_connector is not None:  # the connector's loads hash
+            self._forgetters.append(self.prefix_cache.forget)
+        if self._external is not None:
+            self._forgetters.append(self._external.forget)
 
     def cache_stats(self) -> KVCacheStats:
         """Prefix-cache lookups and hits, and the CPU tier's copies (KVCacheManager's)."""
@@ -220,10 +230,8 @@ class PagedKVCacheManager(KVCacheManager):
             # tail first: a prefix's later blocks are evicted before its first ones, which
             # every longer match needs (vLLM does the same)
             self.pool.release(live_blocks(table)[::-1])
-        self._swap.free(request.request_id)
-        self.prefix_cache.forget(request.request_id)
-        if self._external is not None:
-            self._external.forget(request.request_id)
+        for forget in self._forgetters:
+            forget(request.request_id)
         self._num_released.pop(request.request_id, None)
 
     def truncate(self, request: Request, num_tokens: int) -> None:
