@@ -86,8 +86,8 @@ class EngineCore:
         start = time.perf_counter()
         step = StepState(self.scheduler.schedule(self.clock()), while_running=while_running)
         step.marks.update(start=start, scheduled=time.perf_counter())
-        for hook in self._hooks("before_forward"):
-            hook(step)
+        for plugin in self.plugins:
+            plugin.before_forward(step)
         step.marks["prepared"] = time.perf_counter()
         (forward or self.forward)(step)
         step.marks["forwarded"] = time.perf_counter()
@@ -119,18 +119,10 @@ class EngineCore:
         self._after_update(step)
 
     def _after_update(self, step: StepState) -> None:
-        for hook in self._hooks("after_update"):
-            hook(step)
+        for plugin in self.plugins:
+            plugin.after_update(step)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished or aborted sequence's state in every plug-in."""
-        for hook in self._hooks("forget"):
-            hook(request_id)
-
-    def _hooks(self, name: str) -> list[Callable[..., None]]:
-        """The plug-ins' hooks called ``name``, in order, less those a plug-in does not
-        override: ``EnginePlugin``'s own do nothing, and a step need not run them. Looked up at
-        each call, since a plug-in may join or leave ``plugins`` between steps."""
-        noop = getattr(EnginePlugin, name)
-        hooks = (getattr(plugin, name) for plugin in self.plugins)
-        return [hook for hook in hooks if getattr(hook, "__func__", None) is not noop]
+        for plugin in self.plugins:
+            plugin.forget(request_id)
