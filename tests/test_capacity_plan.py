@@ -281,3 +281,24 @@ def test_grid_through_the_basic_sweeper_and_the_joblib_launcher(tmp_path):
         ("h100", "2"),
     }
     assert any((tmp_path / "wandb").glob("offline-run-*"))  # W&B, as every experiment logs
+
+
+def test_bench_extrapolates_from_a_sample_of_the_space(tmp_path, monkeypatch):
+    """The speed bench's sample mode searches deployments drawn from the space and
+    extrapolates the whole search from their mean (tiny traces: the arithmetic, not speed)."""
+    from experiments.capacity import bench
+
+    out = tmp_path / "bench.json"
+    argv = ["--hours", "0.01", "--short-s", "6", "--sample", "2", "--sample-s", "4"]
+    monkeypatch.setattr(sys, "argv", ["bench", *argv, "--out", str(out)])
+    bench.main()
+    result = json.loads(out.read_text())
+    s = result["sampled"]
+    assert len(s["searches"]) == 2 and s["scale"] == pytest.approx(36 / 4)
+    long = [r["long_cpu_s"] for r in s["searches"]]
+    assert long == pytest.approx([r["cpu_s"] * 9 for r in s["searches"]])
+    assert s["search_wall_min"] == pytest.approx(sum(long) / 2 * 500 / 2 / 60)
+    lo, hi = s["search_wall_min_95ci"]
+    assert lo <= s["search_wall_min"] <= hi
+    assert s["probes_total"] == sum(r["probes"] for r in s["searches"]) > 0
+    assert result["run_info"]["mode"] == "simulated"
