@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from experiments.capacity.first_guess import mean_lengths, throughput_bound
+from experiments.capacity.first_guess import analytic_throughput, mean_lengths
 from experiments.capacity.rate_search import (
     SLO,
     RateBound,
@@ -29,7 +29,7 @@ class RateSearch:
     each probe's runs are looked at every this share of their arrival span and stop there
     once the TTFT SLO is lost for the whole probe, whatever the rest would do (0: always
     simulate whole runs). ``first_guess``: start at this share of the deployment's analytic
-    throughput (first_guess.throughput_bound; None: at ``start``). ``first_step``: the first
+    throughput (first_guess.analytic_throughput; None: at ``start``). ``first_step``: the first
     step's factor from there (None: 1 + ``rel_tol`` from a guess, ``growth`` from ``start``)."""
 
     start: float = 1.0
@@ -38,7 +38,7 @@ class RateSearch:
     growth: float = 2.0
     rel_tol: float = 0.05
     early_fraction: float = 0.1
-    first_guess: float | None = 0.95
+    first_guess: float | None = 1.05
     first_step: float | None = None
 
     def __post_init__(self) -> None:
@@ -146,7 +146,7 @@ def start_rate(prober: Prober, search: RateSearch) -> float:
     s = prober.settings
     cost = prober.executor.cost_model(s.block_size)
     lengths = mean_lengths(prober.workloads(search.start)[0].requests)
-    guess = search.first_guess * throughput_bound(cost, s, s.num_gpu_blocks, *lengths)
+    guess = search.first_guess * analytic_throughput(cost, s, s.num_gpu_blocks, *lengths)
     return min(max(guess, search.floor), search.ceiling)
 
 
