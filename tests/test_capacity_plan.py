@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from experiments.capacity.deployment import Deployment, quantized
+from experiments.capacity.evaluate import RateSearch
+from experiments.capacity.first_guess import mean_lengths
 from experiments.capacity.rate_search import (
     SLO,
     RatePoint,
@@ -47,11 +50,13 @@ def _point(rate: float, meets: bool) -> RatePoint:
     start=st.floats(0.1, 100.0),
     growth=st.sampled_from([1.5, 2.0, 4.0]),
     tol=st.sampled_from([0.01, 0.05, 0.2]),
+    first=st.floats(0.0, 1.0),
 )
-def test_bracket_finds_a_known_threshold_or_says_which_bound(threshold, start, growth, tol):
+def test_bracket_finds_a_known_threshold_or_says_which_bound(threshold, start, growth, tol, first):
     floor, ceiling = 0.05, 512.0
     start = min(max(start, floor), ceiling)
-    b = bracket(lambda r: _point(r, r <= threshold), start, floor, ceiling, growth, tol)
+    step = growth ** max(first, 0.01)  # the first step's factor, in (1, growth]
+    b = bracket(lambda r: _point(r, r <= threshold), start, floor, ceiling, growth, tol, step)
     if threshold >= ceiling:
         assert b.kind == "at_least" and b.rate == ceiling and b.text().startswith(">=")
     elif threshold < floor:
@@ -67,6 +72,37 @@ def test_bracket_refuses_bad_settings():
         bracket(lambda r: _point(r, True), 1000.0, 0.1, 10.0)
     with pytest.raises(ValueError, match="growth > 1"):
         bracket(lambda r: _point(r, True), 1.0, 0.1, 10.0, growth=1.0)
+    with pytest.raises(ValueError, match="first_step <= growth"):
+        bracket(lambda r: _point(r, True), 1.0, 0.1, 10.0, growth=2.0, first_step=3.0)
+    with pytest.raises(ValueError, match="first_guess must be > 0"):
+        RateSearch(first_guess=0.0)
+    with pytest.raises(ValueError, match="first_step must be in"):
+        RateSearch(first_step=1.0)
+    with pytest.raises(ValueError, match="without requests"):
+        mean_lengths([])
+
+
+def test_the_first_guess_finds_the_fixed_starts_answer_in_fewer_probes():
+    """From the analytic first guess, the search finds the same crossing as from the fixed
+    start, within the search's tolerance (both final brackets hold it), in fewer probes."""
+    cfg, params = _config("capacity_plan_quick")
+    tol = cfg["rate_search"]["rel_tol"]
+    jobs = random.Random(0).sample(grid(params), 8)
+    probes = {"fixed": 0, "guess": 0}
+    for job in jobs:
+        c = apply(cfg, job)
+        fixed = evaluate(apply(c, {"rate_search.first_guess": None}))["rate"]
+        guess = evaluate(c)["rate"]
+        probes["fixed"] += len(fixed["points"])
+        probes["guess"] += len(guess["points"])
+        assert fixed["kind"] == guess["kind"]
+        if guess["kind"] == "exact":  # the crossing lies in both brackets
+            assert max(fixed["rate"], guess["rate"]) < min(fixed["upper"], guess["upper"])
+            ratio = max(fixed["rate"], guess["rate"]) / min(fixed["rate"], guess["rate"])
+            assert ratio <= 1 + tol
+        else:
+            assert fixed["rate"] == guess["rate"]
+    assert probes["guess"] < probes["fixed"], probes
 
 
 def _record(i, arrival, first=None, finished=None, out=11):
@@ -245,3 +281,24 @@ def test_grid_through_the_basic_sweeper_and_the_joblib_launcher(tmp_path):
         ("h100", "2"),
     }
     assert any((tmp_path / "wandb").glob("offline-run-*"))  # W&B, as every experiment logs
+
+
+def test_bench_extrapolates_from_a_sample_of_the_space(tmp_path, monkeypatch):
+    """The speed bench's sample mode searches deployments drawn from the space and
+    extrapolates the whole search from their mean (tiny traces: the arithmetic, not speed)."""
+    from experiments.capacity import bench
+
+    out = tmp_path / "bench.json"
+    argv = ["--hours", "0.01", "--short-s", "6", "--sample", "2", "--sample-s", "4"]
+    monkeypatch.setattr(sys, "argv", ["bench", *argv, "--out", str(out)])
+    bench.main()
+    result = json.loads(out.read_text())
+    s = result["sampled"]
+    assert len(s["searches"]) == 2 and s["scale"] == pytest.approx(36 / 4)
+    long = [r["long_cpu_s"] for r in s["searches"]]
+    assert long == pytest.approx([r["cpu_s"] * 9 for r in s["searches"]])
+    assert s["search_wall_min"] == pytest.approx(sum(long) / 2 * 500 / 2 / 60)
+    lo, hi = s["search_wall_min_95ci"]
+    assert lo <= s["search_wall_min"] <= hi
+    assert s["probes_total"] == sum(r["probes"] for r in s["searches"]) > 0
+    assert result["run_info"]["mode"] == "simulated"

@@ -1,20 +1,27 @@
 """How fast the capacity search runs: the simulator's iterations and simulated requests per
 second on one probe of a long trace, one deployment's whole bracketing search on a shorter
 trace (the peer, same run), and the time a search of N deployments on a trace of the long
-length would take on C cores, extrapolated from them (labelled as such). Writes JSON.
+length would take on C cores, extrapolated from them (labelled as such). With ``--sample K``,
+also the searches of K deployments drawn (seeded) from capacity_plan's search space, and the
+extrapolation from their mean. Writes JSON.
 
     python -m experiments.capacity.bench [--trace CSV] [--hours 1] [--short-s 600] [--rate 2]
+        [--sample 12 --sample-s 180] [--set rate_search.first_guess=null]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from experiments.capacity.space import apply, grid
 from experiments.capacity_plan import evaluate, resolved
 from paged_llm.metrics.run_info import cpu_name, run_info
 from paper_repro.common import compose
@@ -27,6 +34,9 @@ OPTIONS = (  # flag, type, default, help
     ("--configs", int, 500, "deployments in the extrapolated search"),
     ("--cores", int, 2, "jobs in parallel in the extrapolated search"),
     ("--out", str, "outputs/capacity_bench.json", "the JSON written"),
+    ("--sample", int, 0, "deployments drawn from the search space and searched (0: none)"),
+    ("--sample-s", float, 180.0, "the sampled searches' trace (s)"),
+    ("--sample-seed", int, 0, "which deployments are drawn"),
 )
 
 
@@ -45,13 +55,62 @@ def probe_speed(c: dict[str, Any], rate: float) -> dict[str, Any]:
     return {"rate": rate, "meets_slo": point.meets, **prober.speed()}
 
 
+def space(overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """capacity_plan's resolved config and its sweepers' search space (hydra.sweeper.params)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from paper_repro.common import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = hydra_compose("capacity_plan", overrides=overrides, return_hydra_config=True)
+    return resolved(cfg), OmegaConf.to_container(cfg.hydra.sweeper.params)
+
+
+def sample_searches(a: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    """Search ``a.sample`` deployments drawn from the space on an ``a.sample_s`` trace; scale
+    each one's CPU seconds to the long trace and extrapolate the whole search from the mean."""
+    cfg, params = space([*overrides, f"workload.duration_s={a.sample_s}"])
+    jobs = random.Random(a.sample_seed).sample(grid(params), a.sample)
+    scale = a.hours * 3600 / a.sample_s
+    rows = []
+    for job in jobs:
+        t0 = time.process_time()
+        r = evaluate(apply(cfg, job))
+        cpu = time.process_time() - t0
+        rows.append({"deployment": r["label"], "cpu_s": cpu, "long_cpu_s": cpu * scale,
+                     "probes": len(r["rate"]["points"]) if "rate" in r else 0,
+                     "rate": (r.get("rate") or {}).get("text", r["status"]),
+                     "simulated": (r.get("simulator") or {}).get("requests", 0)})  # fmt: skip
+        print(f"  {rows[-1]['deployment']}: {rows[-1]['rate']} req/s, {rows[-1]['probes']} "
+              f"probes, {cpu:.1f} CPU s", flush=True)  # fmt: skip
+    long = [r["long_cpu_s"] for r in rows]
+    mean, sd = statistics.mean(long), statistics.stdev(long) if len(long) > 1 else 0.0
+    half = 1.96 * sd / math.sqrt(len(long))  # the mean's normal 95% interval
+    wall = lambda per_config: per_config * a.configs / a.cores / 60  # noqa: E731
+    return {
+        "how": f"{a.sample} deployments drawn (seed {a.sample_seed}) from capacity_plan's "
+        f"hydra.sweeper.params; each searched on a {a.sample_s:g} s trace, its CPU seconds "
+        f"x (long / sample trace length); the search's wall time = the mean x deployments / "
+        "cores (jobs in parallel, no sharing)",
+        "trace_s": a.sample_s, "scale": scale, "overrides": overrides, "searches": rows,
+        "probes_total": sum(r["probes"] for r in rows),
+        "per_config_long_cpu_s": {"mean": mean, "sd": sd, "min": min(long), "max": max(long)},
+        "search_wall_min": wall(mean),
+        "search_wall_min_95ci": [wall(mean - half), wall(mean + half)],
+        "configs": a.configs, "cores": a.cores, "target_wall_min": 30.0,
+    }  # fmt: skip
+
+
 def main() -> None:
     """Measure, extrapolate, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__)
     for flag, kind, default, what in OPTIONS:
         ap.add_argument(flag, type=kind, default=default, help=what)
+    ap.add_argument("--set", action="append", default=[], help="a capacity_plan override")
     a = ap.parse_args()
-    base = ["workload.path=" + a.trace] if a.trace else []
+    base = (["workload.path=" + a.trace] if a.trace else []) + a.set
     long_cfg = resolved(compose("capacity_plan", [*base, f"workload.duration_s={a.hours * 3600}"]))
     short_cfg = resolved(compose("capacity_plan", [*base, f"workload.duration_s={a.short_s}"]))
     t0 = time.process_time()
@@ -81,12 +140,14 @@ def main() -> None:
             "search_wall_min": per_config_long * a.configs / a.cores / 60,
             "target_wall_min": 30.0,
         },  # fmt: skip
+        "sampled": sample_searches(a, base) if a.sample else None,
         "deployment": long_cfg["deployment"],
         "workload": search["workload"],
         "run_info": {
             **run_info("simulated", hardware=search["hardware"]),
             "computed_on": f"{cpu_name()} (CPU), process time",
             "load_avg_1_5_15_min": os.getloadavg(),  # other tenants of the machine
+            "cpu_s_total": time.process_time(),
         },  # fmt: skip
     }
     out = Path(a.out)
@@ -98,6 +159,12 @@ def main() -> None:
           f"{a.short_s:g} s trace: {per_config_short:.1f} CPU s; extrapolated: "
           f"{e['search_wall_min']:.0f} min for {a.configs} deployments on a {a.hours:g} h trace "
           f"on {a.cores} cores (target 30); {out}")  # fmt: skip
+    if a.sample:
+        sm = result["sampled"]
+        lo, hi = sm["search_wall_min_95ci"]
+        print(f"sampled {a.sample} deployments ({sm['probes_total']} probes): extrapolated "
+              f"{sm['search_wall_min']:.0f} min (the mean's 95% interval: {lo:.0f} to "
+              f"{hi:.0f})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from experiments.capacity.first_guess import analytic_throughput, mean_lengths
 from experiments.capacity.rate_search import (
     SLO,
     RateBound,
@@ -27,7 +28,9 @@ class RateSearch:
     """The bracketing search's settings (the ``rate_search`` config node). ``early_fraction``:
     each probe's runs are looked at every this share of their arrival span and stop there
     once the TTFT SLO is lost for the whole probe, whatever the rest would do (0: always
-    simulate whole runs)."""
+    simulate whole runs). ``first_guess``: start at this share of the deployment's analytic
+    throughput (first_guess.analytic_throughput; None: at ``start``). ``first_step``: the first
+    step's factor from there (None: 1 + ``rel_tol`` from a guess, ``growth`` from ``start``)."""
 
     start: float = 1.0
     floor: float = 0.05
@@ -35,10 +38,23 @@ class RateSearch:
     growth: float = 2.0
     rel_tol: float = 0.05
     early_fraction: float = 0.1
+    first_guess: float | None = 1.05
+    first_step: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.early_fraction < 1:
             raise ValueError(f"early_fraction must be in [0, 1), got {self.early_fraction}")
+        if self.first_guess is not None and self.first_guess <= 0:
+            raise ValueError(f"first_guess must be > 0 (or null), got {self.first_guess}")
+        if not 1 < self.step <= self.growth:
+            raise ValueError(f"first_step must be in (1, growth={self.growth}], got {self.step}")
+
+    @property
+    def step(self) -> float:
+        """The first step's factor, the default filled in."""
+        if self.first_step is not None:
+            return self.first_step
+        return min(1 + self.rel_tol, self.growth) if self.first_guess else self.growth
 
 
 @dataclass
@@ -122,7 +138,19 @@ def _lost(late: tuple[int, int], needed: tuple[int, int]) -> bool:
     return late[0] >= needed[0] or late[1] >= needed[1]
 
 
+def start_rate(prober: Prober, search: RateSearch) -> float:
+    """The search's first rate: ``first_guess`` times the deployment's analytic throughput on
+    the workload's mean lengths (within floor and ceiling), or the fixed ``start``."""
+    if not search.first_guess:
+        return search.start
+    s = prober.settings
+    cost = prober.executor.cost_model(s.block_size)
+    lengths = mean_lengths(prober.workloads(search.start)[0].requests)
+    guess = search.first_guess * analytic_throughput(cost, s, s.num_gpu_blocks, *lengths)
+    return min(max(guess, search.floor), search.ceiling)
+
+
 def capacity(prober: Prober, search: RateSearch) -> RateBound:
-    """The highest rate within the SLOs (or a bound), by ``bracket``."""
-    return bracket(prober, search.start, search.floor, search.ceiling, search.growth,
-                   search.rel_tol)  # fmt: skip
+    """The highest rate within the SLOs (or a bound), by ``bracket`` from ``start_rate``."""
+    return bracket(prober, start_rate(prober, search), search.floor, search.ceiling,
+                   search.growth, search.rel_tol, search.step)  # fmt: skip

@@ -159,13 +159,19 @@ TEXT = {  # how each kind of answer reads in a table
 
 def bracket(
     probe: Callable[[float], RatePoint], start: float, floor: float, ceiling: float,
-    growth: float = 2.0, rel_tol: float = 0.05,
+    growth: float = 2.0, rel_tol: float = 0.05, first_step: float | None = None,
 ) -> RateBound:  # fmt: skip
-    """Grow (or shrink) the rate by ``growth`` from ``start`` until the SLOs' outcome flips,
-    then bisect geometrically until the passing and failing rates are within ``rel_tol``.
-    Assumes a deployment that fails at a rate fails at every higher one."""
-    if not 0 < floor <= start <= ceiling or growth <= 1 or rel_tol <= 0:
-        raise ValueError("need 0 < floor <= start <= ceiling, growth > 1 and rel_tol > 0")
+    """Grow (or shrink) the rate from ``start`` until the SLOs' outcome flips, then bisect
+    geometrically until the passing and failing rates are within ``rel_tol``. The first step
+    is the factor ``first_step`` (None: ``growth``), and each next one the last squared, up to
+    ``growth``: a good ``start`` costs few probes, a bad one a few more. Assumes a deployment
+    that fails at a rate fails at every higher one."""
+    step = growth if first_step is None else first_step
+    if not 0 < floor <= start <= ceiling or not 1 < step <= growth or rel_tol <= 0:
+        raise ValueError(
+            "need 0 < floor <= start <= ceiling, growth > 1, 1 < first_step <= growth and "
+            "rel_tol > 0"
+        )
     points: list[RatePoint] = []
 
     def meets(rate: float) -> bool:
@@ -178,14 +184,14 @@ def bracket(
         while hi is None:
             if lo >= ceiling:
                 return RateBound(lo, None, "at_least", points)
-            rate = min(lo * growth, ceiling)
+            rate, step = min(lo * step, ceiling), min(step * step, growth)
             lo, hi = (rate, None) if meets(rate) else (lo, rate)
     else:
         hi = rate
         while lo is None:
             if hi <= floor:
                 return RateBound(0.0, hi, "below", points)
-            rate = max(hi / growth, floor)
+            rate, step = max(hi / step, floor), min(step * step, growth)
             lo, hi = (rate, hi) if meets(rate) else (None, rate)
     while hi / lo > 1 + rel_tol:
         mid = math.sqrt(lo * hi)
