@@ -12,8 +12,8 @@ OVERRIDEs (Hydra syntax) go to every figure.
 Wall time for five seeds, measured on 2 CPU cores shared with other jobs (2026-12-06): Fig. 1
 121 s, Fig. 2 169 s, Fig. 12 465 s, Fig. 13 462 s, Fig. 15 924 s, Fig. 16 1690 s, Fig. 17 1092 s,
 Fig. 18b 755 s, Fig. 19 103 s (docs/results/all_figures-2026-12-06-*-cpu.json); each block of
-paper_repro/README.md names its own. Fig. 14, the longest (6 settings x 4 policies x rate
-sweeps), takes ~20 min per seed on 2 idle cores. Fig. 19
+paper_repro/README.md names its own. Fig. 14, the longest (7 settings x 4 policies x rate
+sweeps), took 6660 s for five seeds (~17 CPU min per seed; one process, sharing 2 cores). Fig. 19
 measures real swap and recompute times once per block size (a timing, not a random draw), so
 it runs once."""
 
