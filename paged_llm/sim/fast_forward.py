@@ -198,11 +198,8 @@ class DecodeFastForward:
         head, limits = s.waiting[0], s.limits
         if running + 1 > limits.max_num_seqs:
             return False
-        budget = limits.max_num_batched_tokens - running
-        tokens = head.num_tokens - head.num_computed_tokens
-        if limits.enable_chunked_prefill:
-            tokens = min(tokens, budget)
-        return 0 < tokens <= budget and self.kv.can_admit(head, tokens)
+        tokens = s._num_new_tokens(head, limits.max_num_batched_tokens - running)  # 0: no budget
+        return tokens > 0 and self.kv.can_admit(head, tokens)
 
     def to_dict(self) -> dict[str, int]:
         """The counters, for the run's trace."""
