@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.capacity.deployment import Deployment
-from experiments.capacity.evaluate import Prober, RateSearch, capacity
+from experiments.capacity.evaluate import Prober, RateSearch, bound_rate, capacity
 from experiments.capacity.rate_search import SLO
 from experiments.capacity.report import RESULT, write_report
 from paged_llm.metrics.run_info import run_info
@@ -54,7 +54,7 @@ def evaluate(c: dict[str, Any], executor: Any = None) -> dict[str, Any]:
     the probes; ``executor``: a simulated executor to use instead of the deployment's own
     (the CPU check's calibrated one)."""
     dep = Deployment(**c["deployment"])
-    slo, search = SLO(**c["slo"]), RateSearch(**c["rate_search"])
+    search = RateSearch(**c["rate_search"])
     price = dep.price_per_hour(c["prices"])
     ex = executor or dep.executor(c["model_shape"], c["cost"])
     result: dict[str, Any] = {
@@ -64,22 +64,51 @@ def evaluate(c: dict[str, Any], executor: Any = None) -> dict[str, Any]:
         "workload": build_workload(WorkloadSpec(**c["workload"])).describe(),
     }  # fmt: skip
     try:
-        settings = dep.settings(c["engine"])
-        blocks = ex.num_blocks(settings, ex.cost_model(settings.block_size))
+        prober = deployment_prober(c, dep, ex)
     except ValueError as err:  # the model and its activations do not fit these GPUs
         return {**result, "status": f"infeasible: {err}", "requests_per_dollar": 0.0}
-    settings = settings.with_overrides(num_gpu_blocks=blocks)
-    prober = Prober(ex, dep.policy, settings, c["workload"], seeds_of(c["seeds"]), slo,
-                    search.early_fraction)  # fmt: skip
-    bound = capacity(prober, search)
+    settings, blocks = prober.settings, prober.settings.num_gpu_blocks
+    # to replace the best so far a deployment must beat it by the search's resolution: a rate
+    # within rel_tol of the best's cannot be told apart from it by these brackets
+    needed = None if search.must_beat is None else (
+        search.must_beat * price / 3600 * (1 + search.rel_tol))  # fmt: skip
+    bound = capacity(prober, search, needed)
     passing = [p for p in bound.points if p.meets and p.rate == bound.rate]
     per_dollar = bound.rate * 3600 / price
+    pruned = bound.kind.startswith("pruned")
     return {
-        **result, "status": "ok", "num_kv_blocks": blocks, "settings": settings.to_dict(),
+        **result, "status": "pruned" if pruned else "ok", "num_kv_blocks": blocks,
+        "settings": settings.to_dict(), "must_beat": search.must_beat,
+        "busy_bound_share": prober.busy_share(bound.rate) if bound.rate else None,
         "rate": {**bound.to_dict(), "text": bound.text()},
         "at_rate": passing[0].to_dict() if passing else None,
         "requests_per_dollar": per_dollar, "simulator": prober.speed(),
     }  # fmt: skip
+
+
+def deployment_prober(c: dict[str, Any], dep: Deployment, executor: Any) -> Prober:
+    """The prober of a deployment on the configured workload, its KV pool what fits the GPUs
+    (ValueError when the model and its activations do not fit them)."""
+    settings = dep.settings(c["engine"])
+    blocks = executor.num_blocks(settings, executor.cost_model(settings.block_size))
+    search = RateSearch(**c["rate_search"])
+    return Prober(executor, dep.policy, settings.with_overrides(num_gpu_blocks=blocks),
+                  c["workload"], seeds_of(c["seeds"]), SLO(**c["slo"]),
+                  search.early_fraction)  # fmt: skip
+
+
+def upper_bound(cfg: DictConfig | dict[str, Any]) -> float:
+    """An upper bound of the job's requests per dollar without simulating (the branch-and-bound
+    sweeper's order): ``evaluate.bound_rate`` per dollar; 0 for a deployment that does not
+    fit its GPUs."""
+    c = cfg if isinstance(cfg, dict) else resolved(cfg)
+    dep = Deployment(**c["deployment"])
+    try:
+        prober = deployment_prober(c, dep, dep.executor(c["model_shape"], c["cost"]))
+    except ValueError:
+        return 0.0
+    rate = bound_rate(prober, RateSearch(**c["rate_search"]).start)
+    return rate * 3600 / dep.price_per_hour(c["prices"])
 
 
 def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> float:

@@ -21,7 +21,6 @@ from omegaconf import OmegaConf
 
 from experiments.capacity.deployment import Deployment, quantized
 from experiments.capacity.evaluate import RateSearch
-from experiments.capacity.first_guess import mean_lengths
 from experiments.capacity.rate_search import (
     SLO,
     RatePoint,
@@ -78,13 +77,12 @@ def test_bracket_refuses_bad_settings():
         RateSearch(first_guess=0.0)
     with pytest.raises(ValueError, match="first_step must be in"):
         RateSearch(first_step=1.0)
-    with pytest.raises(ValueError, match="without requests"):
-        mean_lengths([])
 
 
 def test_the_first_guess_finds_the_fixed_starts_answer_in_fewer_probes():
-    """From the analytic first guess, the search finds the same crossing as from the fixed
-    start, within the search's tolerance (both final brackets hold it), in fewer probes."""
+    """From the first guess (a share of the bound rate), the search finds the same crossing
+    as from the fixed start, within the search's tolerance (both final brackets hold it), in
+    fewer probes."""
     cfg, params = _config("capacity_plan_quick")
     tol = cfg["rate_search"]["rel_tol"]
     jobs = random.Random(0).sample(grid(params), 8)
@@ -199,8 +197,9 @@ def _row(name, rate, price):
 
 def test_ranking_by_requests_per_dollar_and_the_pareto_front():
     results = [_row("cheap", 1.0, 1.0), _row("fast", 4.0, 8.0), _row("worse", 0.9, 2.0),
-               _row("mid", 3.0, 2.0), {**_row("none", 0.0, 1.0), "status": "infeasible: x",
-                                       "requests_per_dollar": 0.0}]  # fmt: skip
+               _row("mid", 3.0, 2.0), {"label": "none", "status": "infeasible: x",
+                                       "price_per_hour": 1.0, "requests_per_dollar": 0.0,
+                                       "deployment": {}}]  # as evaluate: no rate  # fmt: skip
     rows = ranked(results)
     assert [r["deployment"] for r in rows] == ["mid", "cheap", "fast", "worse", "none"]
     assert {r["deployment"] for r in rows if r["pareto"]} == {"cheap", "mid", "fast"}
@@ -231,14 +230,21 @@ def _rows(path):
     return list(csv.DictReader(path.read_text().splitlines()))
 
 
-def test_optuna_finds_the_grids_best_in_a_quarter_of_its_runs(tmp_path):
+@pytest.fixture(scope="module")
+def quick_grid():
+    """Every deployment of capacity_plan_quick's space searched whole: deployment (JSON) ->
+    its result."""
     cfg, params = _config("capacity_plan_quick")
     jobs = grid(params)
     assert len(jobs) >= 100
-    values = {json.dumps(apply(cfg, j)["deployment"], sort_keys=True):
-              evaluate(apply(cfg, j))["requests_per_dollar"] for j in jobs}  # fmt: skip
+    return {json.dumps(apply(cfg, j)["deployment"], sort_keys=True): evaluate(apply(cfg, j))
+            for j in jobs}  # fmt: skip
+
+
+def test_optuna_finds_the_grids_best_in_a_quarter_of_its_runs(tmp_path, quick_grid):
+    values = {k: r["requests_per_dollar"] for k, r in quick_grid.items()}
     best = max(values.values())
-    trials = len(jobs) // 4
+    trials = len(values) // 4
     sweep_dir = tmp_path / "optuna"
     _capacity_plan(tmp_path, "--config-name", "capacity_plan_quick", "-m",
                    "hydra/sweeper=capacity_optuna", f"hydra.sweeper.n_trials={trials}",
@@ -252,6 +258,41 @@ def test_optuna_finds_the_grids_best_in_a_quarter_of_its_runs(tmp_path):
     assert float(top["requests_per_dollar"]) >= 0.98 * best
     assert (sweep_dir / "capacity_plan_pareto.png").stat().st_size > 0
     assert len(_rows(sweep_dir / "sweep.csv")) == trials  # the merged table of every sweep
+
+
+def test_branch_and_bound_finds_the_grids_best_with_fewer_probes(tmp_path, quick_grid):
+    """hydra/sweeper=capacity_bnb over 32 deployments of the same space (the command line's
+    sweeps): nothing the whole grid found for them beats its winner by more than the
+    brackets' resolution (rel_tol), every deployment has a row, the pruned ones a bound, and
+    it simulates fewer probes than the grid did for them."""
+    cfg, _ = _config("capacity_plan_quick")
+    tol = cfg["rate_search"]["rel_tol"]
+    sweep_dir = tmp_path / "bnb"
+    _capacity_plan(tmp_path, "--config-name", "capacity_plan_quick", "-m",
+                   "hydra/sweeper=capacity_bnb", "hydra.sweeper.params=null",
+                   "deployment.hardware=a100-40gb,a100-80gb,h100,h200", "deployment.num_gpus=1,2",
+                   "deployment.max_num_seqs=8,32", "deployment.kv_cache_dtype=auto,fp8_e4m3",
+                   "deployment.policy=paged", "deployment.max_num_batched_tokens=512",
+                   f"hydra.sweep.dir={sweep_dir}")  # fmt: skip
+    found = [json.loads(p.read_text()) for p in sweep_dir.glob("*/capacity_plan.json")]
+    assert len(found) == 32
+    grid_of = {k: quick_grid[json.dumps(j["deployment"], sort_keys=True)] for j in found
+               for k in [json.dumps(j["deployment"], sort_keys=True)]}  # fmt: skip
+    top = _rows(sweep_dir / "capacity_plan.csv")[0]
+    assert top["status"] == "ok" and top["rate_kind"] == "exact"
+    winner = float(top["requests_per_dollar"])
+    assert max(r["requests_per_dollar"] for r in grid_of.values()) <= winner * (1 + tol)
+    kinds = {j["rate"]["kind"] for j in found if "rate" in j}
+    assert {"pruned_bound", "exact"} <= kinds
+    for j in found:
+        key = json.dumps(j["deployment"], sort_keys=True)
+        if j["status"] == "pruned":  # what the grid measured for it cannot beat the winner
+            assert quick_grid[key]["requests_per_dollar"] < winner * (1 + tol)
+            assert j["rate"]["text"].startswith("< ")
+        elif "rate" in j:  # searched whole: a rate the SLOs hold at, within the bound
+            assert j["busy_bound_share"] is None or j["busy_bound_share"] <= 1.0
+    probes = lambda results: sum(len(r.get("rate", {}).get("points", [])) for r in results)  # noqa: E731
+    assert probes(found) < probes(grid_of.values())
 
 
 def test_grid_through_the_basic_sweeper_and_the_joblib_launcher(tmp_path):
@@ -302,3 +343,22 @@ def test_bench_extrapolates_from_a_sample_of_the_space(tmp_path, monkeypatch):
     assert lo <= s["search_wall_min"] <= hi
     assert s["probes_total"] == sum(r["probes"] for r in s["searches"]) > 0
     assert result["run_info"]["mode"] == "simulated"
+
+
+def test_bench_times_a_whole_search(tmp_path, monkeypatch):
+    """The speed bench's search mode runs a multirun whole and records its wall and CPU time
+    and what each job did (a 4-deployment branch-and-bound search: the bookkeeping)."""
+    from experiments.capacity import bench
+
+    out, sweep = tmp_path / "bench.json", tmp_path / "sweep"
+    sets = ["hydra/sweeper=capacity_bnb", "hydra.sweeper.params=null",
+            "deployment.hardware=a100-40gb,h100", "deployment.num_gpus=1,2"]  # fmt: skip
+    argv = ["--search", "capacity_plan_quick", "--search-dir", str(sweep), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["bench", *argv, *(f"--set={s}" for s in sets)])
+    bench.main()
+    r = json.loads(out.read_text())
+    assert r["configs"] == len(r["jobs"]) == 4 and sum(r["answers"].values()) == 4
+    assert r["wall_s"] > 0 and r["cpu_s"] > 0 and r["target_wall_min"] == 30.0
+    assert r["probes"] == sum(j["probes"] for j in r["jobs"])
+    assert r["best"]["requests_per_dollar"] == max(j["requests_per_dollar"] for j in r["jobs"])
+    assert "capacity_plan_quick" in r["command"] and r["run_info"]["mode"] == "simulated"

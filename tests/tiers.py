@@ -95,6 +95,7 @@ FILE_TIERS = {
     "experiment": [
         "test_all_figures",
         "test_beam_sharing_experiment",
+        "test_capacity_bound",
         "test_capacity_plan",
         "test_figure_sweeps",
         "test_gpu_check",

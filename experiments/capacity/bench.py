@@ -3,10 +3,13 @@ second on one probe of a long trace, one deployment's whole bracketing search on
 trace (the peer, same run), and the time a search of N deployments on a trace of the long
 length would take on C cores, extrapolated from them (labelled as such). With ``--sample K``,
 also the searches of K deployments drawn (seeded) from capacity_plan's search space, and the
-extrapolation from their mean. Writes JSON.
+extrapolation from their mean. With ``--search CONFIG``, instead: runs that config's whole
+multirun (e.g. capacity_plan_large: 512 deployments on a 1-hour trace by branch and bound) in
+a child process and records its wall time, its CPU seconds and what each job did. Writes JSON.
 
     python -m experiments.capacity.bench [--trace CSV] [--hours 1] [--short-s 600] [--rate 2]
         [--sample 12 --sample-s 180] [--set rate_search.first_guess=null]
+    python -m experiments.capacity.bench --search capacity_plan_large [--set KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ OPTIONS = (  # flag, type, default, help
     ("--sample", int, 0, "deployments drawn from the search space and searched (0: none)"),
     ("--sample-s", float, 180.0, "the sampled searches' trace (s)"),
     ("--sample-seed", int, 0, "which deployments are drawn"),
+    ("--search", str, None, "run this config's multirun whole and time it (no extrapolation)"),
+    ("--search-dir", str, "outputs/capacity_bench_search", "that multirun's sweep directory"),
 )
 
 
@@ -103,6 +108,49 @@ def sample_searches(a: argparse.Namespace, overrides: list[str]) -> dict[str, An
     }  # fmt: skip
 
 
+def timed_search(config: str, sweep_dir: str, overrides: list[str]) -> dict[str, Any]:
+    """Run ``config``'s multirun in a child process; its wall and CPU seconds (the child and
+    its workers), and per job: the deployment, its answer or bound, probes, simulated CPU."""
+    import resource
+    import subprocess
+    import sys
+
+    from experiments.capacity.report import collect
+
+    cmd = [sys.executable, "-m", "experiments.capacity_plan", "--config-name", config, "-m",
+           f"hydra.sweep.dir={sweep_dir}", *overrides]  # fmt: skip
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load0, t0 = os.getloadavg(), time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    jobs = collect(Path(sweep_dir))
+    rows = [{"deployment": j["label"], "status": j["status"],
+             "rate": (j.get("rate") or {}).get("text", j["status"]),
+             "kind": (j.get("rate") or {}).get("kind"),
+             "probes": len((j.get("rate") or {}).get("points", [])),
+             "sim_cpu_s": (j.get("simulator") or {}).get("sim_cpu_s", 0.0),
+             "requests_per_dollar": j["requests_per_dollar"],
+             "busy_bound_share": j.get("busy_bound_share")} for j in jobs]  # fmt: skip
+    kinds: dict[str, int] = {}
+    for r in rows:
+        kinds[str(r["kind"] or r["status"])] = kinds.get(str(r["kind"] or r["status"]), 0) + 1
+    best = max(rows, key=lambda r: r["requests_per_dollar"])
+    shares = [r["busy_bound_share"] for r in rows if r["busy_bound_share"] is not None]
+    return {
+        "what": "a whole capacity search, run (not extrapolated): wall seconds of the multirun, "
+        "CPU seconds of it and its workers",
+        "command": "python -m experiments.capacity_plan --config-name " + " ".join(cmd[4:]),
+        "wall_s": wall, "wall_min": wall / 60, "cpu_s": cpu, "target_wall_min": 30.0,
+        "load_avg_1_5_15_min_before": load0, "load_avg_1_5_15_min_after": os.getloadavg(),
+        "configs": len(rows), "answers": kinds, "probes": sum(r["probes"] for r in rows),
+        "sim_cpu_s": sum(r["sim_cpu_s"] for r in rows), "best": best,
+        "busy_bound_share_max": max(shares) if shares else None,
+        "jobs": sorted(rows, key=lambda r: -r["sim_cpu_s"]),
+    }  # fmt: skip
+
+
 def main() -> None:
     """Measure, extrapolate, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__)
@@ -110,6 +158,18 @@ def main() -> None:
         ap.add_argument(flag, type=kind, default=default, help=what)
     ap.add_argument("--set", action="append", default=[], help="a capacity_plan override")
     a = ap.parse_args()
+    if a.search:
+        info = run_info("simulated", hardware="see each job's result")
+        info["computed_on"] = f"{cpu_name()} (CPU), {os.cpu_count()} cores"
+        result = {**timed_search(a.search, a.search_dir, a.set), "run_info": info}
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2, default=str))
+        print(f"{result['configs']} deployments searched in {result['wall_min']:.1f} min wall "
+              f"({result['cpu_s']:.0f} CPU s; target 30 min): {result['answers']}, "
+              f"{result['probes']} probes; best {result['best']['deployment']} at "
+              f"{result['best']['rate']} req/s; {out}")  # fmt: skip
+        return
     base = (["workload.path=" + a.trace] if a.trace else []) + a.set
     long_cfg = resolved(compose("capacity_plan", [*base, f"workload.duration_s={a.hours * 3600}"]))
     short_cfg = resolved(compose("capacity_plan", [*base, f"workload.duration_s={a.short_s}"]))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from experiments.capacity.first_guess import analytic_throughput, mean_lengths
+from experiments.capacity.bound import busy_time_lower_bound
 from experiments.capacity.rate_search import (
     SLO,
     RateBound,
@@ -28,9 +28,13 @@ class RateSearch:
     """The bracketing search's settings (the ``rate_search`` config node). ``early_fraction``:
     each probe's runs are looked at every this share of their arrival span and stop there
     once the TTFT SLO is lost for the whole probe, whatever the rest would do (0: always
-    simulate whole runs). ``first_guess``: start at this share of the deployment's analytic
-    throughput (first_guess.analytic_throughput; None: at ``start``). ``first_step``: the first
-    step's factor from there (None: 1 + ``rel_tol`` from a guess, ``growth`` from ``start``)."""
+    simulate whole runs). ``first_guess``: start at this share of the deployment's
+    ``bound_rate`` (None: at ``start``). ``first_step``: the first
+    step's factor from there (None: 1 + ``rel_tol`` from a guess, ``growth`` from ``start``).
+    ``must_beat``: requests per dollar the deployment must beat to matter (a branch-and-bound
+    sweep passes the best so far; None: search every deployment whole); one that cannot is
+    pruned, by ``bound.busy_time_lower_bound`` (more than ``bound_margin`` over the arrival
+    span at the rate it needs) or by one failing probe at that rate."""
 
     start: float = 1.0
     floor: float = 0.05
@@ -38,10 +42,16 @@ class RateSearch:
     growth: float = 2.0
     rel_tol: float = 0.05
     early_fraction: float = 0.1
-    first_guess: float | None = 1.05
+    first_guess: float | None = 0.9
     first_step: float | None = None
+    must_beat: float | None = None
+    bound_margin: float = 0.05
 
     def __post_init__(self) -> None:
+        if self.must_beat is not None and self.must_beat < 0:
+            raise ValueError(f"must_beat must be >= 0 requests per dollar, got {self.must_beat}")
+        if self.bound_margin < 0:
+            raise ValueError(f"bound_margin must be >= 0, got {self.bound_margin}")
         if not 0 <= self.early_fraction < 1:
             raise ValueError(f"early_fraction must be in [0, 1), got {self.early_fraction}")
         if self.first_guess is not None and self.first_guess <= 0:
@@ -73,6 +83,7 @@ class Prober:
     iterations: int = 0
     requests: int = 0
     seconds: float = 0.0
+    probed: dict[float, RatePoint] = field(default_factory=dict)  # rate -> its verdict
 
     def workloads(self, rate: float) -> list[Workload]:
         """The workload at ``rate``, once per seed."""
@@ -88,7 +99,28 @@ class Prober:
         return trace
 
     def __call__(self, rate: float) -> RatePoint:
-        """The SLO verdict at ``rate``: the seeds' runs one after another; with
+        """The SLO verdict at ``rate`` (a rate probed before is not run again)."""
+        if rate not in self.probed:
+            self.probed[rate] = self._probe(rate)
+        return self.probed[rate]
+
+    def busy_share(self, rate: float) -> float:
+        """The least busy time any schedule needs to serve the workload at ``rate``, as a
+        share of its arrival span (the largest over the seeds; bound.busy_time_lower_bound,
+        no simulation): above 1, requests arrive faster than they can be served. 0 with
+        prefix caching, whose shared prompts the bound does not count."""
+        s = self.settings
+        if s.enable_prefix_caching:
+            return 0.0
+        cost = self.executor.cost_model(s.block_size)
+        return max(
+            busy_time_lower_bound(cost, s, s.num_gpu_blocks, w.requests)
+            / max(r.arrival_time for r in w.requests)
+            for w in self.workloads(rate)
+        )
+
+    def _probe(self, rate: float) -> RatePoint:
+        """The seeds' runs at ``rate`` one after another; with
         ``early_fraction``, stopped (with the seeds left) as soon as enough requests are over
         the TTFT or the TPOT target that its percentile is lost whatever the rest do (exact
         counts, rate_search.fail_counts), then judged on what ran and marked ``early_stop``."""
@@ -138,19 +170,38 @@ def _lost(late: tuple[int, int], needed: tuple[int, int]) -> bool:
     return late[0] >= needed[0] or late[1] >= needed[1]
 
 
+def bound_rate(prober: Prober, rate: float) -> float:
+    """The rate at which the least busy time of the (first seed's) workload at ``rate`` would
+    fill its arrival span (bound.busy_time_lower_bound, no simulation): no schedule serves
+    more requests per second than this."""
+    s = prober.settings
+    requests = prober.workloads(rate)[0].requests
+    busy = busy_time_lower_bound(prober.executor.cost_model(s.block_size), s, s.num_gpu_blocks,
+                                 requests)  # fmt: skip
+    return len(requests) / busy
+
+
 def start_rate(prober: Prober, search: RateSearch) -> float:
-    """The search's first rate: ``first_guess`` times the deployment's analytic throughput on
-    the workload's mean lengths (within floor and ceiling), or the fixed ``start``."""
+    """The search's first rate: ``first_guess`` times the deployment's ``bound_rate`` (within
+    floor and ceiling), or the fixed ``start``."""
     if not search.first_guess:
         return search.start
-    s = prober.settings
-    cost = prober.executor.cost_model(s.block_size)
-    lengths = mean_lengths(prober.workloads(search.start)[0].requests)
-    guess = search.first_guess * analytic_throughput(cost, s, s.num_gpu_blocks, *lengths)
+    guess = search.first_guess * bound_rate(prober, search.start)
     return min(max(guess, search.floor), search.ceiling)
 
 
-def capacity(prober: Prober, search: RateSearch) -> RateBound:
-    """The highest rate within the SLOs (or a bound), by ``bracket`` from ``start_rate``."""
-    return bracket(prober, start_rate(prober, search), search.floor, search.ceiling,
-                   search.growth, search.rel_tol, search.step)  # fmt: skip
+def capacity(prober: Prober, search: RateSearch, needed: float | None = None) -> RateBound:
+    """The highest rate within the SLOs (or a bound), by ``bracket`` from ``start_rate``.
+    With ``needed`` (the rate at which the deployment would match the best so far), a
+    deployment that cannot reach it is pruned (kind ``pruned_bound``: the busy-time bound
+    says so; ``pruned``: a probe at ``needed`` failed); one that can is bracketed from there
+    up, the passing probe at ``needed`` its floor."""
+    floor, start = search.floor, start_rate(prober, search)
+    if needed is not None and needed > search.floor:
+        if prober.busy_share(needed) > 1 + search.bound_margin:
+            return RateBound(0.0, needed, "pruned_bound", [])
+        if not prober(needed).meets:
+            return RateBound(0.0, needed, "pruned", [prober(needed)])
+        floor, start = needed, max(start, needed)
+    return bracket(prober, start, floor, max(search.ceiling, start), search.growth,
+                   search.rel_tol, search.step)  # fmt: skip

@@ -133,7 +133,9 @@ def fail_counts(workloads: Sequence[Any], slo: SLO) -> tuple[int, int]:
 class RateBound:
     """The search's answer: ``rate`` is the highest rate that met the SLOs (``kind`` exact:
     the next probed rate, ``upper``, failed; at_least: no probed rate up to the search's
-    ceiling failed; below: even the floor ``upper`` failed, ``rate`` is 0)."""
+    ceiling failed; below: even the floor ``upper`` failed, ``rate`` is 0; pruned: a
+    branch-and-bound search needed ``upper`` to beat its best and a probe there failed;
+    pruned_bound: the same, decided by a lower bound on the busy time, not simulated)."""
 
     rate: float
     upper: float | None
@@ -154,6 +156,8 @@ TEXT = {  # how each kind of answer reads in a table
     "exact": lambda b: f"{b.rate:.3g}",
     "at_least": lambda b: f">= {b.rate:.3g}",
     "below": lambda b: f"< {b.upper:.3g}",
+    "pruned": lambda b: f"< {b.upper:.3g}",
+    "pruned_bound": lambda b: f"< {b.upper:.3g} (bound)",
 }
 
 

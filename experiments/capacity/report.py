@@ -25,9 +25,9 @@ def row_of(result: dict[str, Any]) -> dict[str, Any]:
     best = result.get("at_rate") or {}
     return {
         "deployment": result["label"],
-        "rate": result["rate"]["text"] if result["status"] == "ok" else "-",
-        "rate_value": result["rate"]["rate"] if result["status"] == "ok" else 0.0,
-        "rate_kind": result["rate"]["kind"] if result["status"] == "ok" else "-",
+        "rate": result["rate"]["text"] if "rate" in result else "-",
+        "rate_value": result["rate"]["rate"] if "rate" in result else 0.0,
+        "rate_kind": result["rate"]["kind"] if "rate" in result else "-",
         "price_per_hour": result["price_per_hour"],
         "requests_per_dollar": result["requests_per_dollar"],
         "ttft_ms": best.get("ttft_ms"),

@@ -137,6 +137,23 @@ class RooflineCostModel:
         fixed = self.overhead_s + self.per_seq_overhead_s * step.num_seqs
         return fixed + roofline + self.allreduce_time(step) + self.swap_time(step.swap_blocks)
 
+    def least_busy_time(self, total: StepShape, steps: int) -> float:
+        """A lower bound on the summed ``step_time`` of any ``steps`` steps (each with new
+        tokens) whose shapes add up to ``total``: the fixed costs ``steps`` times, every step's
+        weight read at its fewest (one token's), and a sum of per-step maxima is at least the
+        maximum of the sums (experiments/capacity/bound.py)."""
+        weights = self.model.weight_bytes_read(total.num_new_tokens)
+        memory = self.memory_bytes(total) - weights + steps * self.model.weight_bytes_read(1)
+        roofline = max(memory / self.bandwidth, self.compute_flops(total) / self.flops)
+        fixed = steps * self.overhead_s + self.per_seq_overhead_s * total.num_seqs
+        return fixed + roofline + self._allreduce_over(total, steps)
+
+    def _allreduce_over(self, total: StepShape, steps: int) -> float:
+        """The all-reduces of ``steps`` steps of ``total`` tokens: the bytes once, the latency
+        per step (linear in the message, so the split does not matter)."""
+        no_tokens = StepShape(0, 0, 0, 0, 0)
+        return self.allreduce_time(total) + (steps - 1) * self.allreduce_time(no_tokens)
+
     def prefill_time(self, num_tokens: int) -> float:
         """Seconds to (re)compute a prompt of ``num_tokens`` alone (recompute preemption cost)."""
         n = num_tokens

@@ -142,6 +142,22 @@ class LinearCostModel(RooflineCostModel):
             self.law.step_time(step) + self.allreduce_time(step) + self.swap_time(step.swap_blocks)
         )
 
+    def least_busy_time(self, total: StepShape, steps: int) -> float:
+        """A lower bound on the summed ``step_time`` of any ``steps`` steps adding up to
+        ``total``: the law's linear terms summed, its fixed cost per step, and the rows at their
+        least: a concave row cost (slopes not increasing) is at least that of all the rows in
+        one step; otherwise each row costs at least the smallest slope."""
+        law = self.law
+        head = law.coefficients()[:4]
+        x = features(total, law.token_knots)[:4]
+        linear = sum(c * v for c, v in zip(head, x)) + (steps - 1) * law.fixed_s
+        slopes = list(law.per_token_s)
+        if slopes == sorted(slopes, reverse=True):
+            rows = sum(c * v for c, v in zip(slopes, features(total, law.token_knots)[4:]))
+        else:
+            rows = min(slopes) * total.num_new_tokens
+        return linear + rows + self._allreduce_over(total, steps)
+
     def breakdown(self, step: StepShape) -> dict[str, float]:
         """Every term of the step time, in seconds."""
         return {
