@@ -4,11 +4,24 @@ prefix cache's hash -> block map (no torch).
 A block whose last reference drops goes to the back of the free list but keeps its hash, so a
 later request with the same prefix can take it back; blocks are reused from the front, which
 evicts the least recently freed cached blocks first.
+
+A block table lists a request's block ids in logical order; a sliding window leaves NULL_BLOCK
+where a freed block was.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+# A block-table entry whose block fell out of the sliding window and went back to the pool.
+# Such entries are a prefix of the table; kernels never read them (the runner writes block 0
+# in their place). Keeping the entry keeps logical block i at table index i.
+NULL_BLOCK = -1
+
+
+def live_blocks(table: list[int]) -> list[int]:
+    """The real block ids of a table (without the NULL_BLOCK entries of a sliding window)."""
+    return [b for b in table if b != NULL_BLOCK]
 
 
 class BlockPool:

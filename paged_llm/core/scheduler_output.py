@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paged_llm.core.kv.base import MemoryBreakdown
+from paged_llm.core.kv.stats import MemoryBreakdown
 from paged_llm.core.queue_policy import queue_policy_class
 from paged_llm.core.request import Request
 
@@ -34,10 +34,11 @@ class SchedulerLimits:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(
-                f"preemption_mode must be 'recompute' or 'swap', got '{self.preemption_mode}'"
-            )
+        from paged_llm.core.preemption import PREEMPTION_MODES  # it imports this module
+
+        if self.preemption_mode not in PREEMPTION_MODES:
+            modes = " or ".join(repr(m) for m in PREEMPTION_MODES)
+            raise ValueError(f"preemption_mode must be {modes}, got '{self.preemption_mode}'")
         queue_policy_class(self.scheduling_policy)  # raises naming the choices
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from paged_llm.core.block_pool import BlockPool
-from paged_llm.core.kv.block_table import NULL_BLOCK, live_blocks
+from paged_llm.core.block_pool import NULL_BLOCK, BlockPool, live_blocks
 from paged_llm.core.request import Request
 
 
