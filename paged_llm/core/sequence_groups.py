@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from paged_llm.core.kv.base import KVCacheManager
 from paged_llm.core.request import Request, RequestStatus
-from paged_llm.core.scheduler_output import SchedulerLimits
+from paged_llm.core.scheduler_limits import SchedulerLimits
 
 
 class SequenceGroups:
