@@ -1,7 +1,8 @@
 """The paged policy's features attach when the manager and the scheduler are built
 (core/kv/paged.py's hooks, core/preemption.py's strategies): a step enters a feature's module
-exactly when that feature is on, and the module of preemption only when a request is
-preempted. This is what keeps the reading path of a default step short (docs/architecture.md)."""
+exactly when that feature is on (the prefix cache's block index included), and the module of
+preemption only when a request is preempted. This is what keeps the reading path of a default
+step short (docs/architecture.md)."""
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -51,6 +52,7 @@ def test_a_step_enters_a_features_module_exactly_when_it_is_on(
     seen = {p.name for p in files_run_by(run)}
     event(f"preempted: {sched.num_preemptions_total > 0}")
     assert ("cached_prefixes.py" in seen) == prefix
+    assert ("block_pool.py" in seen) == prefix  # the cache's index; else the plain allocator
     assert ("sliding_window.py" in seen) == (window is not None)
     assert ("paged_memory.py" in seen) == track
     assert ("swap.py" in seen) == swap  # its free() forgets a finished request's CPU table

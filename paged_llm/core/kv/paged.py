@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from paged_llm.core.block_pool import NULL_BLOCK, BlockPool, live_blocks
+from paged_llm.core.block_allocator import NULL_BLOCK, BlockAllocator, live_blocks
+from paged_llm.core.block_pool import BlockPool
 from paged_llm.core.kv.base import KVCacheManager, KVCacheStats, MemoryBreakdown
 from paged_llm.core.kv.cached_prefixes import CachedPrefixes
 from paged_llm.core.kv.paged_memory import paged_memory_breakdown
@@ -28,7 +29,7 @@ from paged_llm.core.kv.swap import SwapSpace
 from paged_llm.core.request import Request
 from paged_llm.utils.checks import check_window
 
-# NULL_BLOCK and live_blocks live in block_pool.py; importing them from here still works
+# NULL_BLOCK and live_blocks live in block_allocator.py; importing them from here still works
 __all__ = ["NULL_BLOCK", "PagedKVCacheManager", "live_blocks"]
 
 
@@ -60,7 +61,9 @@ class PagedKVCacheManager(KVCacheManager):
         self.sliding_window = sliding_window
         self._num_released: dict[str, int] = {}  # request -> leading NULL_BLOCK entries
         self.max_step_tokens: int | None = None  # see bound_step_tokens
-        self.pool = BlockPool(num_blocks)
+        # the prefix cache's index of what freed blocks hold, only where something reads it
+        cached = enable_prefix_caching or kv_connector is not None
+        self.pool = (BlockPool if cached else BlockAllocator)(num_blocks)
         self._swap = SwapSpace(num_cpu_blocks, self.pool, block_size, self._log)
         self.cpu_pool = self._swap.cpu_pool  # the same objects, for callers that read them
         self.cpu_block_tables = self._swap.tables
