@@ -11,8 +11,8 @@ from paged_llm.core.scheduler_limits import SchedulerLimits
 
 
 class SequenceGroups:
-    """Checks that a group can ever run together, and starts forked sequences (the
-    ``Scheduler``'s, whose state these methods read)."""
+    """Checks that a group can ever run together, and starts forked sequences: parallel
+    samples and beams (the ``Scheduler``'s, whose state these methods read)."""
 
     kv: KVCacheManager
     limits: SchedulerLimits
@@ -56,3 +56,10 @@ class SequenceGroups:
         child.first_scheduled_time = parent.first_scheduled_time
         self.requests[child.request_id] = child
         self.running.append(child)
+
+    def fork_sample(self, first: Request, sample: Request) -> None:
+        """Start a parallel ``sample`` of ``first``, whose prefill completes in this step: it
+        shares the prompt's blocks and recomputes only the last prompt token, so it draws its
+        own first token (call between schedule and update)."""
+        sample.num_computed_tokens = first.num_prompt_tokens - 1
+        self.fork_request(first, sample)
