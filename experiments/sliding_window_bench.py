@@ -29,8 +29,18 @@ import torch
 
 from experiments.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
-from paged_llm.core.kv.paged import live_blocks
+from paged_llm.core.kv.paged import PagedKVCacheManager, live_blocks
 from paged_llm.metrics.run_info import run_info, write_json
+
+
+class KeepAllBlocks(PagedKVCacheManager):
+    """The paged policy without the release behind the window: it keeps every block (the
+    baseline; chosen through the ``policy`` option, since the release is attached when the
+    manager is built)."""
+
+    def __init__(self, *args: Any, sliding_window: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+
 
 ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, vocab_size=4096, max_position_embeddings=4096,
@@ -110,9 +120,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        max_model_len=args.prompt_len + args.output_len,
                        max_num_seqs=args.requests)  # fmt: skip
     freeing = LLM(str(path), **engine_args)
-    keeping = LLM(str(path), **engine_args)
+    keep_all = {"_target_": "experiments.sliding_window_bench.KeepAllBlocks"}
+    keeping = LLM(str(path), policy=keep_all, **engine_args)
     assert freeing.llm_engine.scheduler.kv.sliding_window == args.window
-    keeping.llm_engine.scheduler.kv.sliding_window = None  # the policy keeps every block
+    assert keeping.llm_engine.scheduler.kv.sliding_window is None  # it keeps every block
     systems = {
         "free_behind_window": lambda: run_engine(freeing, prompts, args.output_len),
         "keep_all_blocks": lambda: run_engine(keeping, prompts, args.output_len),

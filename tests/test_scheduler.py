@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_llm.core.kv import POLICIES
-from paged_llm.core.kv.paged import NULL_BLOCK, live_blocks
+from paged_llm.core.kv.paged import NULL_BLOCK, PagedKVCacheManager, live_blocks
 from paged_llm.core.request import Request, RequestStatus
 from paged_llm.core.scheduler import Scheduler, SchedulerLimits
 from paged_llm.sampling_params import SamplingParams
@@ -453,3 +453,23 @@ def test_lookahead_slots_roll_back(policy, lens, accept, cap):
         step += 1
         assert step < 2000
     assert kv.num_free_blocks() == kv.num_blocks
+
+
+def test_fork_sample_shares_the_prompt_and_recomputes_its_last_token():
+    """A parallel sample forked as the first sample's prefill completes holds the same blocks
+    and recomputes only the last prompt token; the block both then write is copied once."""
+    kv = PagedKVCacheManager(8, 4, max_model_len=32)
+    s = Scheduler(kv, SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=32))
+    prompt = list(range(1, 10))  # 9 tokens: blocks 0-1 full, block 2 holds one
+    first = Request("a", prompt, SamplingParams(max_tokens=4), max_model_len=32, group_id="a")
+    sample = Request("a#1", prompt, SamplingParams(max_tokens=4), max_model_len=32, group_id="a")
+    s.add_request(first)
+    out = s.schedule(0.0)
+    s.fork_sample(first, sample)
+    assert sample.num_computed_tokens == len(prompt) - 1
+    table = list(kv.get_block_table(first))
+    assert kv.get_block_table(sample) == table and all(kv.pool.ref_counts[b] == 2 for b in table)
+    s.update_from_output(out, {"a": [5]}, 0.0)
+    out = s.schedule(1.0)
+    assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == {"a": 1, "a#1": 1}
+    assert len(out.copy_blocks) == 1 and out.copy_blocks[0][0] == table[2]

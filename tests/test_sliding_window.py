@@ -432,7 +432,9 @@ def test_a_window_hit_needs_only_the_blocks_its_first_query_reads():
     filler = Request("f", list(range(100, 136)), SamplingParams(max_tokens=1), max_model_len=64)
     assert kv.allocate_slots(filler, 36)  # 9 blocks: the 6 never used, then 3 evicted
     kv.free(filler)
-    first_block = kv._block_hashes(Request("h", prompt, SamplingParams(), max_model_len=64), 4)
+    first_block = kv.prefix_cache.block_hashes(
+        Request("h", prompt, SamplingParams(), max_model_len=64), 4
+    )
     assert kv.pool.lookup(first_block[0], tuple(prompt[:4])) is None  # evicted
     again = Request("b", prompt, SamplingParams(max_tokens=1), max_model_len=64)
     kv.prepare_admission(again)

@@ -1,25 +1,27 @@
-"""The pool of physical KV blocks: an O(1) free list in LRU order, reference counts, and the
-prefix cache's hash -> block map (no torch).
+"""The pool of physical KV blocks with the prefix cache's index (no torch): the allocator's
+free list and reference counts (core/block_allocator.py), plus which full block holds which
+tokens, by hash.
 
 A block whose last reference drops goes to the back of the free list but keeps its hash, so a
 later request with the same prefix can take it back; blocks are reused from the front, which
-evicts the least recently freed cached blocks first.
+evicts the least recently freed cached blocks first. The paged policy uses this pool only with
+prefix caching or a KV connector; otherwise the plain ``BlockAllocator``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from paged_llm.core.block_allocator import NULL_BLOCK, BlockAllocator, live_blocks
 
-class BlockPool:
-    """Hands out block ids; a block returns to the free list when its last reference drops."""
+__all__ = ["NULL_BLOCK", "BlockPool", "live_blocks"]  # the table helpers: re-exported
+
+
+class BlockPool(BlockAllocator):
+    """A block allocator that remembers what freed blocks hold, so a prefix can be found again."""
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order = LRU
-        self.ref_counts = [0] * num_blocks
+        super().__init__(num_blocks)
         # prefix cache: block -> (hash, token ids) and hash -> block, for full blocks only
         self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._cached: dict[int, int] = {}
@@ -28,41 +30,6 @@ class BlockPool:
         # before anything overwrites it (a CPU tier copies it out then; see core/kv/offload.py)
         self.on_evict: Callable[[int, int, tuple[int, ...]], None] | None = None
 
-    @property
-    def num_free(self) -> int:
-        """Blocks no request references (cached or not)."""
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (reference count 1 each), evicting their cached contents."""
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} blocks but only {len(self._free)} are free")
-        blocks = []
-        for _ in range(n):
-            b = next(iter(self._free))
-            del self._free[b]
-            self._evict(b)
-            self.ref_counts[b] = 1
-            blocks.append(b)
-        return blocks
-
-    def share(self, blocks: list[int]) -> None:
-        """Add one reference to each block (a new owner shares it)."""
-        for b in blocks:
-            if self.ref_counts[b] <= 0:
-                raise RuntimeError(f"cannot share free block {b}")
-            self.ref_counts[b] += 1
-
-    def release(self, blocks: list[int]) -> None:
-        """Drop one reference from each block; blocks left unreferenced become free."""
-        for b in blocks:
-            if self.ref_counts[b] <= 0:
-                raise RuntimeError(f"block {b} released more often than allocated")
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                self._free[b] = None
-
-    # ---- prefix cache -----------------------------------------------------------------------
     def register(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
         """Record that ``block`` holds the KV of ``tokens`` under ``block_hash`` (KV written)."""
         if block_hash in self._cached or block in self._block_key:
@@ -90,7 +57,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache); refused (False) while any
         block is referenced, since a running request's blocks may be registered later."""
-        if any(self.ref_counts):
+        if not super().reset_prefix_cache():
             return False
         self.num_evictions += len(self._block_key)
         self._block_key.clear()
@@ -98,6 +65,8 @@ class BlockPool:
         return True
 
     def _evict(self, block: int) -> None:
+        """Unregister a block taken from the free list for other tokens (offered to on_evict
+        first)."""
         key = self._block_key.pop(block, None)
         if key is not None:
             del self._cached[key[0]]

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_llm.core.stop_conditions import OutputConstraint, StopCondition
 from paged_llm.sampling_params import SamplingParams
 
 # Async scheduling: an output token that is sampled but still on the device. The scheduler
@@ -63,13 +64,11 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (latest) admission
     # SamplingParams.bad_words as token sequences (the engine tokenizes them on arrival)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
-    # structured output: the sequence's grammar state (engine/structured_output.GrammarGuide,
-    # opaque here: anything with accept(token) and is_terminated()); it sees every appended
-    # token and ends the request once complete
-    guide: Any = None
-    # stop strings (engine/stop_strings.StopStringChecker; opaque here: called with the output
-    # ids after each appended token, it returns the stop string that token completed or None)
-    stop_strings: Any = None
+    # structured output: the sequence's grammar state; it sees every appended token and ends
+    # the request once complete (core/stop_conditions.py)
+    guide: OutputConstraint | None = None
+    # stop strings: asked after each appended token for the stop string it completed
+    stop_strings: StopCondition | None = None
     # finished by EOS or one of stop_token_ids: as in vLLM, that token's text is left out of
     # the output text (unless include_stop_str_in_output), though its id stays in the output
     stopped_by_token: bool = False

@@ -3,16 +3,17 @@
 Each ``schedule()`` call decides which requests run this step and how many tokens each
 computes, under ``max_num_seqs`` and ``max_num_batched_tokens``. Requests join at any step and
 leave the moment they finish. When the KV manager runs out of room, a running request is
-preempted by recomputation or by swapping: the most recently admitted one, or with priority
-scheduling the least urgent (``core/queue_policy.py`` holds that choice and the queue order).
+preempted by recomputation or by swapping (``core/preemption.py``, chosen by
+``preemption_mode``): the most recently admitted one, or with priority scheduling the least
+urgent (``core/queue_policy.py`` holds that choice and the queue order).
 """
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 
 from paged_llm.core.kv.base import KVCacheManager
+from paged_llm.core.preemption import PREEMPTION_MODES
 from paged_llm.core.queue_policy import queue_policy_class
 from paged_llm.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from paged_llm.core.scheduler_output import (  # re-exported: most code imports them from here
@@ -21,13 +22,13 @@ from paged_llm.core.scheduler_output import (  # re-exported: most code imports 
     SchedulerLimits,
     SchedulerOutput,
 )
+from paged_llm.core.sequence_groups import SequenceGroups
 
-logger = logging.getLogger(__name__)
 
-
-class Scheduler:
+class Scheduler(SequenceGroups):
     """Continuous batching over a KV manager (paged, or a reservation baseline), in the order of
-    a queue policy (first come first served, or priority)."""
+    a queue policy (first come first served, or priority). Groups of sequences (samples,
+    beams) are checked and forked by ``SequenceGroups`` (core/sequence_groups.py)."""
 
     def __init__(self, kv: KVCacheManager, limits: SchedulerLimits, track_memory: bool = False):
         if limits.preemption_mode == "swap" and not kv.supports_swap:
@@ -57,6 +58,7 @@ class Scheduler:
         self.kv = kv
         self.limits = limits
         self.queue = queue_policy_class(limits.scheduling_policy)()
+        self.preemption = PREEMPTION_MODES[limits.preemption_mode](self)  # core/preemption.py
         self.track_memory = track_memory
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; self.queue picks the victim
@@ -77,28 +79,6 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.queue.add(self.waiting, request)
-
-    def check_group_size(self, num_seqs: int, what: str) -> None:
-        """ValueError when more sequences must run together than ``max_num_seqs`` (a group is
-        admitted whole, so it would wait, or be preempted, forever)."""
-        max_seqs = self.limits.max_num_seqs
-        if num_seqs > max_seqs:
-            raise ValueError(
-                f"this request has {num_seqs} sequences ({what}) that run together, more "
-                f"than max_num_seqs ({max_seqs}); lower {what} or raise max_num_seqs"
-            )
-
-    def check_group_fits(self, requests: list[Request], what: str) -> None:
-        """ValueError when sequences scheduled and preempted together could never all run: more
-        of them than ``max_num_seqs``, or more blocks than the pool."""
-        self.check_group_size(len(requests), what)
-        if len(requests) > 1 and not self.kv.group_fits_ever(requests):
-            raise ValueError(
-                f"the {len(requests)} sequences of this request ({what}) need up to "
-                f"{self.kv.group_blocks_needed(requests)} KV blocks together (policy "
-                f"'{self.kv.name}'), more than the pool of {self.kv.num_blocks} blocks can hold; "
-                f"lower max_tokens or {what}, or enlarge the KV cache"
-            )
 
     def abort_request(self, request_id: str) -> Request | None:
         """Remove a request wherever it is and release its blocks."""
@@ -128,22 +108,6 @@ class Scheduler:
         req.finished_time = now
         del self.requests[req.request_id]
 
-    def fork_request(self, parent: Request, child: Request) -> None:
-        """Start ``child`` as a running sequence that shares the parent's blocks.
-
-        The caller sets the child's tokens and ``num_computed_tokens`` (at most the parent's);
-        both must carry the same ``group_id`` so they are preempted together.
-        """
-        if child.request_id in self.requests:
-            raise ValueError(f"request id '{child.request_id}' is already in use")
-        if parent.status is not RequestStatus.RUNNING:
-            raise ValueError(f"can only fork a running request, {parent.request_id} is not")
-        self.kv.fork(parent, child)
-        child.status = RequestStatus.RUNNING
-        child.first_scheduled_time = parent.first_scheduled_time
-        self.requests[child.request_id] = child
-        self.running.append(child)
-
     def has_unfinished(self) -> bool:
         """True while any request is waiting, running or swapped."""
         return bool(self.requests)
@@ -155,7 +119,8 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
-            budget = self._schedule_swapped(out, budget)
+            if self.swapped:  # only a swapping strategy fills it
+                budget = self.preemption.resume(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget, now)
         self.kv.plan_kv_saves(out.scheduled)  # a KV connector's producer saves this step's prompts
@@ -166,7 +131,7 @@ class Scheduler:
         out.stats = self._stats(out, now)
         return out
 
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
+    def num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to compute this step: all remaining, or a chunk with chunked prefill; 0 when
         the budget cannot take them (the request waits a step)."""
         n = req.num_tokens - req.num_computed_tokens
@@ -188,18 +153,15 @@ class Scheduler:
                 continue  # preempted earlier in this loop together with its group
             if req.num_computed_tokens >= req.num_tokens or req.final_token_pending:
                 continue  # up to date, waiting for an outside decision (a beam's next token)
-            n = self._num_new_tokens(req, budget)
+            n = self.num_new_tokens(req, budget)
             if n == 0:
                 break  # token budget exhausted; the rest wait a step
             look = self._lookahead(req, n, budget) if drafting else 0
-            while not self.kv.allocate_slots(req, n + look):
-                group = self._group_of(self.queue.victim(self.running))
-                self._preempt(group, out)
-                if req in group:
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req), look))
-                budget -= n + look
+            fits = self.kv.allocate_slots(req, n + look)
+            if not fits and not self.preemption.make_room(req, n + look, out):
+                continue  # req's own group was preempted
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req), look))
+            budget -= n + look
         return budget
 
     def _lookahead(self, req: Request, n: int, budget: int) -> int:
@@ -210,94 +172,17 @@ class Scheduler:
         room = req.max_total_tokens - req.num_tokens  # never draft past the request's end
         return max(0, min(look, room, budget - n))
 
-    def _group_of(self, req: Request) -> list[Request]:
-        """The running sequences preempted together with ``req`` (its group, in order)."""
-        if req.group_id is None:
-            return [req]
-        return [r for r in self.running if r.group_id == req.group_id]
-
-    def _preempt(self, group: list[Request], out: SchedulerOutput) -> None:
-        if any(s.request in group for s in out.scheduled):  # a member already got this step
-            out.scheduled = [s for s in out.scheduled if s.request not in group]
-        for req in group:
-            self.running.remove(req)
-            req.num_preemptions += 1
-        self.num_preemptions_total += 1
-        free_blocks = self.kv.num_free_blocks()
-        mapping = self.kv.swap_out(group) if self.limits.preemption_mode == "swap" else None
-        names = ",".join(r.request_id for r in group)
-        if mapping is not None:
-            for req in group:
-                req.status = RequestStatus.SWAPPED
-            self.queue.add_swapped(self.swapped, group)
-            out.swap_out.extend(mapping)
-            how = f"swapped out ({len(mapping)} blocks)"
-        else:
-            if self.limits.preemption_mode == "swap":
-                logger.warning("swap space full: recomputing request(s) %s instead", names)
-            for req in reversed(group):
-                self.kv.free(req)
-                req.num_computed_tokens = 0
-                req.status = RequestStatus.WAITING
-            self.queue.requeue(self.waiting, group)
-            how = "preempted for recomputation"
-        out.preempted.extend(r.request_id for r in group)
-        # like vLLM: warn on the first preemption and every 50th, so overload stays readable
-        n = self.num_preemptions_total
-        log = logger.warning if n == 1 or n % 50 == 0 else logger.debug
-        log(
-            "request %s %s: the KV cache is out of blocks (%d of %d free); "
-            "total preemptions %d. Raise the KV cache size or lower max_num_seqs to avoid this.",
-            names,
-            how,
-            free_blocks,
-            self.kv.num_blocks,
-            n,
-        )
-
-    def _running_loras(self) -> set[int]:
+    def running_loras(self) -> set[int]:
+        """The LoRA adapters of the running requests."""
         return {r.lora_int_id for r in self.running if r.lora_int_id}
 
-    def _lora_fits(self, group: list[Request], running_loras: set[int]) -> bool:
+    def lora_fits(self, group: list[Request], running_loras: set[int]) -> bool:
         """False when the group's adapter would make more than max_loras distinct adapters
         run together (it then waits until one of them finishes, as in vLLM)."""
         lora = group[0].lora_int_id  # a group shares its prompt, hence its adapter
         if not lora or not self.limits.max_loras or lora in running_loras:
             return True
         return len(running_loras) < self.limits.max_loras
-
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped:
-            group = self.swapped[0]
-            if len(self.running) + len(group) > self.limits.max_num_seqs:
-                break
-            if not self._lora_fits(group, self._running_loras()):
-                break
-            counts = self._group_token_counts(group, budget)
-            if counts is None or not self.kv.can_swap_in(group, max(counts)):
-                break
-            out.swap_in.extend(self.kv.swap_in(group))
-            self.swapped.popleft()
-            for req, n in zip(group, counts):
-                ok = self.kv.allocate_slots(req, n)
-                assert ok, "can_swap_in promised room for the swapped blocks and the new tokens"
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                if n:
-                    out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
-                budget -= n
-        return budget
-
-    def _group_token_counts(self, group: list[Request], budget: int) -> list[int] | None:
-        """Tokens each member of a group computes this step, sharing the budget in order; None
-        when the first gets none. Later members may get 0 and go on as running requests in
-        the next steps: the group's prompts (after a recomputation, each member's whole
-        sequence) can need more tokens than one step's budget, and a group that waited for a
-        step that could take all of them would wait forever."""
-        counts: list[int] = []
-        for req in group:
-            counts.append(self._num_new_tokens(req, budget - sum(counts)))
-        return counts if counts[0] > 0 else None
 
     def _may_admit(self) -> bool:
         if not self.kv.static_batching:
@@ -307,7 +192,7 @@ class Scheduler:
         return self._batch_open
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        loras = self._running_loras()
+        loras = self.running_loras()
         skipped: set[int] = set()  # adapters with no free slot this step: their requests wait
         while self.waiting and self._may_admit():
             # the first waiting request whose adapter may run; later ones keep their order
@@ -323,7 +208,7 @@ class Scheduler:
             if len(self.running) + len(group) > self.limits.max_num_seqs:
                 self._batch_open = False
                 break
-            if not self._lora_fits(group, loras):
+            if not self.lora_fits(group, loras):
                 skipped.add(head.lora_int_id)
                 continue
             counts = self._admit(group, budget)
@@ -349,7 +234,7 @@ class Scheduler:
         counts: list[int] = []
         for req in group:
             self.kv.prepare_admission(req)
-            n = self._num_new_tokens(req, budget - sum(counts))
+            n = self.num_new_tokens(req, budget - sum(counts))
             may_wait = bool(counts)  # members after the first may start in a later step
             ok = (
                 (n > 0 or may_wait) and self.kv.can_admit(req, n) and self.kv.allocate_slots(req, n)

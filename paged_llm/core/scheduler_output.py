@@ -1,44 +1,16 @@
-"""What the scheduler takes and gives each step (plain Python, no torch): its limits, and
-the ``SchedulerOutput`` that tells the model runner what to compute and which blocks to move."""
+"""What the scheduler gives each step (plain Python, no torch): the ``SchedulerOutput`` that
+tells the model runner what to compute and which blocks to move, and the step's telemetry. Its
+limits are core/scheduler_limits.py's (re-exported here)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paged_llm.core.kv.base import MemoryBreakdown
-from paged_llm.core.queue_policy import queue_policy_class
+from paged_llm.core.kv.stats import MemoryBreakdown
 from paged_llm.core.request import Request
+from paged_llm.core.scheduler_limits import SchedulerLimits
 
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    """Batch limits of the scheduler (vLLM's names)."""
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = False
-    preemption_mode: str = "recompute"  # "recompute" or "swap"
-    # speculative decoding: slots reserved after each decode for draft tokens to verify
-    num_lookahead_slots: int = 0
-    # ... but none in a step that starts with at least this many running requests, where
-    # verifying k + 1 positions costs nearly k + 1 decodes (vLLM's disable_by_batch_size)
-    spec_disable_batch_size: int | None = None
-    scheduling_policy: str = "fcfs"  # "fcfs", "priority" or a QueuePolicy's dotted path
-    # multi-LoRA: at most this many distinct adapters among running requests (0 = no limit)
-    max_loras: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(
-                f"preemption_mode must be 'recompute' or 'swap', got '{self.preemption_mode}'"
-            )
-        queue_policy_class(self.scheduling_policy)  # raises naming the choices
+__all__ = ["IterationStats", "ScheduledRequest", "SchedulerLimits", "SchedulerOutput"]
 
 
 @dataclass

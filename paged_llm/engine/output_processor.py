@@ -51,9 +51,7 @@ class OutputProcessor(EnginePlugin):
                 continue
             group, first = entry
             for t in group.unforked:
-                # recompute the last prompt token so each sample draws its own first token
-                t.request.num_computed_tokens = first.request.num_prompt_tokens - 1
-                self.scheduler.fork_request(first.request, t.request)
+                self.scheduler.fork_sample(first.request, t.request)
             group.unforked = []
 
     def pop(self, request_id: str) -> RequestGroup | None:

@@ -34,7 +34,8 @@ def common_prefix_len(a: str, b: str) -> int:
 
 
 class StopStringChecker:
-    """Finds the stop string a sequence's newest token completes, and where its text ends."""
+    """Finds the stop string a sequence's newest token completes, and where its text ends (the
+    core asks it as a StopCondition, core/stop_conditions.py)."""
 
     def __init__(self, detokenizer: IncrementalDetokenizer, params: SamplingParams) -> None:
         self.detokenizer = detokenizer  # the sequence's own: this keeps its text up to date

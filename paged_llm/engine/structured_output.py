@@ -33,7 +33,8 @@ def _import_xgrammar() -> Any:
 
 
 class GrammarGuide:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar (the core asks it as an OutputConstraint,
+    core/stop_conditions.py)."""
 
     def __init__(self, matcher: Any, vocab_size: int):
         self._matcher = matcher

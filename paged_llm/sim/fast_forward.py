@@ -192,13 +192,13 @@ class DecodeFastForward:
     def _admits(self, running: int) -> bool:
         """False only when the scheduler surely starts no waiting request in a step with
         ``running`` decodes (Scheduler._schedule_waiting): the head finds no seat, no token
-        budget (Scheduler._num_new_tokens) or no room by the KV policy's admission rule.
+        budget (Scheduler.num_new_tokens) or no room by the KV policy's admission rule.
         Such a refusal changes nothing, so the window goes on."""
         s = self.scheduler
         head, limits = s.waiting[0], s.limits
         if running + 1 > limits.max_num_seqs:
             return False
-        tokens = s._num_new_tokens(head, limits.max_num_batched_tokens - running)  # 0: no budget
+        tokens = s.num_new_tokens(head, limits.max_num_batched_tokens - running)  # 0: no budget
         return tokens > 0 and self.kv.can_admit(head, tokens)
 
     def to_dict(self) -> dict[str, int]:

@@ -137,8 +137,7 @@ class SequenceGroup:
         first = self.live[0]
         forked, self.unforked = self.unforked, []
         for child in forked:
-            child.num_computed_tokens = first.num_prompt_tokens - 1
-            scheduler.fork_request(first, child)
+            scheduler.fork_sample(first, child)
         self.live += forked
         return forked
 

@@ -6,27 +6,30 @@ blocks of a cached prefix (hashing and lookup: core/kv/prefix_cache.py). With
 ``offload_blocks``, cached blocks evicted from the device are kept in a CPU tier and copied
 back on a later hit (core/kv/offload.py). With a KV connector (kv_transfer/), prompt blocks
 are saved for other engines, and blocks they saved are loaded instead of computed
-(disaggregated prefill; core/kv/connector_lookup.py). With a sliding window (a model whose
-every layer attends to its last W positions), blocks that fell wholly out of the window are
-freed as soon as they do, their table entries becoming NULL_BLOCK (core/kv/block_table.py;
-no torch)."""
+(disaggregated prefill; core/kv/connector_lookup.py); core/kv/cached_prefixes.py admits
+requests from these cached prefixes. With a sliding window (a model whose every layer attends
+to its last W positions), blocks that fell wholly out of the window are freed as soon as they
+do, their table entries becoming NULL_BLOCK (core/kv/sliding_window.py). No torch.
+
+Each feature is attached when the manager is built, as hooks that run at admission, after a
+step and when a request ends; with a feature off, a step never enters its module."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from paged_llm.core.block_allocator import NULL_BLOCK, BlockAllocator, live_blocks
 from paged_llm.core.block_pool import BlockPool
 from paged_llm.core.kv.base import KVCacheManager, KVCacheStats, MemoryBreakdown
-from paged_llm.core.kv.block_table import NULL_BLOCK, live_blocks
-from paged_llm.core.kv.connector_lookup import ConnectorLookup
-from paged_llm.core.kv.offload import OffloadedPrefixes, PrefixOffloadTier
-from paged_llm.core.kv.prefix_cache import PrefixCache, TierLoad, TierLookup
+from paged_llm.core.kv.cached_prefixes import CachedPrefixes
+from paged_llm.core.kv.paged_memory import paged_memory_breakdown
+from paged_llm.core.kv.sliding_window import WindowRelease
 from paged_llm.core.kv.swap import SwapSpace
 from paged_llm.core.request import Request
 from paged_llm.utils.checks import check_window
 
-# NULL_BLOCK and live_blocks live in block_table.py; importing them from here still works
+# NULL_BLOCK and live_blocks live in block_allocator.py; importing them from here still works
 __all__ = ["NULL_BLOCK", "PagedKVCacheManager", "live_blocks"]
 
 
@@ -58,7 +61,9 @@ class PagedKVCacheManager(KVCacheManager):
         self.sliding_window = sliding_window
         self._num_released: dict[str, int] = {}  # request -> leading NULL_BLOCK entries
         self.max_step_tokens: int | None = None  # see bound_step_tokens
-        self.pool = BlockPool(num_blocks)
+        # the prefix cache's index of what freed blocks hold, only where something reads it
+        cached = enable_prefix_caching or kv_connector is not None
+        self.pool = (BlockPool if cached else BlockAllocator)(num_blocks)
         self._swap = SwapSpace(num_cpu_blocks, self.pool, block_size, self._log)
         self.cpu_pool = self._swap.cpu_pool  # the same objects, for callers that read them
         self.cpu_block_tables = self._swap.tables
@@ -68,44 +73,37 @@ class PagedKVCacheManager(KVCacheManager):
         self.enable_prefix_caching = enable_prefix_caching
         self._ops: list[tuple[str, list[tuple[int, int]]]] = []  # this step's block moves
         self._sharing = False  # set once any block gets a second owner (fork or cache hit)
-        # hashes and counters also serve a connector's loads when prefix caching is off
-        self.prefix_cache = PrefixCache(self.pool, block_size, sliding_window)
-        # lower tiers of the cache: their lookups, and their loads into fresh device blocks
-        self._tier_loads: dict[str, TierLoad] = {}
-        self.offload = PrefixOffloadTier(offload_blocks) if offload_blocks > 0 else None
-        self._offloaded = None
-        if self.offload is not None:  # also copies evicted cached blocks out
-            self._offloaded = OffloadedPrefixes(self.offload, self.pool, self._log)
-            self._tier_loads["cpu"] = self._offloaded.load
+        # prefix caching, its CPU tier and a KV connector's loads and saves
+        self.prefixes = CachedPrefixes(self, offload_blocks, kv_connector)
+        self.prefix_cache = self.prefixes.cache  # the same objects, for callers that read them
+        self.offload = self.prefixes.offload
         self.connector = kv_connector
-        self._external = None
-        if kv_connector is not None:
-            self._external = ConnectorLookup(
-                kv_connector, self.pool, block_size, enable_prefix_caching, self._log
-            )
-            self._tier_loads["ext"] = self._external.load
-        self._loads_external = kv_connector is not None and kv_connector.can_load
-        # What a finished request leaves behind, one entry per feature that keeps per-request
-        # state, chosen here: free() runs only these, so with a feature off a step does not
+        self._external = self.prefixes.external
+        # The hooks of the features this manager has, chosen here: admission, the end of a
+        # step and the end of a request run only these, so with a feature off a step does not
         # enter its module (the reading path, docs/architecture.md).
-        self._forgetters: list[Callable[[str], None]] = []
+        self._admitters: list[Callable[[Request], None]] = []
+        if enable_prefix_caching or self.prefixes.loads_external:
+            self._admitters.append(self.prefixes.admit)
+        self._computed: list[Callable[[Request], None]] = []  # after num_computed_tokens grew
+        if enable_prefix_caching:
+            self._computed.append(self.prefixes.register)
+        if sliding_window is not None:  # after the registration: freed blocks stay registered
+            self._computed.append(WindowRelease(self).release)
+        self._forgetters: list[Callable[[str], None]] = []  # what a finished request leaves
         if num_cpu_blocks > 0:
             self._forgetters.append(self._swap.free)
         if enable_prefix_caching or kv_connector is not None:  # the connector's loads hash
             self._forgetters.append(self.prefix_cache.forget)
         if self._external is not None:
             self._forgetters.append(self._external.forget)
+        self._saves = None  # a KV connector's producer saves the prompt blocks a step computes
+        if self._external is not None and self._external.can_save:
+            self._saves = self._external.plan_saves
 
     def cache_stats(self) -> KVCacheStats:
         """Prefix-cache lookups and hits, and the CPU tier's copies (KVCacheManager's)."""
-        tier = self.offload
-        return KVCacheStats(
-            prefix_caching=self.enable_prefix_caching,
-            prefix_queries=self.prefix_queries,
-            prefix_hits=self.prefix_hits,
-            offload=None if tier is None else (tier.num_saved, tier.num_loaded),
-            offload_blocks=0 if tier is None else tier.num_blocks,
-        )
+        return self.prefixes.stats()
 
     @property
     def prefix_queries(self) -> int:
@@ -242,55 +240,17 @@ class PagedKVCacheManager(KVCacheManager):
             self.pool.release(table[keep:])
             del table[keep:]
 
-    # ---- prefix caching ---------------------------------------------------------------------
-    def _block_hashes(self, request: Request, num_tokens: int) -> list[int]:
-        """Chained hashes of the request's first num_tokens // block_size full blocks."""
-        return self.prefix_cache.block_hashes(request, num_tokens)
-
+    # ---- hooks of the features chosen in __init__ -------------------------------------------
     def prepare_admission(self, request: Request) -> None:
-        """Share cached blocks of the longest cached prefix (on the device, in the CPU tier or
-        in the KV connector's store); one token at least is left to run."""
-        if not (self.enable_prefix_caching or self._loads_external):
-            return
-        if request.request_id in self.block_tables:
-            return
-        if not request.may_use_cached_prefix:
-            return
-        # never the whole prompt: the last token must run to produce logits
-        hashes = self._block_hashes(request, request.num_tokens - 1)
-        tiers: list[TierLookup] = []  # where a block missing on the device is looked for next
-        if self._offloaded is not None:
-            tiers.append(self._offloaded.find)
-        if self._loads_external:
-            tiers.append(self._external.tier_for(request, len(hashes)))
-        found, keys = self.prefix_cache.find(hashes, request.all_token_ids, tiers)
-        num_hit, first = self.prefix_cache.longest_prefix(found)
-        num_hit = self.prefix_cache.affordable(found, first, num_hit)
-        self.prefix_cache.count(len(hashes), num_hit)
-        # With a sliding window the first query (at the end of the prefix) reads only the last
-        # W positions: blocks before them are neither needed nor taken (their entries stay NULL).
-        hits = found[first:num_hit]
-        # offloaded hits are pinned while fresh blocks are allocated for them: an allocation
-        # evicts (and offloads) other cached blocks, never one of these
-        offloaded = [b[1] for b in hits if not isinstance(b, int) and b[0] == "cpu"]
-        if self.offload is not None:
-            self.offload.pin(offloaded)
-        table = self.prefix_cache.take(hits, first, hashes, keys, self._tier_loads)
-        if self.offload is not None:
-            self.offload.unpin(offloaded)
-        self._sharing = self._sharing or any(isinstance(b, int) for b in hits)
-        request.num_cached_tokens = num_hit * self.block_size
-        if num_hit:
-            self.block_tables[request.request_id] = [NULL_BLOCK] * first + table
-            if first:
-                self._num_released[request.request_id] = first
-            request.num_computed_tokens = num_hit * self.block_size
+        """Share cached blocks of the longest cached prefix (core/kv/cached_prefixes.py)."""
+        for admit in self._admitters:
+            admit(request)
 
     def plan_kv_saves(self, scheduled: list[Any]) -> None:
         """Producer: log a save of every full prompt block this step computes that the
         connector's store lacks (the runner writes them after the forward pass)."""
-        if self._external is not None and self._external.can_save:
-            self._external.plan_saves(scheduled, self.block_tables)
+        if self._saves is not None:
+            self._saves(scheduled, self.block_tables)
 
     def cancel_admission(self, request: Request) -> None:
         """Undo prepare_admission for a request that did not get in after all."""
@@ -303,40 +263,14 @@ class PagedKVCacheManager(KVCacheManager):
 
     def on_computed(self, request: Request) -> None:
         """Register the request's newly completed full blocks in the prefix cache, then free
-        the blocks that fell out of the sliding window."""
-        if self.enable_prefix_caching:
-            # freed blocks (out of the window) were registered before they were freed
-            start = self._num_released.get(request.request_id, 0)
-            table = self.block_tables.get(request.request_id, [])
-            self.prefix_cache.register(request, table, start)
-        if self.sliding_window is not None:
-            self._release_out_of_window(request)
-
-    def _release_out_of_window(self, request: Request) -> None:
-        """Free the blocks no later token can see: the next query sits at position
-        num_computed_tokens or later and sees back to num_computed_tokens - W + 1. One more
-        position is kept, so a sequence forked to recompute the last token (a parallel
-        sample) still finds its whole window."""
-        table = self.block_tables.get(request.request_id)
-        if not table:
-            return
-        first_seen = max(0, request.num_computed_tokens - self.sliding_window)
-        dead = min(len(table), first_seen // self.block_size)
-        start = self._num_released.get(request.request_id, 0)
-        if dead <= start:
-            return
-        self.pool.release(table[start:dead][::-1])  # later blocks first, as in free()
-        table[start:dead] = [NULL_BLOCK] * (dead - start)
-        self._num_released[request.request_id] = dead
+        the blocks that fell out of the sliding window (each where the feature is on)."""
+        for hook in self._computed:
+            hook(request)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block, offloaded ones too; False while requests hold
         blocks."""
-        if not self.pool.reset_prefix_cache():
-            return False
-        if self.offload is not None:
-            self.offload.reset()
-        return True
+        return self.prefixes.reset()
 
     def prefix_cache_hit_rate(self) -> float:
         """Fraction of looked-up prompt blocks found in the cache."""
@@ -360,35 +294,6 @@ class PagedKVCacheManager(KVCacheManager):
         return self._swap.swap_in(requests, self.block_tables)
 
     def memory_breakdown(self, requests: Iterable[Request]) -> MemoryBreakdown:
-        """Token states vs. unfilled slots in allocated blocks vs. free blocks.
-
-        A block shared by several requests counts once, with the most tokens any owner keeps
-        in it, so sharing shows up as saved memory rather than as double counting.
-        """
-        bs = self.block_size
-        if not self._sharing:  # every block has one owner: no need to deduplicate
-            allocated = token_states = 0
-            for req in requests:
-                released = self._num_released.get(req.request_id, 0)  # out of the window
-                slots = (len(self.block_tables.get(req.request_id, ())) - released) * bs
-                allocated += slots
-                token_states += min(req.num_tokens - released * bs, slots)
-            return MemoryBreakdown(
-                token_states, 0, allocated - token_states, self.num_slots - allocated
-            )
-        filled: dict[int, int] = {}
-        for req in requests:
-            table = self.block_tables.get(req.request_id, ())
-            for i, b in enumerate(table):
-                if b == NULL_BLOCK:
-                    continue
-                used = min(bs, max(0, req.num_tokens - i * bs))
-                filled[b] = max(filled.get(b, 0), used)
-        allocated = len(filled) * bs
-        token_states = sum(filled.values())
-        return MemoryBreakdown(
-            token_states=token_states,
-            reservation=0,
-            internal_fragmentation=allocated - token_states,
-            external_fragmentation=self.num_slots - allocated,
-        )
+        """Token states vs. unfilled slots in allocated blocks vs. free blocks, a shared block
+        counted once (core/kv/paged_memory.py)."""
+        return paged_memory_breakdown(self, requests)

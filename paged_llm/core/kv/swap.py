@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from paged_llm.core.block_pool import BlockPool
-from paged_llm.core.kv.block_table import NULL_BLOCK, live_blocks
+from paged_llm.core.block_allocator import NULL_BLOCK, BlockAllocator, live_blocks
 from paged_llm.core.request import Request
 
 
@@ -21,11 +20,11 @@ class SwapSpace:
     def __init__(
         self,
         num_cpu_blocks: int,
-        pool: BlockPool,
+        pool: BlockAllocator,
         block_size: int,
         log: Callable[[str, list[tuple[int, int]]], None],
     ) -> None:
-        self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self.cpu_pool = BlockAllocator(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.tables: dict[str, list[int]] = {}  # request -> CPU block table
         self.pool, self.block_size, self.log = pool, block_size, log
 
