@@ -33,8 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from experiments.gpu_check import save_tiny_llama
-from experiments.throughput import hardware
+from experiments.common.checkpoints import save_tiny_llama
+from experiments.common.hardware import host_info
 from paged_llm.engine.profile import HOST_PHASES
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            args.prefix_caching, args.async_scheduling) for k in kinds}  # fmt: skip
     doc = {
         "what": "real host-side timings of the engine's decode steps on the CPU (tiny model)",
-        "hardware": hardware("cpu"),
+        "hardware": host_info("cpu"),
         "git": git_commit(),
         "command": shlex.join(
             [

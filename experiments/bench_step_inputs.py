@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from experiments.throughput import hardware
+from experiments.common.hardware import host_info
 from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.runner.batch import BlockTableRows
 from paged_llm.runner.cuda_graphs import CudaGraphRunner, mixed_capture_tokens
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = {name: time_case(graphs, batch, args.reps) for name, batch in cases.items()}
     doc = {
         "what": "real host-side timings on the CPU (no model, no device copies)",
-        "hardware": hardware("cpu"),
+        "hardware": host_info("cpu"),
         "command": "python -m experiments.bench_step_inputs --out " + args.out,
         "cases": rows,
     }

@@ -14,7 +14,7 @@ import time
 from functools import partial
 from typing import Any
 
-from experiments.timing import fastest_interleaved
+from experiments.common.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
 from paged_llm.metrics.run_info import run_info, write_json
 

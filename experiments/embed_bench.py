@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from experiments.timing import fastest_interleaved, timed
+from experiments.common.timing import fastest_interleaved, timed
 from paged_llm import LLM
 from paged_llm.metrics.run_info import run_info, write_json
 
@@ -41,7 +41,7 @@ def model_dir() -> Path:
     """The benchmark's random Qwen3, written once into the cache."""
     import transformers as tf
 
-    from experiments.throughput import _cached
+    from experiments.common.checkpoints import cached
     from paged_llm.models.presets import cache_root
 
     def write(tmp: Path) -> None:
@@ -50,7 +50,7 @@ def model_dir() -> Path:
             model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**ARCH))
         model.save_pretrained(str(tmp))
 
-    return _cached(cache_root() / "embed-bench-qwen3-512x6", write)
+    return cached(cache_root() / "embed-bench-qwen3-512x6", write)
 
 
 def prompt_lengths(count: int, mean: int, seed: int) -> list[int]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from experiments.timing import fastest_interleaved
+from experiments.common.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
 from paged_llm.lora.request import LoRARequest
 from paged_llm.metrics.run_info import run_info, write_json
@@ -42,11 +42,11 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 
 def base_model() -> Path:
     """The benchmark's random Llama, written once into the cache."""
-    from experiments.throughput import _cached, save_random_llama
+    from experiments.common.checkpoints import cached, save_random_llama
     from paged_llm.models.presets import cache_root
 
     out = cache_root() / "lora-bench-llama-512x6"
-    return _cached(out, lambda tmp: save_random_llama(ARCH, tmp, torch.float32, seed=0))
+    return cached(out, lambda tmp: save_random_llama(ARCH, tmp, torch.float32, seed=0))
 
 
 def linear_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from experiments.timing import fastest_interleaved
+from experiments.common.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
 from paged_llm.metrics.run_info import run_info, write_json
 
@@ -44,7 +44,7 @@ def save_model(kind: str, out: Path, experts: int, top_k: int, seed: int = 0) ->
     """A random transformers checkpoint of one system, written once into ``out``."""
     import transformers as tf
 
-    from experiments.throughput import _cached
+    from experiments.common.checkpoints import cached
 
     def write(tmp: Path) -> None:
         if kind == "moe":
@@ -58,7 +58,7 @@ def save_model(kind: str, out: Path, experts: int, top_k: int, seed: int = 0) ->
             model = tf.AutoModelForCausalLM.from_config(config)
         model.save_pretrained(str(tmp))
 
-    return _cached(out, write)
+    return cached(out, write)
 
 
 def parameters_m(model_dir: Path) -> float:

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from experiments.timing import fastest_interleaved
+from experiments.common.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
-from paged_llm.core.kv.paged import live_blocks
+from paged_llm.core.kv.paged import PagedKVCacheManager, live_blocks
 from paged_llm.metrics.run_info import run_info, write_json
 
 ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -41,7 +41,7 @@ def model_dir(window: int) -> Path:
     """The benchmark's random Mistral with a ``window``-token sliding window, cached."""
     import transformers as tf
 
-    from experiments.throughput import _cached
+    from experiments.common.checkpoints import cached
     from paged_llm.models.presets import cache_root
 
     def write(tmp: Path) -> None:
@@ -50,7 +50,15 @@ def model_dir(window: int) -> Path:
             model = tf.MistralForCausalLM(tf.MistralConfig(**ARCH, sliding_window=window))
         model.save_pretrained(str(tmp))
 
-    return _cached(cache_root() / f"sliding-window-bench-mistral-256x4-w{window}", write)
+    return cached(cache_root() / f"sliding-window-bench-mistral-256x4-w{window}", write)
+
+
+class KeepEveryBlock(PagedKVCacheManager):
+    """The paged policy without freeing behind the window: every block stays until the request
+    ends (the peer of the same engine that frees them; the model still attends in its window)."""
+
+    def __init__(self, *args: Any, sliding_window: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
 
 
 def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, dict]:
@@ -110,9 +118,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        max_model_len=args.prompt_len + args.output_len,
                        max_num_seqs=args.requests)  # fmt: skip
     freeing = LLM(str(path), **engine_args)
-    keeping = LLM(str(path), **engine_args)
+    keeping = LLM(str(path), policy=f"{__name__}.KeepEveryBlock", **engine_args)
     assert freeing.llm_engine.scheduler.kv.sliding_window == args.window
-    keeping.llm_engine.scheduler.kv.sliding_window = None  # the policy keeps every block
     systems = {
         "free_behind_window": lambda: run_engine(freeing, prompts, args.output_len),
         "keep_all_blocks": lambda: run_engine(keeping, prompts, args.output_len),
@@ -143,8 +150,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name, s in best.items()
         },
         "notes": "fastest of repeats, systems interleaved in one process; both engines run the "
-        "same model and pool; keep_all_blocks is the same engine with the paged policy's "
-        "sliding_window unset, so it holds every block until the request ends.",
+        "same model and pool; keep_all_blocks is the same engine with the paged policy "
+        "given no sliding window (KeepEveryBlock), so it holds every block until the request ends.",
     }
     print(json.dumps(doc["systems"], indent=2))
     print(f"wrote {write_json(args.out, 'sliding_window_bench.json', doc)}")
