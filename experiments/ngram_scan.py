@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments.common.cli import hydra_app
 from paged_llm.metrics.run_info import run_info, write_json
 from paged_llm.spec.ngram import VECTORISE_FROM, scan_numpy, scan_python
 
@@ -74,14 +75,8 @@ def write(cfg: Mapping[str, Any], out_dir: str | Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    """Hydra entry point: ``python -m experiments.ngram_scan [key=value ...]``."""
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-
-    def job(cfg: Any) -> None:
-        write(cfg, HydraConfig.get().runtime.output_dir)
-
-    hydra.main(config_path="../configs", config_name="ngram_scan", version_base="1.3")(job)()
+    """``python -m experiments.ngram_scan [key=value ...]`` (configs/ngram_scan.yaml)."""
+    hydra_app("ngram_scan", write)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,25 @@
+"""The experiments' command-line style: a Hydra app over ``configs/<name>.yaml`` whose job
+writes its results into the run directory. Hydra is imported only when the app runs, so a
+module that uses this still imports where Hydra is absent."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# Absolute, so Hydra finds the YAML however the entry point was started.
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+
+
+def hydra_app(config_name: str, write: Callable[[Any, Path], Any]) -> None:
+    """Run ``write(cfg, run_dir)`` as the Hydra app of ``configs/<config_name>.yaml``, with the
+    command line's overrides (``python -m experiments.X key=value ...``, ``--help``)."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    def job(cfg: Any) -> None:
+        write(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+    job.__wrapped__ = write  # type: ignore[attr-defined]  # Hydra names the job after write's file
+    hydra.main(config_path=CONFIG_DIR, config_name=config_name, version_base="1.3")(job)()
