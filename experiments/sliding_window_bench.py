@@ -1,7 +1,7 @@
 """What freeing blocks behind a sliding window buys: the same windowed model (a random Mistral,
 window W) in the same small KV pool, with and without the paged policy freeing each sequence's
 blocks once they fall behind its window, on long generations, interleaved in one process,
-fastest of ``--repeats``:
+fastest of ``repeats``:
 
     free_behind_window   the engine as built: a decoding sequence holds ~W tokens of KV
     keep_all_blocks      the same engine with its policy's window unset: every block is kept
@@ -11,22 +11,21 @@ Both compute the same attention (the window is the model's), so their tokens mus
 the difference is how many sequences the pool holds at once, hence the batch size and the
 throughput. Writes ``sliding_window_bench.json``.
 
-    python -m experiments.sliding_window_bench [--requests 24] [--prompt-len 64]
-        [--output-len 448] [--window 128] [--num-blocks 64] [--block-size 16] [--repeats 2]
-        [--threads N] [--out outputs/sliding_window_bench]
+    python -m experiments.sliding_window_bench [requests=24] [prompt_len=64] [output_len=448]
+        [window=128] [num_blocks=64] [block_size=16] [repeats=2] [threads=N]
+        # configs/sliding_window_bench.yaml; JSON in the Hydra run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from experiments.common.cli import command, hydra_app, settings
 from experiments.common.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
 from paged_llm.core.kv.paged import PagedKVCacheManager, live_blocks
@@ -93,19 +92,9 @@ def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[flo
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the comparison; write sliding_window_bench.json; return it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=448)
-    p.add_argument("--window", type=int, default=128)
-    p.add_argument("--num-blocks", type=int, default=64, help="KV pool size in blocks")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", default="outputs/sliding_window_bench")
-    args = p.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run it with the config's settings; write sliding_window_bench.json into out_dir."""
+    args = settings(cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = model_dir(args.window)
@@ -129,9 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     identical = runs["free_behind_window"]["tokens"] == runs["keep_all_blocks"]["tokens"]
     doc = {
         **run_info("real"),
-        "command": " ".join(
-            ["python -m experiments.sliding_window_bench", *(argv or sys.argv[1:])]
-        ),
+        "command": command("experiments.sliding_window_bench"),
         "model": {
             "arch": ARCH,
             "sliding_window": args.window,
@@ -154,10 +141,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "given no sliding window (KeepEveryBlock), so it holds every block until the request ends.",
     }
     print(json.dumps(doc["systems"], indent=2))
-    print(f"wrote {write_json(args.out, 'sliding_window_bench.json', doc)}")
+    print(f"wrote {write_json(out_dir, 'sliding_window_bench.json', doc)}")
     if not identical:
         raise SystemExit("the two engines generated different tokens")
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.sliding_window_bench [key=value ...]`` (its config in configs/)."""
+    hydra_app("sliding_window_bench", write)
 
 
 if __name__ == "__main__":

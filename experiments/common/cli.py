@@ -4,8 +4,10 @@ module that uses this still imports where Hydra is absent."""
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 # Absolute, so Hydra finds the YAML however the entry point was started.
@@ -23,3 +25,20 @@ def hydra_app(config_name: str, write: Callable[[Any, Path], Any]) -> None:
 
     job.__wrapped__ = write  # type: ignore[attr-defined]  # Hydra names the job after write's file
     hydra.main(config_path=CONFIG_DIR, config_name=config_name, version_base="1.3")(job)()
+
+
+def settings(cfg: Any) -> SimpleNamespace:
+    """The config's keys as attributes (``s.num_blocks``), plain Python values."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    return SimpleNamespace(**{k: v for k, v in plain.items() if k != "hydra"})
+
+
+def command(module: str) -> str:
+    """The command that reproduces this run: the module and the Hydra overrides it was given
+    (none when ``write`` is called outside a Hydra app, as tests do)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    return shlex.join(["python", "-m", module, *overrides])
