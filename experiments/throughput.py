@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.bench_model import hf_config, resolve_model_dir
 from experiments.common import hf_baselines
+from experiments.common.cli import CONFIG_DIR
 from experiments.common.hardware import host_info
 from experiments.common.timing import Timer
 from experiments.common.workloads import Workload, length_pairs, random_prompt_workload
@@ -41,9 +42,6 @@ TIMING_NOTE = (
     "interleaved across systems; rates use the fastest run. Model loading and engine/manager "
     "set-up are not timed. cpu_s is the process CPU time (all threads) of that run."
 )
-# Absolute, so Hydra finds the YAML whether this runs as ``-m`` (a file) or is imported and
-# called (a module, where a relative path would be looked up as a Python package).
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
 
 # ---- workload ---------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-# Absolute, so Hydra finds the YAML however the entry point was started.
+# Absolute, so Hydra finds the YAML whether an entry point runs as ``-m`` (a file) or is imported
+# and called (a module, where a relative path would be looked up as a Python package).
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
 
@@ -21,6 +22,7 @@ def hydra_app(config_name: str, write: Callable[[Any, Path], Any]) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     def job(cfg: Any) -> None:
+        """One Hydra job: the experiment, writing into this job's run directory."""
         write(cfg, Path(HydraConfig.get().runtime.output_dir))
 
     job.__wrapped__ = write  # type: ignore[attr-defined]  # Hydra names the job after write's file
