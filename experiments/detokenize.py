@@ -3,7 +3,7 @@ step (what the engine did before ``paged_llm/engine/detokenizer.py``) against in
 decoding, with no text at all (``detokenize=False``) as the floor, in one process, interleaved,
 fastest of ``repeats``. Checks that both ways give the same texts.
 
-    python -m experiments.detokenize [model=tiny] [requests=64] [tokens=1000] [repeats=2]
+    python -m experiments.detokenize [checkpoint=tiny] [requests=64] [tokens=1000] [repeats=2]
 
 Writes ``detokenize.json`` into the Hydra run directory (configs/detokenize.yaml).
 """
@@ -43,7 +43,7 @@ def run_once(llm: LLM, way: str, prompts: list[dict], tokens: int) -> tuple[floa
 
 def write(cfg: Mapping[str, Any], out_dir: str | Path) -> dict[str, Any]:
     """Run the comparison with the config's settings; write detokenize.json; return it."""
-    model, requests, tokens = cfg["model"], cfg["requests"], cfg["tokens"]
+    model, requests, tokens = cfg["checkpoint"], cfg["requests"], cfg["tokens"]
     llm = LLM(model, max_model_len=tokens + 16, cpu_kv_cache_gib=0.5, seed=0)
     prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(requests)]
     runs = {way: partial(run_once, llm, way, prompts, tokens) for way in WAYS}

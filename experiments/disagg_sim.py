@@ -7,7 +7,7 @@ link of ``link_gb_per_s`` from a prefill GPU to a decode GPU (paged_llm/sim/disa
 Goodput is the highest rate of the sweep at which at least ``attainment`` of the requests met
 both targets, divided by the number of GPUs.
 
-    python -m experiments.disagg_sim [model=opt-13b] [hardware=a100-40gb]
+    python -m experiments.disagg_sim [model_name=opt-13b] [gpu=a100-40gb]
         [workload_path=TRACE.csv] [duration=300] [rates=[1,2,3,...]]
         [layouts=[colocated:4,disaggregated:1:3,disaggregated:2:2]] [ttft_slo=0.25]
         [tpot_slo=0.1]    # configs/disagg_sim.yaml; JSON in the Hydra run directory
@@ -43,7 +43,7 @@ def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
     out_dir; return it."""
     args = settings(cfg)
     layouts = [parse_layout(t) for t in args.layouts]
-    executor = SimulatedExecutor(args.hardware, args.model)
+    executor = SimulatedExecutor(args.gpu, args.model_name)
     serving = ServingSettings()
     colocated = serving.with_overrides(enable_chunked_prefill=args.chunked_prefill)
     rows, summary = [], {}

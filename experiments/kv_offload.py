@@ -6,7 +6,7 @@ device prefix cache alone, and the device cache plus the CPU tier. Reported per 
 tokens computed vs found in the cache, wall seconds, and whether every reply equals the
 no-cache engine's.
 
-    python -m experiments.kv_offload [model=tiny] [conversations=16] [turns=4] [gpu_blocks=64]
+    python -m experiments.kv_offload [checkpoint=tiny] [conversations=16] [turns=4] [gpu_blocks=64]
         [offload_gib=0.05]      # configs/kv_offload.yaml; JSON in the Hydra run directory
 """
 
@@ -54,7 +54,7 @@ def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
     results, replies = {}, {}
     for name, extra in ENGINES.items():
         offload = args.offload_gib if name == "device + CPU tier" else 0.0
-        llm = LLM(args.model, kv_offloading_size=offload, **common, **extra)
+        llm = LLM(args.checkpoint, kv_offloading_size=offload, **common, **extra)
         chat = (args.conversations, args.turns, args.message, args.reply, args.seed)
         seconds, replies[name], computed, cached = run_chat(llm, *chat)
         kv = llm.llm_engine.scheduler.kv
@@ -73,7 +73,7 @@ def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
         results[name]["same_replies_as_no_cache"] = replies[name] == base
     doc = {
         **run_info("real"),
-        "model": args.model,
+        "model": args.checkpoint,
         "settings": vars(args),
         "engines": results,
         "notes": "turns served round-robin across conversations; each prompt is the whole "

@@ -7,7 +7,7 @@ for its samples equal the trainer's for the same tokens under the same weights (
 biases every policy-gradient step). The task is a toy one so that any model learns it in a few
 steps: the reward is the fraction of completion tokens from a fixed set of token ids.
 
-    python -m experiments.rl_loop [model=DIR] [steps=20] [group=8] [prompts=4] [max_tokens=16]
+    python -m experiments.rl_loop [checkpoint=DIR] [steps=20] [group=8] [prompts=4] [max_tokens=16]
         [lr=1e-2] [sleep_level=2]    # configs/rl_loop.yaml; JSON in the Hydra run directory
 """
 
@@ -65,7 +65,7 @@ def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
     args = settings(cfg)
     import transformers
 
-    path = args.model or str(default_model_dir())
+    path = args.checkpoint or str(default_model_dir())
     torch.manual_seed(args.seed)
     llm = LLM(path, enable_sleep_mode=args.sleep_level > 0, cpu_kv_cache_gib=0.05, seed=args.seed)
     policy = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -6,7 +6,7 @@ one server process each): the huge prompt (413 while reading when it is over the
 400 from its length alone) and a prompt under the limit that cannot fit the context (a 400 from
 its length alone).
 
-    python -m experiments.serve_big_prompt [model=tiny] [prompt_mb=50] [under_limit_mb=8]
+    python -m experiments.serve_big_prompt [checkpoint=tiny] [prompt_mb=50] [under_limit_mb=8]
         [body_limit_mb=[16,64]]    # configs/serve_big_prompt.yaml; JSON in the run directory
 """
 
@@ -190,9 +190,9 @@ def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
     args = settings(cfg)
     if any(args.under_limit_mb >= limit for limit in args.body_limit_mb):
         raise ValueError("under_limit_mb must be under every body_limit_mb")
-    runs = [run(args.model, args.prompt_mb, args.under_limit_mb, args.max_model_len, limit)
+    runs = [run(args.checkpoint, args.prompt_mb, args.under_limit_mb, args.max_model_len, limit)
             for limit in args.body_limit_mb]  # fmt: skip
-    doc = {**run_info("real"), "model": args.model, "prompt_mib": args.prompt_mb, "runs": runs}
+    doc = {**run_info("real"), "model": args.checkpoint, "prompt_mib": args.prompt_mb, "runs": runs}
     path = write_json(out_dir, "serve_big_prompt.json", doc)
     print(f"wrote {path}")
     for r in runs:

@@ -5,7 +5,7 @@ awake, asleep and woken again; the seconds to sleep, to wake the weights, to wri
 same run: building a fresh engine from the checkpoint, which is what sleep mode saves. Greedy
 outputs after each wake are checked against the outputs before.
 
-    python -m experiments.sleep_mode [device=auto] [kv_gib=1.0] [hidden=768] [layers=12]
+    python -m experiments.sleep_mode [engine_device=auto] [kv_gib=1.0] [hidden=768] [layers=12]
         # configs/sleep_mode.yaml; JSON in the Hydra run directory
 """
 
@@ -101,7 +101,7 @@ def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
     """Run it with the config's settings; write sleep_mode.json into out_dir; return it."""
     args = settings(cfg)
     path, hf = checkpoint(args.hidden, args.layers)
-    kwargs = dict(device=args.device, cpu_kv_cache_gib=args.kv_gib, max_model_len=2048,
+    kwargs = dict(device=args.engine_device, cpu_kv_cache_gib=args.kv_gib, max_model_len=2048,
                   gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     # the peer: a fresh engine from the checkpoint (the faster of two: the first also pays
     # one-time imports and the CPU kernel's load)
