@@ -50,9 +50,10 @@ def test_every_config_composes(name):
 # The experiments that moved from argparse to Hydra (issue 50); fig15, fig18b, priority_sim,
 # measure_step_times, quant_eval, capacity_check and throughput still have such keys (policy,
 # calibration, device, ...), which `key=value` cannot set.
-MOVED_TO_HYDRA = ["beam_sharing", "cpu_attention", "cpu_matmul", "detokenize", "disagg_sim",
-                  "embed_bench", "kv_offload", "lora_bench", "moe_bench", "ngram_scan",
-                  "rl_loop", "serve_big_prompt", "sleep_mode", "sliding_window_bench"]  # fmt: skip
+MOVED_TO_HYDRA = ["beam_sharing", "bench_host_step", "bench_step_inputs", "cpu_attention",
+                  "cpu_matmul", "detokenize", "disagg_sim", "embed_bench", "kv_offload",
+                  "lora_bench", "moe_bench", "ngram_scan", "rl_loop", "serve_big_prompt",
+                  "sleep_mode", "sliding_window_bench"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MOVED_TO_HYDRA)
