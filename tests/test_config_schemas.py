@@ -52,8 +52,9 @@ def test_every_config_composes(name):
 # calibration, device, ...), which `key=value` cannot set.
 MOVED_TO_HYDRA = ["beam_sharing", "bench_host_step", "bench_step_inputs", "cpu_attention",
                   "cpu_matmul", "detokenize", "disagg_prefill", "disagg_sim", "embed_bench",
-                  "kv_offload", "lora_bench", "moe_bench", "ngram_scan", "rl_loop",
-                  "serve_big_prompt", "sleep_mode", "sliding_window_bench"]  # fmt: skip
+                  "kernel_compile_report", "kv_offload", "lora_bench", "moe_bench",
+                  "ngram_scan", "rl_loop", "serve_big_prompt", "sleep_mode",
+                  "sliding_window_bench"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MOVED_TO_HYDRA)
