@@ -5,23 +5,23 @@ each new beam extends).
 Parallel sampling (n = 2/4/6, temperature 1) and beam search (width 2/4/6) on prompts cut from
 held-out standard-library source. Lengths are drawn per request from the synthetic Alpaca
 distribution the simulated figure uses (log-normal, the paper's means 19.31 / 58.45), or fixed
-with ``--fixed``; EOS is ignored, so each request runs its drawn output length. After every
+with ``fixed``; EOS is ignored, so each request runs its drawn output length. After every
 engine step the running sequences' block tables are read from the paged KV manager: a shared
 block counts once with sharing and once per holder without, weighted by the step's wall time
 (``paged_llm.sim.groups.SharingStats``, the same accounting as the simulated figure).
 
-    python -m experiments.beam_sharing [--model target] [--prompts 16] [--out DIR]
+    python -m experiments.beam_sharing [checkpoint=target] [prompts=16] [fixed=[PROMPT,NEW]]
+        # configs/beam_sharing.yaml; JSON in the Hydra run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from experiments.common.cli import hydra_app, settings
 from paged_llm.sim.groups import SharingStats
 
 PAPER_ALPACA = {  # Fig. 15, OPT-13B on Alpaca (percent)
@@ -135,23 +135,20 @@ def run(model: str, num_prompts: int, fixed: tuple[int, int] | None, out: Path) 
     return doc
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Command line: see the module docstring."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="target", help="built-in model name or directory")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument(
-        "--fixed", nargs=2, type=int, metavar=("PROMPT", "NEW"), help="fixed lengths instead"
-    )
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="outputs/beam_sharing")
-    args = parser.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict:
+    """Run it with the config's settings; write beam_sharing.json into out_dir; return it."""
+    args = settings(cfg)
     import torch
 
     torch.set_num_threads(args.threads)
     fixed = tuple(args.fixed) if args.fixed else None
-    return run(args.model, args.prompts, fixed, Path(args.out))
+    return run(args.checkpoint, args.prompts, fixed, Path(out_dir))
+
+
+def main() -> None:
+    """``python -m experiments.beam_sharing [key=value ...]`` (configs/beam_sharing.yaml)."""
+    hydra_app("beam_sharing", write)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

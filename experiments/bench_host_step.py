@@ -3,39 +3,39 @@ model's forward (issue 39: on the H100 the GPU idled ~4 ms per step while the ho
 built inputs and made outputs).
 
 The real engine (``LLM``, CPU backend) runs a tiny random Llama (2 layers, hidden 64: its
-forward is cheap, and the host work does not depend on the model's size) on ``--requests``
-requests at batch ``--requests``, prompts of 300-900 random tokens, greedy, ``ignore_eos``; once
-every request decodes, ``--steps`` steps are profiled by ``StepPhaseProfile``, ``--repeats``
+forward is cheap, and the host work does not depend on the model's size) on ``requests``
+requests at batch ``requests``, prompts of 300-900 random tokens, greedy, ``ignore_eos``; once
+every request decodes, ``steps`` steps are profiled by ``StepPhaseProfile``, ``repeats``
 times. Per phase it reports the median over repeats of ms per step; ``host_ms`` sums the phases
 a GPU waits through (schedule, plugins, inputs, update, outputs, caller). ``sample`` is apart:
 on the CPU it includes the LM head's argmax.
 
-    python -m experiments.bench_host_step --out docs/results/host_step-<date>-cpu.json
+    python -m experiments.bench_host_step [requests=256] [steps=40] [repeats=3]
+        [prefix_caching=true] [async_scheduling=true]    # JSON in the Hydra run directory
 
 The peer is the same command on the commit before a change, run in the same minute (its
 ``git`` field says which). Output kinds: ``cumulative`` (``LLMEngine.step``'s default, as the
 GPU check's loop reads it), ``delta`` (a streaming server) and ``final_only`` (``LLM.generate``).
-``--async-scheduling``: the same work, pipelined (on a GPU ``outputs`` and ``caller`` then
+``async_scheduling=true``: the same work, pipelined (on a GPU ``outputs`` and ``caller`` then
 overlap the next forward; on the CPU nothing overlaps, so this shows the pipeline's own cost).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import shlex
 import statistics
 import subprocess
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from experiments.gpu_check import save_tiny_llama
-from experiments.throughput import hardware
+from experiments.common.checkpoints import save_tiny_llama
+from experiments.common.cli import command, hydra_app, settings
+from experiments.common.hardware import host_info
 from paged_llm.engine.profile import HOST_PHASES
+from paged_llm.metrics.run_info import write_json
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
 KINDS = {"cumulative": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA,
@@ -100,48 +100,38 @@ def git_commit() -> str | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Measure each output kind; write the JSON."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--prefix-caching", action="store_true", help="enable_prefix_caching=True")
-    ap.add_argument("--async-scheduling", action="store_true", help="async_scheduling=True")
-    args = ap.parse_args(argv)
-    kinds = args.kinds.split(",")
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Measure each output kind with the config's settings; write bench_host_step.json into
+    out_dir; return it."""
+    args = settings(cfg)
+    kinds = list(args.kinds)
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
-        raise SystemExit(f"unknown output kinds {unknown}; choose from {sorted(KINDS)}")
+        raise ValueError(f"unknown output kinds {unknown}; choose from {sorted(KINDS)}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_tiny_llama(Path(tmp) / "tiny_llama", MAX_MODEL_LEN)
         rows = {k: measure(model_dir, k, args.requests, args.steps, args.repeats,
                            args.prefix_caching, args.async_scheduling) for k in kinds}  # fmt: skip
     doc = {
         "what": "real host-side timings of the engine's decode steps on the CPU (tiny model)",
-        "hardware": hardware("cpu"),
+        "hardware": host_info("cpu"),
         "git": git_commit(),
-        "command": shlex.join(
-            [
-                "python",
-                "-m",
-                "experiments.bench_host_step",
-                *(sys.argv[1:] if argv is None else argv),
-            ]
-        ),
+        "command": command("experiments.bench_host_step"),
         "prefix_caching": args.prefix_caching,
         "async_scheduling": args.async_scheduling,
         "host_phases": list(HOST_PHASES),
         "kinds": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {write_json(out_dir, 'bench_host_step.json', doc)}")
     print(json.dumps({k: {"host_ms": round(r["host_ms"], 3),
                           **{p: round(v, 3) for p, v in r["phases_ms"].items()}}
                       for k, r in rows.items()}, indent=1))  # fmt: skip
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.bench_host_step [key=value ...]`` (configs/bench_host_step.yaml)."""
+    hydra_app("bench_host_step", write)
 
 
 if __name__ == "__main__":

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import hydra
 import torch
 from omegaconf import OmegaConf
+
+from experiments.common.checkpoints import cached, save_random_llama
 
 
 def _arch(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -66,38 +65,9 @@ def resolve_model_dir(cfg: Mapping[str, Any], dtype: torch.dtype, seed: int) -> 
         name = preset_name(cfg)
         dtype_name = str(dtype).removeprefix("torch.")
         out = presets.cache_root() / f"preset-{name}-seed{seed}-{dtype_name}"
-        return _cached(out, lambda tmp: presets.materialize_preset(name, tmp, seed, dtype))
+        return cached(out, lambda tmp: presets.materialize_preset(name, tmp, seed, dtype))
     arch = _arch(cfg)
     key = json.dumps({"arch": arch, "seed": seed, "dtype": str(dtype)}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     out = presets.cache_root() / f"throughput-llama-{digest}"
-    return _cached(out, lambda tmp: save_random_llama(arch, tmp, dtype, seed))
-
-
-def save_random_llama(arch: dict[str, Any], out_dir: Path, dtype: torch.dtype, seed: int) -> None:
-    """Write a random-initialised transformers Llama with these config fields to out_dir."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**arch, architectures=["LlamaForCausalLM"])
-    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.to(dtype).save_pretrained(str(out_dir))
-
-
-def _cached(final: Path, write: Callable[[Path], object]) -> Path:
-    """Return final, first writing it via write(tmp_dir) and an atomic rename if absent."""
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        write(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cached(out, lambda tmp: save_random_llama(arch, tmp, dtype, seed))

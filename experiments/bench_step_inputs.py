@@ -5,14 +5,13 @@ same mixed step; contexts 200-1800 tokens, block size 16, max_model_len 2048 (LL
 to-end workload on the GPU). The peer, measured in the same run: the list-to-tensor conversion
 both paths make, by ``torch.tensor`` (before) and by ``utils.host.int_tensor`` (now).
 
-    python -m experiments.bench_step_inputs --out docs/results/step_inputs-<date>-cpu.json
+    python -m experiments.bench_step_inputs [reps=30]   # JSON in the Hydra run directory
 
 Host-side work only (the tensors stay on the CPU): on a GPU a step also pays the copies.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -22,8 +21,10 @@ from typing import Any
 
 import torch
 
-from experiments.throughput import hardware
+from experiments.common.cli import command, hydra_app, settings
+from experiments.common.hardware import host_info
 from paged_llm.attention.metadata import build_attention_metadata
+from paged_llm.metrics.run_info import write_json
 from paged_llm.runner.batch import BlockTableRows
 from paged_llm.runner.cuda_graphs import CudaGraphRunner, mixed_capture_tokens
 from paged_llm.utils.host import int_tensor
@@ -71,12 +72,9 @@ def time_case(graphs: CudaGraphRunner, batch: Any, reps: int) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Time each case; write the JSON."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--reps", type=int, default=30)
-    args = ap.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Time each case with the config's settings; write bench_step_inputs.json into out_dir."""
+    args = settings(cfg)
     graphs = CudaGraphRunner(None, None, [], None, list(range(8, 257, 8)), BLOCK_SIZE,
                              MAX_MODEL_LEN, torch.device("cpu"),
                              mixed_tokens=mixed_capture_tokens(512))  # fmt: skip
@@ -85,14 +83,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = {name: time_case(graphs, batch, args.reps) for name, batch in cases.items()}
     doc = {
         "what": "real host-side timings on the CPU (no model, no device copies)",
-        "hardware": hardware("cpu"),
-        "command": "python -m experiments.bench_step_inputs --out " + args.out,
+        "hardware": host_info("cpu"),
+        "command": command("experiments.bench_step_inputs"),
         "cases": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
     print(json.dumps(rows, indent=1))
+    print(f"wrote {write_json(out_dir, 'bench_step_inputs.json', doc)}")
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.bench_step_inputs [reps=30]`` (configs/bench_step_inputs.yaml)."""
+    hydra_app("bench_step_inputs", write)
 
 
 if __name__ == "__main__":

@@ -4,27 +4,29 @@ as the bandwidth peer.
 
 One pass calls each path once per layer, every layer with its own K/V pool and shuffled block
 tables, so K/V stream from memory as in a real step rather than staying in cache. Both paths
-run interleaved in the same process, check that they agree, and the fastest of ``--repeats``
+run interleaved in the same process, check that they agree, and the fastest of ``repeats``
 passes counts. This is the measurement behind the ``cpu`` attention backend
 (``paged_llm/ops/paged_attention/cpu_decode.cpp``).
 
-With ``--query-len``, each sequence instead has that many query tokens (a speculative
+With ``query_len``, each sequence instead has that many query tokens (a speculative
 verification's k + 1, a short chunk), and the ``cpu`` backend's forward, here made to run them
 all as kernel rows (one per token), is timed against the torch backend's gather + SDPA
 forward: the data behind the backend's choice between the two (``as_rows``).
 
-    python -m experiments.cpu_attention [--shape throughput|target] [--batch 1 8 64]
-        [--context 64 256 1024] [--threads 1 2] [--query-len 2 5 16 32] [--out DIR]
+    python -m experiments.cpu_attention [shape=throughput|target] [batch=[1,8,64]]
+        [context=[64,256,1024]] [threads=[1,2]] [query_len=[2,5,16,32]]
+        # configs/cpu_attention.yaml; JSON in the Hydra run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from experiments.common.cli import hydra_app, settings
 from paged_llm.attention.cpu_backend import CpuAttentionBackend
 from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.attention.torch_backend import TorchAttentionBackend
@@ -175,22 +177,18 @@ def run(
             "results": results, **run_info("real")}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Command line: time, print, write cpu_attention.json."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="throughput")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--context", type=int, nargs="+", default=[64, 256, 1024])
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--query-len", type=int, nargs="+", help="query tokens per sequence (> 1)")
-    ap.add_argument("--out", default="outputs/cpu_attention")
-    args = ap.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run it with the config's settings; write cpu_attention.json into out_dir; return it."""
+    args = settings(cfg)
     result = run(args.shape, args.batch, args.context, args.threads, args.block_size,
                  args.repeats, args.query_len)  # fmt: skip
-    print(f"wrote {write_json(args.out, 'cpu_attention.json', result)}")
+    print(f"wrote {write_json(out_dir, 'cpu_attention.json', result)}")
     return result
+
+
+def main() -> None:
+    """``python -m experiments.cpu_attention [key=value ...]`` (configs/cpu_attention.yaml)."""
+    hydra_app("cpu_attention", write)
 
 
 if __name__ == "__main__":

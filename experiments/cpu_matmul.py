@@ -2,21 +2,23 @@
 
 Times every linear layer of a Llama shape once per pass (weights streamed from memory as in a
 real step, not one hot matrix), for each row count and thread count, both paths interleaved in
-the same process; the fastest of ``--repeats`` passes counts. This is the measurement behind
+the same process; the fastest of ``repeats`` passes counts. This is the measurement behind
 ``cpu_onednn_min_rows`` (``paged_llm/layers/cpu_linear.py``).
 
-    python -m experiments.cpu_matmul [--shape throughput|target|draft] [--threads 1 2] [--out DIR]
+    python -m experiments.cpu_matmul [shape=throughput|target|draft] [threads=[1,2]]
+        # configs/cpu_matmul.yaml; JSON in the Hydra run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from experiments.common.cli import hydra_app, settings
 from paged_llm.layers.cpu_linear import onednn_available
 from paged_llm.metrics.run_info import run_info, write_json
 
@@ -85,20 +87,19 @@ def run(shape_name: str, rows: list[int], threads: list[int], repeats: int) -> d
             "repeats": repeats, "results": results, **run_info("real")}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Command line: time, print, write cpu_matmul.json."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="throughput")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16, 64, 256, 1024])
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="outputs/cpu_matmul")
-    args = ap.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run it with the config's settings; write cpu_matmul.json into out_dir; return it."""
+    args = settings(cfg)
     if not onednn_available():
         raise SystemExit("this PyTorch build has no oneDNN; nothing to compare")
     result = run(args.shape, args.rows, args.threads, args.repeats)
-    print(f"wrote {write_json(args.out, 'cpu_matmul.json', result)}")
+    print(f"wrote {write_json(out_dir, 'cpu_matmul.json', result)}")
     return result
+
+
+def main() -> None:
+    """``python -m experiments.cpu_matmul [key=value ...]`` (configs/cpu_matmul.yaml)."""
+    hydra_app("cpu_matmul", write)
 
 
 if __name__ == "__main__":

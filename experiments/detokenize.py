@@ -1,20 +1,23 @@
 """What detokenization costs the engine: every sequence's text decoded again in full at every
 step (what the engine did before ``paged_llm/engine/detokenizer.py``) against incremental
 decoding, with no text at all (``detokenize=False``) as the floor, in one process, interleaved,
-fastest of ``--repeats``. Checks that both ways give the same texts.
+fastest of ``repeats``. Checks that both ways give the same texts.
 
-    python -m experiments.detokenize [--model tiny] [--requests 64] [--tokens 1000]
-        [--repeats 2] [--out DIR]
+    python -m experiments.detokenize [checkpoint=tiny] [requests=64] [tokens=1000] [repeats=2]
+
+Writes ``detokenize.json`` into the Hydra run directory (configs/detokenize.yaml).
 """
 
 from __future__ import annotations
 
-import argparse
 import time
+from collections.abc import Mapping
 from functools import partial
+from pathlib import Path
 from typing import Any
 
-from experiments.timing import fastest_interleaved
+from experiments.common.cli import hydra_app
+from experiments.common.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
 from paged_llm.metrics.run_info import run_info, write_json
 
@@ -38,33 +41,32 @@ def run_once(llm: LLM, way: str, prompts: list[dict], tokens: int) -> tuple[floa
     return seconds, [o.outputs[0].text for o in outs]
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the comparison; write detokenize.json; return it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--tokens", type=int, default=1000)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default="outputs/detokenize")
-    args = p.parse_args(argv)
-    llm = LLM(args.model, max_model_len=args.tokens + 16, cpu_kv_cache_gib=0.5, seed=0)
-    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(args.requests)]
-    runs = {way: partial(run_once, llm, way, prompts, args.tokens) for way in WAYS}
-    best, texts = fastest_interleaved(runs, args.repeats)
+def write(cfg: Mapping[str, Any], out_dir: str | Path) -> dict[str, Any]:
+    """Run the comparison with the config's settings; write detokenize.json; return it."""
+    model, requests, tokens = cfg["checkpoint"], cfg["requests"], cfg["tokens"]
+    llm = LLM(model, max_model_len=tokens + 16, cpu_kv_cache_gib=0.5, seed=0)
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(requests)]
+    runs = {way: partial(run_once, llm, way, prompts, tokens) for way in WAYS}
+    best, texts = fastest_interleaved(runs, cfg["repeats"])
     floor = best["no text"]
     doc = {
         **run_info("real"),
-        "model": args.model,
-        "requests": args.requests,
-        "tokens_per_request": args.tokens,
+        "model": model,
+        "requests": requests,
+        "tokens_per_request": tokens,
         "seconds": best,
         "text_cost_s": {w: best[w] - floor for w in WAYS if w != "no text"},
         "same_texts": texts["full decode every step"] == texts["incremental"],
         "notes": "fastest of repeats, ways interleaved in one process; text cost = seconds "
         "minus the no-text run",
     }
-    print(f"wrote {write_json(args.out, 'detokenize.json', doc)}")
+    print(f"wrote {write_json(out_dir, 'detokenize.json', doc)}")
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.detokenize [key=value ...]`` (configs/detokenize.yaml)."""
+    hydra_app("detokenize", write)
 
 
 if __name__ == "__main__":

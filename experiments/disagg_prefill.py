@@ -20,13 +20,12 @@ latency (ITL, where prefill interference shows), end-to-end latency, and for the
 one the KV bytes and seconds moved; and whether every request's tokens equal the colocated
 engine's (greedy, fixed lengths).
 
-    python -m experiments.disagg_prefill [--model opt-125m] [--requests 16] [--rate 0.5]
-        [--prompt 256] [--output 48] [--threads 2] [--chunk 64] [--out DIR]
+    python -m experiments.disagg_prefill [checkpoint=opt-125m] [requests=16] [rate=0.5]
+        [prompt=256] [output=48] [threads=2] [chunk=64]    # JSON in the Hydra run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import queue
 import random
@@ -35,8 +34,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+from experiments.common.cli import hydra_app, settings
 from paged_llm.metrics.run_info import run_info, write_json
 from paged_llm.metrics.serving import RequestRecord, latency_summary
 
@@ -44,7 +45,7 @@ DONE = "done"  # the prefill engine's last handoff
 CTX = mp.get_context("spawn")  # fresh interpreters: each sets its own thread count
 
 
-def make_trace(args: argparse.Namespace) -> list[dict[str, Any]]:
+def make_trace(args: SimpleNamespace) -> list[dict[str, Any]]:
     """Poisson arrivals of requests with prompts of ``args.prompt`` +- 25% random tokens."""
     rng = random.Random(args.seed)
     t, trace = 0.0, []
@@ -62,7 +63,7 @@ def transfer(store: str, role: str) -> dict[str, Any]:
             "kv_connector_extra_config": {"shared_storage_path": store}}  # fmt: skip
 
 
-def build_engine(args: argparse.Namespace, threads: int, **extra: Any) -> Any:
+def build_engine(args: SimpleNamespace, threads: int, **extra: Any) -> Any:
     """An engine for this run, warmed up on one request (not measured)."""
     import torch
 
@@ -70,7 +71,7 @@ def build_engine(args: argparse.Namespace, threads: int, **extra: Any) -> Any:
 
     torch.set_num_threads(threads)
     engine = LLMEngine.from_engine_args(
-        model=args.model, max_model_len=args.max_model_len, seed=args.seed,
+        model=args.checkpoint, max_model_len=args.max_model_len, seed=args.seed,
         num_gpu_blocks_override=args.gpu_blocks, skip_tokenizer_init=True, **extra,
     )  # fmt: skip
     engine.add_request("warm-up", {"prompt_token_ids": [5] * 40}, greedy(4))
@@ -227,22 +228,10 @@ def describe(m: dict[str, Any]) -> str:
             f"E2EL mean {m['mean_e2el_ms']:.0f} ms")  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the three systems on one trace; write disagg_prefill.json; return it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="opt-125m")
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
-    p.add_argument("--prompt", type=int, default=256, help="mean prompt tokens (+-25%%)")
-    p.add_argument("--output", type=int, default=48, help="output tokens per request")
-    p.add_argument("--threads", type=int, default=2, help="threads of a colocated engine")
-    p.add_argument("--chunk", type=int, default=64, help="token budget with chunked prefill")
-    p.add_argument("--gpu-blocks", type=int, default=512, help="KV pool of each engine")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--vocab-limit", type=int, default=250, help="prompt token ids below this")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="outputs/disagg_prefill")
-    args = p.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run the three systems on one trace with the config's settings; write
+    disagg_prefill.json into out_dir; return it."""
+    args = settings(cfg)
     trace = make_trace(args)
     half = max(1, args.threads // 2)
     chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": args.chunk}
@@ -272,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[name]["same_tokens_as_colocated"] = tokens[name] == tokens["colocated"]
     doc = {
         **run_info("real"),
-        "model": args.model,
+        "model": args.checkpoint,
         "settings": vars(args),
         "systems": results,
         "notes": "one run per system on one Poisson trace; colocated engines get every thread, "
@@ -280,8 +269,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "is arrival to the first token the client sees (the decode engine's); KV moves as "
         "SharedStorageConnector files on a RAM disk, synchronously",
     }
-    print(f"wrote {write_json(args.out, 'disagg_prefill.json', doc)}")
+    print(f"wrote {write_json(out_dir, 'disagg_prefill.json', doc)}")
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.disagg_prefill [key=value ...]`` (configs/disagg_prefill.yaml)."""
+    hydra_app("disagg_prefill", write)
 
 
 if __name__ == "__main__":

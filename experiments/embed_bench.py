@@ -1,9 +1,9 @@
 """Embedding throughput: the pooling engine (``LLM.embed``) against transformers' own model run
-the usual ways, on the same prompts, interleaved in one process, fastest of ``--repeats``:
+the usual ways, on the same prompts, interleaved in one process, fastest of ``repeats``:
 
     paged_llm    LLM(runner="pooling").embed: prompts packed into one flat batch per step (no
                  padding), up to max_num_batched_tokens tokens a step
-    hf_padded    AutoModel forward on batches of --batch prompts in the given order, padded
+    hf_padded    AutoModel forward on batches of ``batch`` prompts in the given order, padded
                  to each batch's longest prompt (last-token pooling through the mask)
     hf_sorted    the same on length-sorted batches (sentence-transformers' trick: less padding)
 
@@ -11,24 +11,23 @@ The model is a random Qwen3 (the Qwen3-Embedding architecture) of the LoRA bench
 cached under $PAGED_LLM_CACHE; prompt lengths are log-normal (seeded). Every system's embeddings
 are compared with paged_llm's (max abs difference). Writes ``embed_bench.json``.
 
-    python -m experiments.embed_bench [--prompts 64] [--mean-len 96] [--batch 16]
-        [--repeats 2] [--threads N] [--out outputs/embed_bench]
+    python -m experiments.embed_bench [prompts=64] [mean_len=96] [batch=16] [repeats=2]
+        [threads=N]    # configs/embed_bench.yaml; JSON in the Hydra run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from experiments.timing import fastest_interleaved, timed
+from experiments.common.cli import command, hydra_app, settings
+from experiments.common.timing import fastest_interleaved, timed
 from paged_llm import LLM
 from paged_llm.metrics.run_info import run_info, write_json
 
@@ -41,7 +40,7 @@ def model_dir() -> Path:
     """The benchmark's random Qwen3, written once into the cache."""
     import transformers as tf
 
-    from experiments.throughput import _cached
+    from experiments.common.checkpoints import cached
     from paged_llm.models.presets import cache_root
 
     def write(tmp: Path) -> None:
@@ -50,7 +49,7 @@ def model_dir() -> Path:
             model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**ARCH))
         model.save_pretrained(str(tmp))
 
-    return _cached(cache_root() / "embed-bench-qwen3-512x6", write)
+    return cached(cache_root() / "embed-bench-qwen3-512x6", write)
 
 
 def prompt_lengths(count: int, mean: int, seed: int) -> list[int]:
@@ -87,17 +86,9 @@ def hf_embed(model: Any, prompts: list[list[int]], batch: int, sort: bool) -> li
     return out  # type: ignore[return-value]
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the comparison; write embed_bench.json; return it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--mean-len", type=int, default=96, help="mean prompt length (tokens)")
-    p.add_argument("--batch", type=int, default=16, help="prompts per transformers batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", default="outputs/embed_bench")
-    args = p.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run it with the config's settings; write embed_bench.json into out_dir; return it."""
+    args = settings(cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers as tf
@@ -129,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     padded["paged_llm"] = tokens
     doc = {
         **run_info("real"),
-        "command": " ".join(["python -m experiments.embed_bench", *(argv or sys.argv[1:])]),
+        "command": command("experiments.embed_bench"),
         "model": {"arch": ARCH, "type": "Qwen3ForCausalLM, random weights"},
         "settings": vars(args),
         "prompt_tokens": tokens,
@@ -149,8 +140,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "padding; relative_to_hf_padded = hf_padded seconds / system seconds.",
     }
     print(json.dumps(doc["systems"], indent=2))
-    print(f"wrote {write_json(args.out, 'embed_bench.json', doc)}")
+    print(f"wrote {write_json(out_dir, 'embed_bench.json', doc)}")
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.embed_bench [key=value ...]`` (configs/embed_bench.yaml)."""
+    hydra_app("embed_bench", write)
 
 
 if __name__ == "__main__":

@@ -50,21 +50,14 @@ from typing import Any
 
 import torch
 
-from experiments.gpu_check import (
-    DTYPE_NAMES,
-    PLANS,
-    Deadline,
-    Plan,
-    _free,
-    _json_default,
-    _time_copy,
-    bandwidth_bound,
-    bound_bytes,
-    build_workload,
-    engine_kwargs,
-    run_ours,
-    save_tiny_llama,
-)
+from experiments.common.checkpoints import save_tiny_llama
+from experiments.common.hardware import device_name
+from experiments.common.timing import Deadline
+from experiments.common.workloads import build_workload
+from experiments.gpu.bandwidth import _time_copy
+from experiments.gpu.end_to_end import _free, bandwidth_bound, bound_bytes, engine_kwargs, run_ours
+from experiments.gpu.plans import DTYPE_NAMES, PLANS, Plan
+from experiments.gpu.report import json_default
 from experiments.kernel_breakdown import profile_step_shape
 
 # engine arguments, and optionally how the loop reads outputs ("output_kind", run_ours': the
@@ -209,12 +202,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     model_dir = save_tiny_llama(out_dir / "tiny-llama") if plan.model == "tiny-llama" else None
     hf_config = load_config(model_dir) if model_dir else presets.preset_config(plan.model)
-    work = build_workload(plan, hf_config.vocab_size, args.trace)
+    work = build_workload(plan.num_requests, hf_config.vocab_size, plan.max_total, args.trace)
     dtype = DTYPE_NAMES.get(plan.dtype) or getattr(torch, plan.dtype)
     copy_bw = 2 * 2**20 * plan.copy_mib / _time_copy(plan.copy_mib * 2**20, device, 3) / 1e9
     doc: dict[str, Any] = {
         "what": "real engine runs (not simulated), one process, variants in order",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "model": plan.model,
         "dtype": str(dtype),
         "workload": {
@@ -265,9 +258,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         doc["variants"][name] = record
         doc["elapsed_s"] = time.perf_counter() - start
-        out_path.write_text(json.dumps(doc, indent=1, default=_json_default))
+        out_path.write_text(json.dumps(doc, indent=1, default=json_default))
     doc["elapsed_s"] = time.perf_counter() - start
-    out_path.write_text(json.dumps(doc, indent=1, default=_json_default))
+    out_path.write_text(json.dumps(doc, indent=1, default=json_default))
     for name, r in doc["variants"].items():
         if "error" in r:
             print(f"{name}: ERROR {r['error']}")

@@ -7,7 +7,7 @@
 
 ``--micro`` allocates interleaved tensors, frees every other one and empties the cache: with
 expandable segments the freed pages go back to the driver, without them none do. The engine
-probe builds the sleep section's engine (experiments/gpu_memory_features.py), sleeps at level 1
+probe builds the sleep section's engine (experiments/gpu/memory_features.py), sleeps at level 1
 and writes ``sleep_probe.json``: reserved/allocated/used bytes and each segment's size, live
 bytes, whether it is expandable, and the live blocks' Python allocation sites. CUDA only.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from experiments.gpu_memory_features import _allocator_gib, _used_gib, alloc_conf_env
+from experiments.gpu.memory_features import _allocator_gib, _used_gib, alloc_conf_env
 
 MIB = 2**20
 
@@ -83,8 +83,8 @@ def warm_up(device: torch.device) -> dict[str, float]:
 
 def engine_probe(device: torch.device, workdir: Path, warm: bool, mempool: bool) -> dict[str, Any]:
     """The sleep section's engine: memory awake and asleep, and the segments asleep."""
-    from experiments.gpu_check import PLANS
-    from experiments.gpu_memory_features import _checkpoint
+    from experiments.gpu.memory_features import _checkpoint
+    from experiments.gpu.plans import PLANS
     from paged_llm import LLM, SamplingParams
 
     torch.cuda.memory._record_memory_history(max_entries=200_000)

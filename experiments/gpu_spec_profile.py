@@ -1,5 +1,5 @@
 """Where a speculative-decoding cycle spends its time on a GPU: the GPU check's spec-decode
-workload (experiments/gpu_spec_decode.py) per method at k = 4, with each engine phase timed.
+workload (experiments/gpu/spec_decode.py) per method at k = 4, with each engine phase timed.
 
     python3 -m experiments.gpu_spec_profile --out $OUT    # carrying .gpu_inputs
 
@@ -7,10 +7,13 @@ For the target alone and each drafter it records, in one fresh process:
 
 * ``tokens_per_s``: batch 1 and 16 as the GPU check's section measures them (best of 2), so a
   run here tells whether that section's numbers depend on what ran before it in its process;
-* ``phases_ms_per_step``: wall time per engine step in the scheduler, the drafter's
-  ``propose`` and ``observe``, the target's forward (``runner._forward``) and sampling or
-  verification (the rest of ``runner.execute``), each phase ended by a device synchronize so
-  that GPU work is charged to the phase that launched it (this run is a little slower);
+* ``phases_ms_per_step``: wall time per engine step by phase, from the engine's
+  ``StepPhaseProfile`` plug-in (paged_llm/engine/profile.py): ``schedule``, ``plugins`` (the
+  drafter's ``propose``), ``inputs``, ``forward`` (the target's launch), ``sample`` (sampling
+  or verification, where the host first waits for the device), ``update``, ``outputs`` (the
+  drafter's ``observe``, then the outputs) and ``caller``; ``host_ms_per_step`` sums the host
+  phases. (Run 13 used method wrappers that synchronized the device after each call; its
+  ``propose`` / ``observe`` / ``sample_or_verify`` keys are not these phases.)
 * ``target_forwards``: how the target's forwards ran (``graph`` replays, eager ones);
 * ``profile_<method>.txt``: torch.profiler's op tables over a few batch-1 requests.
 
@@ -29,57 +32,38 @@ from typing import Any
 
 import torch
 
-from experiments.gpu_check import PLANS, Plan, write_profile_tables
-from experiments.gpu_spec_decode import _engine, _free, _models
+from experiments.common.hardware import device_name
+from experiments.gpu.end_to_end import write_profile_tables
+from experiments.gpu.plans import PLANS, Plan
+from experiments.gpu.spec_decode import _engine, _free, _models
 from experiments.spec_workload import (
-    PhaseClock,
     forwards_since,
     generate_greedy,
     prompt_batches,
     timed_run,
 )
+from paged_llm.engine.profile import StepPhaseProfile
 
+PROFILE = "paged_llm.engine.profile.StepPhaseProfile"
 RUNS: tuple[tuple[str | None, int], ...] = ((None, 0), ("ngram", 4), ("draft_model", 4),
                                             ("eagle", 4))  # fmt: skip
 
 
-def _phases(llm: Any, batches: list, max_tokens: int, device: torch.device) -> dict[str, Any]:
-    """Per-step phase times of one greedy run (wrappers removed afterwards)."""
+def _phases(llm: Any, batches: list, max_tokens: int) -> dict[str, Any]:
+    """Per-step phase times of one greedy run, from the engine's StepPhaseProfile plug-in."""
     engine = llm.llm_engine
-    clock = PhaseClock(device)
-    steps = 0
-    targets = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "execute", "execute"),
-               (engine.runner, "_forward", "forward")]  # fmt: skip
-    if engine.drafter is not None:
-        targets += [(engine.drafter, name, name) for name in ("propose", "observe")
-                    if hasattr(engine.drafter, name)]  # fmt: skip
-    originals = [(obj, attr, obj.__dict__.get(attr)) for obj, attr, _ in targets]
-    for obj, attr, phase in targets:
-        clock.wrap(obj, attr, phase)
-    step = engine.step
-
-    def counted() -> Any:
-        nonlocal steps
-        steps += 1
-        return step()
-
-    engine.step = counted
+    profile = next(p for p in engine.core.plugins if isinstance(p, StepPhaseProfile))
+    profile.reset()
     kinds = dict(engine.runner.forward_kinds)
     start = time.perf_counter()
-    try:
-        generate_greedy(llm, batches, max_tokens)
-    finally:
-        for obj, attr, orig in originals:
-            if orig is None:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, orig)
-        del engine.step
+    generate_greedy(llm, batches, max_tokens)
     wall = time.perf_counter() - start
-    ms = {phase: 1e3 * s / max(steps, 1) for phase, s in clock.seconds.items()}
-    ms["sample_or_verify"] = ms.pop("execute", 0.0) - ms.get("forward", 0.0)  # execute - forward
+    summary = profile.summary()
+    steps = summary["steps"]
+    ms = {phase: p["ms_per_step"] for phase, p in summary["phases"].items()}
     return {"steps": steps, "wall_ms_per_step": 1e3 * wall / max(steps, 1),
-            "phases_ms_per_step": ms, "target_forwards": forwards_since(llm, kinds)}  # fmt: skip
+            "phases_ms_per_step": ms, "host_ms_per_step": summary["host_ms_per_step"],
+            "target_forwards": forwards_since(llm, kinds)}  # fmt: skip
 
 
 def _profile(llm: Any, prompts: list, max_tokens: int, path: Path, device: torch.device) -> None:
@@ -101,18 +85,18 @@ def run(plan: Plan, device: torch.device, out: Path, models_dir: str | None) -> 
     repeats = 1 if smoke else 2
     doc: dict[str, Any] = {
         "threads_at_start": [t.name for t in threading.enumerate()],
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "dtype": plan.dtype, "num_prompts": len(prompts), "max_tokens": max_tokens, "runs": [],
     }  # fmt: skip
     for method, k in RUNS:
-        llm = _engine(dirs, method, k, plan.dtype, device)
+        llm = _engine(dirs, method, k, plan.dtype, device, plugins=[PROFILE])
         timed_run(llm, [prompts[:2]], 4)  # warm-up: kernels compile, graphs capture
         row: dict[str, Any] = {"method": method or "none", "k": k, "tokens_per_s": {}}
         for bs in batch_sizes:
             secs, toks = timed_run(llm, prompt_batches(prompts, bs), max_tokens, repeats)
             row["tokens_per_s"][str(bs)] = toks / secs
         for bs in batch_sizes:
-            row[f"batch_{bs}"] = _phases(llm, prompt_batches(prompts, bs), max_tokens, device)
+            row[f"batch_{bs}"] = _phases(llm, prompt_batches(prompts, bs), max_tokens)
         profiled = prompts[: 1 if smoke else 4]
         _profile(llm, profiled, max_tokens, out / f"profile_{row['method']}.txt", device)
         _free(llm, device)

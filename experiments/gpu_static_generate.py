@@ -2,8 +2,9 @@
 profile of its decode steps: the check's end-to-end section only probes it when its time box
 cannot hold a batch (a batch of 32 ShareGPT requests decodes to its longest output).
 
-Same model shape, dtype, workload (lengths, seed, prompt ids) and batch size as
-``gpu_check``'s end-to-end section, so its tokens/s compares with that section's engine run.
+Same model shape, dtype, workload (lengths, seed, prompt ids) and batch size as the GPU check's
+end-to-end section (experiments/gpu/end_to_end.py), so its tokens/s compares with that
+section's engine run.
 
     python -m experiments.gpu_static_generate --trace T --out DIR [--seconds 200]
 """
@@ -18,14 +19,18 @@ from typing import Any
 
 import torch
 
-from experiments.gpu_check import FULL, PLANS, Deadline, build_workload, device_info, run_hf_static
+from experiments.common.hardware import device_info
+from experiments.common.timing import Deadline
+from experiments.common.workloads import build_workload
+from experiments.gpu.end_to_end import run_hf_static
+from experiments.gpu.plans import FULL, PLANS
 
 
 def profile_generate(model: Any, prompts: list[list[int]], steps: int) -> str:
     """torch.profiler table (by CUDA time) of one ``generate`` call of ``steps`` new tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    from experiments.hf_baselines import generate_static_batch
+    from experiments.common.hf_baselines import generate_static_batch
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -41,7 +46,7 @@ def profile_generate(model: Any, prompts: list[list[int]], steps: int) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run whole static batches until the time is up; write JSON and the profile."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trace", help="CSV of input_len,output_len (as gpu_check)")
+    parser.add_argument("--trace", help="CSV of input_len,output_len (as the GPU check)")
     parser.add_argument("--out", default="outputs/gpu_static_generate")
     parser.add_argument("--seconds", type=float, default=200.0)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (for tests)")
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     config = presets.preset_config("llama-7b" if not args.smoke else "tiny")
     start = time.perf_counter()
-    work = build_workload(plan, config.vocab_size, args.trace)
+    work = build_workload(plan.num_requests, config.vocab_size, plan.max_total, args.trace)
     dtype = getattr(torch, plan.dtype)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()

@@ -11,17 +11,16 @@ and SASS come from the ``cuobjdump`` that Triton ships. The hot-loop counts (ins
 barriers, shared-memory accesses, int->float conversions per iteration of the longest loop)
 compare two versions of a kernel before any GPU time is spent on them; they are not timings.
 
-    python -m experiments.kernel_compile_report --arch 90 80 --out outputs/kernel_compile
+    python -m experiments.kernel_compile_report [arch=[90,80]] [dtypes=[fp16,bf16]] [cases=[...]]
+        # configs/kernel_compile_report.yaml; kernel_compile.json in the Hydra run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from experiments.common.cli import hydra_app, settings
 from paged_llm.metrics.run_info import write_json
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -303,14 +303,15 @@ def _loop_summary(loop: dict[str, int] | None) -> str:
     return " ".join(f"{k}={v}" for k, v in loop.items() if v)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Compile the cases for each architecture and dtype; write and return the report."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--arch", nargs="+", type=int, default=[90, 80], help="e.g. 90 80")
-    parser.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=list(DTYPES))
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--out", default="outputs/kernel_compile")
-    args = parser.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Compile the cases for each architecture and dtype; write kernel_compile.json into
+    out_dir and return the report."""
+    args = settings(cfg)
+    args.cases = args.cases or list(CASES)  # null: every case
+    for key, known in (("dtypes", DTYPES), ("cases", CASES)):
+        unknown = sorted(set(getattr(args, key)) - set(known))
+        if unknown:
+            raise ValueError(f"unknown {key} {unknown}; choose from {list(known)}")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this compiles kernels instead of interpreting")
     import triton
@@ -342,9 +343,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "all_ok": all(r["ok"] for r in rows),
     }
-    print(f"all_ok={report['all_ok']}  wrote {write_json(args.out, 'kernel_compile.json', report)}")
+    print(f"all_ok={report['all_ok']}  wrote {write_json(out_dir, 'kernel_compile.json', report)}")
     return report
 
 
+def main() -> None:
+    """``python -m experiments.kernel_compile_report [arch=[90,80]] [dtypes=[fp16,bf16]] ...``."""
+    hydra_app("kernel_compile_report", write)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -6,17 +6,18 @@ device prefix cache alone, and the device cache plus the CPU tier. Reported per 
 tokens computed vs found in the cache, wall seconds, and whether every reply equals the
 no-cache engine's.
 
-    python -m experiments.kv_offload [--model tiny] [--conversations 16] [--turns 4]
-        [--gpu-blocks 64] [--offload-gib 0.05] [--out DIR]
+    python -m experiments.kv_offload [checkpoint=tiny] [conversations=16] [turns=4] [gpu_blocks=64]
+        [offload_gib=0.05]      # configs/kv_offload.yaml; JSON in the Hydra run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
+from pathlib import Path
 from typing import Any
 
+from experiments.common.cli import hydra_app, settings
 from paged_llm import LLM, SamplingParams
 from paged_llm.metrics.run_info import run_info, write_json
 
@@ -45,25 +46,15 @@ def run_chat(llm: LLM, conversations: int, turns: int, message: int, reply: int,
     return time.perf_counter() - start, replies, computed, cached
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the three engines; write kv_offload.json; return it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--conversations", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--message", type=int, default=48, help="tokens of each user message")
-    p.add_argument("--reply", type=int, default=16, help="tokens of each reply")
-    p.add_argument("--gpu-blocks", type=int, default=64, help="device pool (blocks of 16)")
-    p.add_argument("--offload-gib", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="outputs/kv_offload")
-    args = p.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run it with the config's settings; write kv_offload.json into out_dir; return it."""
+    args = settings(cfg)
     common = dict(num_gpu_blocks_override=args.gpu_blocks, max_model_len=args.gpu_blocks * 16,
                   max_num_seqs=args.conversations, seed=args.seed)  # fmt: skip
     results, replies = {}, {}
     for name, extra in ENGINES.items():
         offload = args.offload_gib if name == "device + CPU tier" else 0.0
-        llm = LLM(args.model, kv_offloading_size=offload, **common, **extra)
+        llm = LLM(args.checkpoint, kv_offloading_size=offload, **common, **extra)
         chat = (args.conversations, args.turns, args.message, args.reply, args.seed)
         seconds, replies[name], computed, cached = run_chat(llm, *chat)
         kv = llm.llm_engine.scheduler.kv
@@ -82,14 +73,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[name]["same_replies_as_no_cache"] = replies[name] == base
     doc = {
         **run_info("real"),
-        "model": args.model,
+        "model": args.checkpoint,
         "settings": vars(args),
         "engines": results,
         "notes": "turns served round-robin across conversations; each prompt is the whole "
         "conversation so far; greedy replies of fixed length; one run per engine",
     }
-    print(f"wrote {write_json(args.out, 'kv_offload.json', doc)}")
+    print(f"wrote {write_json(out_dir, 'kv_offload.json', doc)}")
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.kv_offload [key=value ...]`` (configs/kv_offload.yaml)."""
+    hydra_app("kv_offload", write)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
 """What multi-LoRA serving costs the engine, and what batching several adapters together buys.
-Every system runs the same requests in one process, interleaved, fastest of ``--repeats``:
+Every system runs the same requests in one process, interleaved, fastest of ``repeats``:
 
     base          the model with LoRA off (the peer every other row is divided by)
     lora_unused   enable_lora, but no request names an adapter
     one_adapter   every request on one adapter
     merged        that adapter merged into the weights, LoRA off (a one-adapter deployment)
-    mixed         requests round-robin over ``--adapters`` adapters, max_loras = that many
+    mixed         requests round-robin over ``adapters`` adapters, max_loras = that many
     serial        the same requests with max_loras=1: one adapter's requests at a time
 
-    python -m experiments.lora_bench [--requests 32] [--prompt 64] [--tokens 64] [--rank 16]
-        [--adapters 4] [--repeats 2] [--threads N] [--out outputs/lora_bench]
+    python -m experiments.lora_bench [requests=32] [prompt=64] [tokens=64] [rank=16]
+        [adapters=4] [repeats=2] [threads=N]    # configs/lora_bench.yaml; JSON in the run dir
 
 The model is a random ~25M-parameter Llama (the throughput benchmark's shape, cached under
 $PAGED_LLM_CACHE); adapters are random PEFT-format checkpoints on all seven projections, written
@@ -18,9 +18,7 @@ without PEFT. Greedy, ``ignore_eos``; writes ``lora_bench.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -28,7 +26,8 @@ from typing import Any
 
 import torch
 
-from experiments.timing import fastest_interleaved
+from experiments.common.cli import command, hydra_app, settings
+from experiments.common.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
 from paged_llm.lora.request import LoRARequest
 from paged_llm.metrics.run_info import run_info, write_json
@@ -42,11 +41,11 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 
 def base_model() -> Path:
     """The benchmark's random Llama, written once into the cache."""
-    from experiments.throughput import _cached, save_random_llama
+    from experiments.common.checkpoints import cached, save_random_llama
     from paged_llm.models.presets import cache_root
 
     out = cache_root() / "lora-bench-llama-512x6"
-    return _cached(out, lambda tmp: save_random_llama(ARCH, tmp, torch.float32, seed=0))
+    return cached(out, lambda tmp: save_random_llama(ARCH, tmp, torch.float32, seed=0))
 
 
 def linear_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
@@ -125,22 +124,13 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(1, sum(len(p) for p in a))
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the comparison; write lora_bench.json; return it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
-    p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--adapters", type=int, default=4, help="adapters of the mixed rows")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", default="outputs/lora_bench")
-    args = p.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run it with the config's settings; write lora_bench.json into out_dir; return it."""
+    args = settings(cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
     model = base_model()
-    work = Path(args.out) / "checkpoints"
+    work = Path(out_dir) / "checkpoints"
     adapters = [
         LoRARequest(f"adapter{i}", i + 1, str(write_adapter(model, work / f"a{i}", args.rank, i)))
         for i in range(args.adapters)
@@ -168,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     output_tokens = n * args.tokens
     doc = {
         **run_info("real"),
-        "command": " ".join(["python -m experiments.lora_bench", *(argv or sys.argv[1:])]),
+        "command": command("experiments.lora_bench"),
         "model": {
             "arch": ARCH,
             "parameters_m": round(sum((i * o) for i, o in linear_shapes(model).values()) / 1e6, 2),
@@ -191,8 +181,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "base seconds / system seconds. parameters_m counts the adapted projections only.",
     }
     print(json.dumps({k: doc[k] for k in ("systems", "token_agreement")}, indent=2))
-    print(f"wrote {write_json(args.out, 'lora_bench.json', doc)}")
+    print(f"wrote {write_json(out_dir, 'lora_bench.json', doc)}")
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.lora_bench [key=value ...]`` (configs/lora_bench.yaml)."""
+    hydra_app("lora_bench", write)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What a mixture-of-experts layer costs the engine against the two dense models it sits between.
-Every system runs the same requests in one process, interleaved, fastest of ``--repeats``:
+Every system runs the same requests in one process, interleaved, fastest of ``repeats``:
 
     moe           Mixtral-style: E experts of intermediate size I, top-k routing per token
     dense_active  Llama with intermediate k * I: the MoE's parameters *used* per token
@@ -12,18 +12,16 @@ dense_active's weights and at large ones all of dense_total's; its FLOPs stay de
 The MoE's greedy tokens are also checked against transformers' own Mixtral on a few prompts,
 and one feed-forward block of each system is timed alone at several row counts.
 
-    python -m experiments.moe_bench [--requests 32] [--prompt 64] [--tokens 64] [--experts 8]
-        [--top-k 2] [--repeats 2] [--threads N] [--out outputs/moe_bench]
+    python -m experiments.moe_bench [requests=32] [prompt=64] [tokens=64] [experts=8] [top_k=2]
+        [repeats=2] [threads=N]    # configs/moe_bench.yaml; JSON in the Hydra run directory
 
 Writes ``moe_bench.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -31,7 +29,8 @@ from typing import Any
 
 import torch
 
-from experiments.timing import fastest_interleaved
+from experiments.common.cli import command, hydra_app, settings
+from experiments.common.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
 from paged_llm.metrics.run_info import run_info, write_json
 
@@ -44,7 +43,7 @@ def save_model(kind: str, out: Path, experts: int, top_k: int, seed: int = 0) ->
     """A random transformers checkpoint of one system, written once into ``out``."""
     import transformers as tf
 
-    from experiments.throughput import _cached
+    from experiments.common.checkpoints import cached
 
     def write(tmp: Path) -> None:
         if kind == "moe":
@@ -58,7 +57,7 @@ def save_model(kind: str, out: Path, experts: int, top_k: int, seed: int = 0) ->
             model = tf.AutoModelForCausalLM.from_config(config)
         model.save_pretrained(str(tmp))
 
-    return _cached(out, write)
+    return cached(out, write)
 
 
 def parameters_m(model_dir: Path) -> float:
@@ -138,20 +137,9 @@ def layer_times(tokens: int, experts: int, top_k: int, calls: int = 50) -> dict[
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the comparison; write moe_bench.json; return it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
-    p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--check-prompts", type=int, default=4, help="prompts checked against HF")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--layer-tokens", default="1,8,32,256", help="rows of the layer timings")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", default="outputs/moe_bench")
-    args = p.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run it with the config's settings; write moe_bench.json into out_dir; return it."""
+    args = settings(cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
     from paged_llm.models.presets import cache_root
@@ -171,11 +159,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     best, tokens = fastest_interleaved(runs, args.repeats)
     checked = prompts[: args.check_prompts]
     agreement = transformers_agreement(dirs["moe"], checked, tokens["moe"][: len(checked)])
-    layers = [layer_times(int(t), args.experts, args.top_k) for t in args.layer_tokens.split(",")]
+    layers = [layer_times(int(t), args.experts, args.top_k) for t in args.layer_tokens]
     output_tokens = args.requests * args.tokens
     doc = {
         **run_info("real"),
-        "command": " ".join(["python -m experiments.moe_bench", *(argv or sys.argv[1:])]),
+        "command": command("experiments.moe_bench"),
         "shape": {**SHAPE, "expert_intermediate_size": EXPERT_INTERMEDIATE},
         "settings": vars(args),
         "systems": {
@@ -198,8 +186,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     shown = ("systems", "moe_tokens_equal_transformers", "layer_ms")
     print(json.dumps({k: doc[k] for k in shown}, indent=2))
-    print(f"wrote {write_json(args.out, 'moe_bench.json', doc)}")
+    print(f"wrote {write_json(out_dir, 'moe_bench.json', doc)}")
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.moe_bench [key=value ...]`` (configs/moe_bench.yaml)."""
+    hydra_app("moe_bench", write)
 
 
 if __name__ == "__main__":

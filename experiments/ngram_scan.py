@@ -1,21 +1,25 @@
 """The n-gram drafter's match scan (``paged_llm/spec/ngram.py``): the Python loop against the
 numpy scan, per context length, on random token ids where nothing matches (the whole context is
 scanned, as for a sequence the drafter has nothing to offer) and on a small vocabulary where
-matches are near. Both run interleaved in one process; the fastest of ``--repeats`` counts.
+matches are near. Both run interleaved in one process; the fastest of ``repeats`` counts.
 The crossover sets ``VECTORISE_FROM``.
 
-    python -m experiments.ngram_scan [--lengths 64 256 384 1024 2048 4096] [--out DIR]
+    python -m experiments.ngram_scan [lengths=[64,256,384,1024,2048,4096]] [calls=50] [repeats=3]
+
+Writes ``ngram_scan.json`` into the Hydra run directory (configs/ngram_scan.yaml).
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from experiments.common.cli import hydra_app
 from paged_llm.metrics.run_info import run_info, write_json
 from paged_llm.spec.ngram import VECTORISE_FROM, scan_numpy, scan_python
 
@@ -63,20 +67,16 @@ def run(lengths: list[int], max_n: int, calls: int, repeats: int, seed: int) -> 
             "rows": rows}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """CLI: time the scans and write ``ngram_scan.json``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 384, 1024, 2048, 4096])
-    parser.add_argument("--max-n", type=int, default=4)
-    parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="outputs/ngram_scan")
-    args = parser.parse_args(argv)
-    doc = run(args.lengths, args.max_n, args.calls, args.repeats, args.seed)
-    path = write_json(args.out, "ngram_scan.json", doc)
-    print(f"wrote {path}")
+def write(cfg: Mapping[str, Any], out_dir: str | Path) -> dict[str, Any]:
+    """Time the scans with the config's settings; write ``ngram_scan.json`` into out_dir."""
+    doc = run(list(cfg["lengths"]), cfg["max_n"], cfg["calls"], cfg["repeats"], cfg["seed"])
+    print(f"wrote {write_json(out_dir, 'ngram_scan.json', doc)}")
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.ngram_scan [key=value ...]`` (configs/ngram_scan.yaml)."""
+    hydra_app("ngram_scan", write)
 
 
 if __name__ == "__main__":

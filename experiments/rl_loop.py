@@ -7,19 +7,20 @@ for its samples equal the trainer's for the same tokens under the same weights (
 biases every policy-gradient step). The task is a toy one so that any model learns it in a few
 steps: the reward is the fraction of completion tokens from a fixed set of token ids.
 
-    python -m experiments.rl_loop [--model DIR] [--steps 20] [--group 8] [--prompts 4]
-        [--max-tokens 16] [--lr 1e-2] [--sleep-level 2] [--out DIR]
+    python -m experiments.rl_loop [checkpoint=DIR] [steps=20] [group=8] [prompts=4] [max_tokens=16]
+        [lr=1e-2] [sleep_level=2]    # configs/rl_loop.yaml; JSON in the Hydra run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from experiments.common.cli import hydra_app, settings
 from paged_llm import LLM, SamplingParams
 from paged_llm.metrics.run_info import run_info, write_json
 from paged_llm.models.presets import default_model_dir
@@ -59,22 +60,12 @@ def grpo_step(policy: Any, optimizer: Any, groups: list[tuple[list[int], list[An
     return {"logprob_gap_max": max(gaps), "logprob_gap_mean": statistics.fmean(gaps)}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the loop; write rl_loop.json; return it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="a local HF Llama-family checkpoint")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO's G)")
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--sleep-level", type=int, default=2, choices=(0, 1, 2), help="0: no sleep")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="outputs/rl_loop")
-    args = p.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run it with the config's settings; write rl_loop.json into out_dir; return it."""
+    args = settings(cfg)
     import transformers
 
-    path = args.model or str(default_model_dir())
+    path = args.checkpoint or str(default_model_dir())
     torch.manual_seed(args.seed)
     llm = LLM(path, enable_sleep_mode=args.sleep_level > 0, cpu_kv_cache_gib=0.05, seed=args.seed)
     policy = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -118,8 +109,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "update); logprob_gap is |trainer - engine| log p of the sampled tokens under the "
         "same weights, per sample the largest over its tokens",
     }
-    print(f"wrote {write_json(args.out, 'rl_loop.json', doc)}")
+    print(f"wrote {write_json(out_dir, 'rl_loop.json', doc)}")
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.rl_loop [key=value ...]`` (configs/rl_loop.yaml)."""
+    hydra_app("rl_loop", write)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,17 @@
 """One huge prompt against a live ``python -m paged_llm.serve`` process: how long its refusal
 takes, whether a small completion sent at the same moment still completes (and how long it
 takes, beside the same small request sent alone: the peer), and how much the server's memory
-grows (resident set after, and peak, from /proc). Per server body limit (``--body-limit-mb``,
+grows (resident set after, and peak, from /proc). Per server body limit (``body_limit_mb``,
 one server process each): the huge prompt (413 while reading when it is over the limit, else a
 400 from its length alone) and a prompt under the limit that cannot fit the context (a 400 from
 its length alone).
 
-    python -m experiments.serve_big_prompt [--model tiny] [--prompt-mb 50] [--under-limit-mb 8]
-        [--body-limit-mb 16 64] [--out outputs/serve_big_prompt]
+    python -m experiments.serve_big_prompt [checkpoint=tiny] [prompt_mb=50] [under_limit_mb=8]
+        [body_limit_mb=[16,64]]    # configs/serve_big_prompt.yaml; JSON in the run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -29,6 +28,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from experiments.common.cli import hydra_app, settings
 from paged_llm.metrics.run_info import run_info, write_json
 
 SMALL = {"prompt": "def fib(n):", "max_tokens": 8, "temperature": 0}
@@ -184,35 +184,27 @@ def run(model: str, prompt_mb: float, under_limit_mb: float, max_model_len: int 
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the measurement; write serve_big_prompt.json; return it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--prompt-mb", type=float, default=50.0, help="the huge prompt, MiB")
-    p.add_argument("--under-limit-mb", type=float, default=8.0,
-                   help="MiB, under every body limit but beyond the context")  # fmt: skip
-    p.add_argument(
-        "--body-limit-mb",
-        type=float,
-        nargs="+",
-        default=[16.0],
-        help="the servers' --max-request-body-bytes, in MiB (one server each)",
-    )
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--out", default="outputs/serve_big_prompt")
-    args = p.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run the measurement with the config's settings; write serve_big_prompt.json into
+    out_dir; return it."""
+    args = settings(cfg)
     if any(args.under_limit_mb >= limit for limit in args.body_limit_mb):
-        p.error("--under-limit-mb must be under every --body-limit-mb")
-    runs = [run(args.model, args.prompt_mb, args.under_limit_mb, args.max_model_len, limit)
+        raise ValueError("under_limit_mb must be under every body_limit_mb")
+    runs = [run(args.checkpoint, args.prompt_mb, args.under_limit_mb, args.max_model_len, limit)
             for limit in args.body_limit_mb]  # fmt: skip
-    doc = {**run_info("real"), "model": args.model, "prompt_mib": args.prompt_mb, "runs": runs}
-    path = write_json(args.out, "serve_big_prompt.json", doc)
+    doc = {**run_info("real"), "model": args.checkpoint, "prompt_mib": args.prompt_mb, "runs": runs}
+    path = write_json(out_dir, "serve_big_prompt.json", doc)
     print(f"wrote {path}")
     for r in runs:
         print(f"body limit {r['body_limit_mib']} MiB:", {k: r[k] for k in
               ("huge_prompt", "under_body_limit_too_long")})  # fmt: skip
         print("  small request alone (median s):", r["small_request_alone_seconds_median"])
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.serve_big_prompt [key=value ...]`` (its config in configs/)."""
+    hydra_app("serve_big_prompt", write)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,12 @@ awake, asleep and woken again; the seconds to sleep, to wake the weights, to wri
 same run: building a fresh engine from the checkpoint, which is what sleep mode saves. Greedy
 outputs after each wake are checked against the outputs before.
 
-    python -m experiments.sleep_mode [--device auto] [--kv-gib 1.0] [--hidden 768]
-        [--layers 12] [--out DIR]
+    python -m experiments.sleep_mode [engine_device=auto] [kv_gib=1.0] [hidden=768] [layers=12]
+        # configs/sleep_mode.yaml; JSON in the Hydra run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 
+from experiments.common.cli import hydra_app, settings
 from paged_llm import LLM, SamplingParams
 from paged_llm.metrics.run_info import run_info, write_json
 from paged_llm.recipes.cache import cache_root
@@ -97,18 +97,11 @@ def one_level(llm: LLM, level: int, weights: dict[str, torch.Tensor], want: Any)
     return row
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run both levels and the fresh-engine peer; write sleep_mode.json; return it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--kv-gib", type=float, default=1.0, help="KV pool on the CPU (GiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--out", default="outputs/sleep_mode")
-    args = p.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run it with the config's settings; write sleep_mode.json into out_dir; return it."""
+    args = settings(cfg)
     path, hf = checkpoint(args.hidden, args.layers)
-    kwargs = dict(device=args.device, cpu_kv_cache_gib=args.kv_gib, max_model_len=2048,
+    kwargs = dict(device=args.engine_device, cpu_kv_cache_gib=args.kv_gib, max_model_len=2048,
                   gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     # the peer: a fresh engine from the checkpoint (the faster of two: the first also pays
     # one-time imports and the CPU kernel's load)
@@ -135,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fresh_engine_s builds a new engine from the checkpoint on disk (page cache warm), "
         "faster of two",
     }
-    out = write_json(args.out, "sleep_mode.json", doc)
+    out = write_json(out_dir, "sleep_mode.json", doc)
     for row in levels:
         print(
             f"level {row['level']}: sleep {row['sleep_s']:.3f} s, wake weights "
@@ -150,6 +143,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _total(m: dict[str, float]) -> float:
     return m["engine_weights_gib"] + m["engine_kv_gib"]
+
+
+def main() -> None:
+    """``python -m experiments.sleep_mode [key=value ...]`` (configs/sleep_mode.yaml)."""
+    hydra_app("sleep_mode", write)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What freeing blocks behind a sliding window buys: the same windowed model (a random Mistral,
 window W) in the same small KV pool, with and without the paged policy freeing each sequence's
 blocks once they fall behind its window, on long generations, interleaved in one process,
-fastest of ``--repeats``:
+fastest of ``repeats``:
 
     free_behind_window   the engine as built: a decoding sequence holds ~W tokens of KV
     keep_all_blocks      the same engine with its policy's window unset: every block is kept
@@ -11,36 +11,25 @@ Both compute the same attention (the window is the model's), so their tokens mus
 the difference is how many sequences the pool holds at once, hence the batch size and the
 throughput. Writes ``sliding_window_bench.json``.
 
-    python -m experiments.sliding_window_bench [--requests 24] [--prompt-len 64]
-        [--output-len 448] [--window 128] [--num-blocks 64] [--block-size 16] [--repeats 2]
-        [--threads N] [--out outputs/sliding_window_bench]
+    python -m experiments.sliding_window_bench [requests=24] [prompt_len=64] [output_len=448]
+        [window=128] [num_blocks=64] [block_size=16] [repeats=2] [threads=N]
+        # configs/sliding_window_bench.yaml; JSON in the Hydra run directory
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from experiments.timing import fastest_interleaved
+from experiments.common.cli import command, hydra_app, settings
+from experiments.common.timing import fastest_interleaved
 from paged_llm import LLM, SamplingParams
 from paged_llm.core.kv.paged import PagedKVCacheManager, live_blocks
 from paged_llm.metrics.run_info import run_info, write_json
-
-
-class KeepAllBlocks(PagedKVCacheManager):
-    """The paged policy without the release behind the window: it keeps every block (the
-    baseline; chosen through the ``policy`` option, since the release is attached when the
-    manager is built)."""
-
-    def __init__(self, *args: Any, sliding_window: int | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-
 
 ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, vocab_size=4096, max_position_embeddings=4096,
@@ -51,7 +40,7 @@ def model_dir(window: int) -> Path:
     """The benchmark's random Mistral with a ``window``-token sliding window, cached."""
     import transformers as tf
 
-    from experiments.throughput import _cached
+    from experiments.common.checkpoints import cached
     from paged_llm.models.presets import cache_root
 
     def write(tmp: Path) -> None:
@@ -60,7 +49,15 @@ def model_dir(window: int) -> Path:
             model = tf.MistralForCausalLM(tf.MistralConfig(**ARCH, sliding_window=window))
         model.save_pretrained(str(tmp))
 
-    return _cached(cache_root() / f"sliding-window-bench-mistral-256x4-w{window}", write)
+    return cached(cache_root() / f"sliding-window-bench-mistral-256x4-w{window}", write)
+
+
+class KeepEveryBlock(PagedKVCacheManager):
+    """The paged policy without freeing behind the window: every block stays until the request
+    ends (the peer of the same engine that frees them; the model still attends in its window)."""
+
+    def __init__(self, *args: Any, sliding_window: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
 
 
 def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, dict]:
@@ -95,19 +92,9 @@ def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[flo
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the comparison; write sliding_window_bench.json; return it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=448)
-    p.add_argument("--window", type=int, default=128)
-    p.add_argument("--num-blocks", type=int, default=64, help="KV pool size in blocks")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", default="outputs/sliding_window_bench")
-    args = p.parse_args(argv)
+def write(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
+    """Run it with the config's settings; write sliding_window_bench.json into out_dir."""
+    args = settings(cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = model_dir(args.window)
@@ -120,8 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        max_model_len=args.prompt_len + args.output_len,
                        max_num_seqs=args.requests)  # fmt: skip
     freeing = LLM(str(path), **engine_args)
-    keep_all = {"_target_": "experiments.sliding_window_bench.KeepAllBlocks"}
-    keeping = LLM(str(path), policy=keep_all, **engine_args)
+    keeping = LLM(str(path), policy="experiments.sliding_window_bench.KeepEveryBlock",
+                  **engine_args)  # fmt: skip
     assert freeing.llm_engine.scheduler.kv.sliding_window == args.window
     assert keeping.llm_engine.scheduler.kv.sliding_window is None  # it keeps every block
     systems = {
@@ -133,9 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     identical = runs["free_behind_window"]["tokens"] == runs["keep_all_blocks"]["tokens"]
     doc = {
         **run_info("real"),
-        "command": " ".join(
-            ["python -m experiments.sliding_window_bench", *(argv or sys.argv[1:])]
-        ),
+        "command": command("experiments.sliding_window_bench"),
         "model": {
             "arch": ARCH,
             "sliding_window": args.window,
@@ -154,14 +139,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name, s in best.items()
         },
         "notes": "fastest of repeats, systems interleaved in one process; both engines run the "
-        "same model and pool; keep_all_blocks is the same engine with the paged policy's "
-        "sliding_window unset, so it holds every block until the request ends.",
+        "same model and pool; keep_all_blocks is the same engine with the paged policy "
+        "given no sliding window (KeepEveryBlock), so it holds every block until the request ends.",
     }
     print(json.dumps(doc["systems"], indent=2))
-    print(f"wrote {write_json(args.out, 'sliding_window_bench.json', doc)}")
+    print(f"wrote {write_json(out_dir, 'sliding_window_bench.json', doc)}")
     if not identical:
         raise SystemExit("the two engines generated different tokens")
     return doc
+
+
+def main() -> None:
+    """``python -m experiments.sliding_window_bench [key=value ...]`` (its config in configs/)."""
+    hydra_app("sliding_window_bench", write)
 
 
 if __name__ == "__main__":

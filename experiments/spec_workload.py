@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from paged_llm import LLM, SamplingParams
 
@@ -70,35 +67,3 @@ def forwards_since(llm: LLM, before: dict[str, int]) -> dict[str, int]:
     ``forward_kinds``): graph replays and eager forwards by kind, those that happened."""
     now = llm.llm_engine.runner.forward_kinds
     return {kind: n - before.get(kind, 0) for kind, n in now.items() if n > before.get(kind, 0)}
-
-
-class PhaseClock:
-    """Wall and process CPU seconds per named phase, from wrappers set on instances' methods;
-    methods wrapped under one name add up. On CUDA each wrapped call ends with a device
-    synchronize, so GPU work counts in the phase that launched it."""
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device or torch.device("cpu")
-        self.seconds: dict[str, float] = {}
-        self.cpu_seconds: dict[str, float] = {}
-
-    def wrap(self, obj: Any, attr: str, phase: str) -> None:
-        """Time ``obj.attr`` (a bound method, replaced on the instance) as ``phase``."""
-        fn = getattr(obj, attr)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start, cpu = time.perf_counter(), time.process_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-                cpu_s = self.cpu_seconds.get(phase, 0.0) + time.process_time() - cpu
-                self.cpu_seconds[phase] = cpu_s
-
-        setattr(obj, attr, timed)
-
-    def reset(self) -> None:
-        """Forget the seconds counted so far."""
-        self.seconds, self.cpu_seconds = {}, {}

@@ -14,13 +14,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import os
-import platform
-import random
 import shlex
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +24,14 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import hf_baselines
-from experiments.bench_model import _cached, hf_config, resolve_model_dir, save_random_llama
+from experiments.bench_model import hf_config, resolve_model_dir
+from experiments.common import hf_baselines
+from experiments.common.cli import CONFIG_DIR
+from experiments.common.hardware import host_info
+from experiments.common.timing import Timer
+from experiments.common.workloads import Workload, length_pairs, random_prompt_workload
 from paged_llm.config_groups import preflight, quant_spec, speculative_spec
 from paged_llm.workloads import lengths as wl
-
-__all__ = ["_cached", "resolve_model_dir", "save_random_llama"]  # other benchmarks import these
 
 logger = logging.getLogger(__name__)
 
@@ -44,54 +42,19 @@ TIMING_NOTE = (
     "interleaved across systems; rates use the fastest run. Model loading and engine/manager "
     "set-up are not timed. cpu_s is the process CPU time (all threads) of that run."
 )
-# Absolute, so Hydra finds the YAML whether this runs as ``-m`` (a file) or is imported and
-# called (a module, where a relative path would be looked up as a Python package).
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
-
-
-@dataclass
-class Workload:
-    """The benchmark's requests: prompt token ids and the output length each must produce."""
-
-    prompts: list[list[int]]
-    output_lens: list[int]
-    source: str  # "trace:<path>" or "synthetic"
-
-    @property
-    def input_tokens(self) -> int:
-        """Total prompt tokens."""
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        """Total requested output tokens."""
-        return sum(self.output_lens)
-
-    def head(self, n: int, max_tokens: int) -> Workload:
-        """The first n requests with outputs capped at max_tokens (for warm-up runs)."""
-        outs = [min(o, max_tokens) for o in self.output_lens[:n]]
-        return Workload(self.prompts[:n], outs, self.source)
 
 
 # ---- workload ---------------------------------------------------------------------------------
-def length_pairs(cfg: DictConfig, num_requests: int, seed: int) -> tuple[list[wl.LengthPair], str]:
-    """(input_len, output_len) pairs from the trace or the synthetic fit, before scaling."""
-    if cfg.path:
-        path = hydra.utils.to_absolute_path(str(cfg.path))
-        pool = wl.filter_total_below(wl.load_length_csv(path), cfg.filter_total_below)
-        return wl.sample_pairs(pool, num_requests, seed), f"trace:{cfg.path}"
-    if cfg.synthetic not in SYNTHETIC:
-        raise ValueError(f"unknown synthetic workload '{cfg.synthetic}'; one of {list(SYNTHETIC)}")
-    return wl.synthetic_lengths(num_requests, seed, SYNTHETIC[cfg.synthetic]), "synthetic"
-
-
 def build_workload(cfg: DictConfig, num_requests: int, vocab_size: int, seed: int) -> Workload:
-    """Sample and scale lengths, then draw random prompt token ids (all from ``seed``)."""
-    pairs, source = length_pairs(cfg, num_requests, seed)
-    pairs = wl.scale_to_max_total(pairs, cfg.max_total)
-    rng = random.Random(seed + 1)  # its own stream: changing lengths keeps ids reproducible
-    prompts = [[rng.randrange(vocab_size) for _ in range(p.input_len)] for p in pairs]
-    return Workload(prompts, [p.output_len for p in pairs], source)
+    """The ``workload`` group's requests: lengths from its trace or synthetic fit, scaled to
+    ``max_total``, random prompt token ids (all from ``seed``)."""
+    if not cfg.path and cfg.synthetic not in SYNTHETIC:
+        raise ValueError(f"unknown synthetic workload '{cfg.synthetic}'; one of {list(SYNTHETIC)}")
+    trace = hydra.utils.to_absolute_path(str(cfg.path)) if cfg.path else None
+    pairs, source = length_pairs(
+        num_requests, seed, trace, cfg.filter_total_below, SYNTHETIC.get(cfg.synthetic, wl.SHAREGPT)
+    )
+    return random_prompt_workload(pairs, source, vocab_size, cfg.max_total, seed)
 
 
 # ---- systems ----------------------------------------------------------------------------------
@@ -113,7 +76,7 @@ def run_engine(llm: Any, work: Workload) -> hf_baselines.SystemRun:
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in work.output_lens
     ]
-    with hf_baselines.Timer() as timer:
+    with Timer() as timer:
         outs = llm.generate(prompts, params, use_tqdm=False)
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     notes = ["greedy, ignore_eos, max_tokens = output_len; all requests queued at once"]
@@ -193,36 +156,6 @@ def compare_outputs(reference: list[list[int]], other: list[list[int]]) -> dict[
         "identical_requests": sum(same),
         "num_requests": len(reference),
         "first_mismatch": first,
-    }
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform.processor() elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def hardware(device: str) -> dict[str, Any]:
-    """Where the benchmark ran."""
-    import transformers
-
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return {
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "cpus_available": affinity,
-        "torch_threads": torch.get_num_threads(),
-        "device": device,
-        "cuda_device": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
     }
 
 
@@ -309,7 +242,7 @@ def build_result(
         "command": command_line(overrides),
         "argv": list(sys.argv),
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "hardware": hardware(cfg.device),
+        "hardware": host_info(cfg.device),
         "model": {
             "dir": str(model_dir),
             "architecture": hf_model.config.architectures,

@@ -222,11 +222,10 @@ def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch):
 
 def test_cpu_attention_benchmark_writes_json(tmp_path):
     from experiments import cpu_attention
+    from paper_repro.common import compose
 
-    result = cpu_attention.main(
-        ["--batch", "3", "--context", "40", "--threads", "1", "--repeats", "1",
-         "--out", str(tmp_path)]
-    )  # fmt: skip
+    cfg = compose("cpu_attention", ["batch=[3]", "context=[40]", "threads=[1]", "repeats=1"])
+    result = cpu_attention.write(cfg, tmp_path)
     (row,) = result["results"]
     assert row["native_ms"] > 0 and row["torch_ms"] > 0 and row["read_ms"] > 0
     assert row["max_abs_diff"] < 1e-5  # the two paths agree
@@ -234,13 +233,13 @@ def test_cpu_attention_benchmark_writes_json(tmp_path):
 
 
 def test_cpu_attention_benchmark_query_lengths(tmp_path):
-    """--query-len times kernel rows against SDPA for multi-token queries; the paths agree."""
+    """query_len times kernel rows against SDPA for multi-token queries; the paths agree."""
     from experiments import cpu_attention
+    from paper_repro.common import compose
 
-    result = cpu_attention.main(
-        ["--batch", "2", "--context", "40", "--threads", "1", "--repeats", "1",
-         "--query-len", "3", "20", "--out", str(tmp_path)]
-    )  # fmt: skip
+    cfg = compose("cpu_attention", ["batch=[2]", "context=[40]", "threads=[1]", "repeats=1",
+                                    "query_len=[3,20]"])  # fmt: skip
+    result = cpu_attention.write(cfg, tmp_path)
     assert [r["query_len"] for r in result["results"]] == [3, 20]
     for row in result["results"]:
         assert row["rows_ms"] > 0 and row["sdpa_ms"] > 0

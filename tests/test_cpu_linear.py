@@ -74,11 +74,10 @@ def test_engine_outputs_match_with_and_without_onednn(tiny_llama):
 
 def test_cpu_matmul_benchmark_writes_json(tmp_path):
     from experiments import cpu_matmul
+    from paper_repro.common import compose
 
-    result = cpu_matmul.main(
-        ["--shape", "draft", "--rows", "1", "16", "--threads", "1", "--repeats", "1",
-         "--out", str(tmp_path)]
-    )  # fmt: skip
+    cfg = compose("cpu_matmul", ["shape=draft", "rows=[1,16]", "threads=[1]", "repeats=1"])
+    result = cpu_matmul.write(cfg, tmp_path)
     saved = (tmp_path / "cpu_matmul.json").read_text()
     assert result["mode"] == "real" and '"onednn_speedup"' in saved
     assert [(r["threads"], r["rows"]) for r in result["results"]] == [(1, 1), (1, 16)]

@@ -99,9 +99,10 @@ def test_tokenizers_that_clean_up_spaces_decode_everything():
 
 def test_detokenize_experiment_compares_the_ways_on_the_same_texts(tmp_path):
     from experiments import detokenize
+    from paper_repro.common import compose
 
-    doc = detokenize.main(["--requests", "3", "--tokens", "20", "--repeats", "1",
-                           "--out", str(tmp_path)])  # fmt: skip
+    cfg = compose("detokenize", ["requests=3", "tokens=20", "repeats=1"])
+    doc = detokenize.write(cfg, tmp_path)
     assert doc["mode"] == "real" and doc["same_texts"]
     assert set(doc["seconds"]) == set(detokenize.WAYS)
     assert (tmp_path / "detokenize.json").is_file()

@@ -368,22 +368,3 @@ def test_a_heads_key_follows_its_targets_recipe(monkeypatch):
     monkeypatch.setitem(trained.RECIPES, "target", changed)
     assert trained.recipe("eagle").key() != key
     assert trained.recipe("eagle").corpus == trained.recipe("target").corpus
-
-
-def test_the_first_step_experiment_pairs_both_variants(trained_pair, tmp_path):
-    # trained_pair: the built-in test models, which the experiment takes by name
-    from experiments import eagle_first_step
-
-    out = tmp_path / "first_step.json"
-    doc = eagle_first_step.main([
-        "--out", str(out), "--target", "test-target", "--eagle", "test-eagle",
-        "--ks", "2", "--batch-sizes", "1", "--rounds", "2", "--num-prompts", "2",
-        "--max-tokens", "8",
-    ])  # fmt: skip
-    (cell,) = doc["cells"]
-    assert cell["k"] == 2 and len(cell["rounds"]) == 2
-    for times in cell["rounds"]:
-        assert set(times) == {"fused", "unfused"}
-        assert all(0 < t["drafter_s"] < t["wall_s"] for t in times.values())
-    assert doc["mode"] == "real" and "cpu" in doc["hardware"]
-    assert out.exists()

@@ -76,8 +76,9 @@ def test_int_tensor_matches_torch_tensor_and_outlives_its_buffer():
 
 def test_step_inputs_bench_writes_json(tmp_path):
     from experiments import bench_step_inputs
+    from paper_repro.common import compose
 
-    doc = bench_step_inputs.main(["--reps", "1", "--out", str(tmp_path / "b.json")])
+    doc = bench_step_inputs.write(compose("bench_step_inputs", ["reps=1"]), tmp_path)
     assert doc["what"].startswith("real host-side") and doc["hardware"]["cpu"]
     rows = doc["cases"]
     assert rows["decode_256"]["graph_key"] == [256, 1]
@@ -89,13 +90,13 @@ def test_host_step_bench_writes_each_kind(tmp_path):
     """experiments/bench_host_step.py on a few requests: every output kind's phases, the
     host sum over the phases a GPU waits through, and what and where it measured."""
     from experiments import bench_host_step
+    from paper_repro.common import compose
 
-    out = tmp_path / "h.json"
-    argv = ["--requests", "3", "--steps", "2", "--repeats", "2", "--out", str(out)]
-    doc = bench_host_step.main(argv)
-    assert json.loads(out.read_text()) == doc
+    cfg = compose("bench_host_step", ["requests=3", "steps=2", "repeats=2"])
+    doc = bench_host_step.write(cfg, tmp_path)
+    assert json.loads((tmp_path / "bench_host_step.json").read_text()) == doc
     assert doc["what"].startswith("real host-side") and doc["hardware"]["cpu"]
-    assert "bench_host_step --requests 3" in doc["command"]
+    assert doc["command"].startswith("python -m experiments.bench_host_step")
     assert list(doc["kinds"]) == list(bench_host_step.KINDS)
     for row in doc["kinds"].values():
         phases = row["phases_ms"]
@@ -104,8 +105,8 @@ def test_host_step_bench_writes_each_kind(tmp_path):
         assert row["batch"] == 3 and len(row["host_ms_windows"]) == 2
         # medians of two windows are their means: the phases' sum is the host sum's median
         assert 0 < row["host_ms"] == pytest.approx(expected)
-    with pytest.raises(SystemExit, match="unknown output kinds"):
-        bench_host_step.main(["--kinds", "streaming", "--out", str(out)])
+    with pytest.raises(ValueError, match="unknown output kinds"):
+        bench_host_step.write(compose("bench_host_step", ["kinds=[streaming]"]), tmp_path)
 
 
 def test_to_device_copies_through_pinned_memory_only_to_a_gpu(monkeypatch):

@@ -37,8 +37,8 @@ def test_hot_loop_counts_the_longest_backward_branch():
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90_and_int4_gemv_loop_is_lean(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    cmd = [sys.executable, "-m", "experiments.kernel_compile_report", "--arch", "90",
-           "--dtypes", "bf16", "--out", str(tmp_path)]  # fmt: skip
+    cmd = [sys.executable, "-m", "experiments.kernel_compile_report", "arch=[90]",
+           "dtypes=[bf16]", f"hydra.run.dir={tmp_path}"]  # fmt: skip
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
     doc = json.loads((tmp_path / "kernel_compile.json").read_text())
     assert doc["all_ok"] and doc["measured"] is False, [r for r in doc["rows"] if not r["ok"]]

@@ -86,10 +86,12 @@ def test_an_evicted_prefix_comes_back_from_cpu_memory(mode):
 
 
 def test_the_chat_experiment_caches_more_with_the_tier_and_answers_the_same(tmp_path):
-    from experiments.kv_offload import main
+    from experiments.kv_offload import write
+    from paper_repro.common import compose
 
-    doc = main(["--conversations", "6", "--turns", "3", "--message", "16", "--reply", "4",
-                "--gpu-blocks", "16", "--offload-gib", "0.01", "--out", str(tmp_path)])  # fmt: skip
+    cfg = compose("kv_offload", ["conversations=6", "turns=3", "message=16", "reply=4",
+                                 "gpu_blocks=16", "offload_gib=0.01"])  # fmt: skip
+    doc = write(cfg, tmp_path)
     runs = doc["engines"]
     assert all(r["same_replies_as_no_cache"] for r in runs.values())
     assert runs["no prefix cache"]["prompt_tokens_cached"] == 0

@@ -250,11 +250,13 @@ def test_chained_keys_name_prefixes():
 def test_the_disaggregation_experiment_serves_the_same_tokens(tmp_path):
     """Three systems on one trace (separate processes): the decode engine loads every full
     prompt block the prefill engine saved and returns the colocated engine's tokens."""
-    from experiments.disagg_prefill import main
+    from experiments.disagg_prefill import write
+    from paper_repro.common import compose
 
-    doc = main(["--model", "tiny", "--requests", "5", "--rate", "5", "--prompt", "64",
-                "--output", "6", "--gpu-blocks", "128", "--max-model-len", "256",
-                "--out", str(tmp_path)])  # fmt: skip
+    overrides = ["checkpoint=tiny", "requests=5", "rate=5", "prompt=64", "output=6",
+                 "gpu_blocks=128", "max_model_len=256"]  # fmt: skip
+    cfg = compose("disagg_prefill", overrides)
+    doc = write(cfg, tmp_path)
     assert json.loads((tmp_path / "disagg_prefill.json").read_text())["mode"] == "real"
     systems = doc["systems"]
     assert list(systems) == ["colocated", "colocated, chunked prefill", "disaggregated"]

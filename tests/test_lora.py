@@ -559,10 +559,12 @@ def test_lora_bench_runs_and_agrees(tmp_path):
     """The benchmark's smoke run: every system timed, and the systems that must compute the
     same tokens do (an adapter merged into the weights may flip a near-tie, so it is reported,
     not asserted)."""
-    from experiments.lora_bench import main
+    from experiments.lora_bench import write
+    from paper_repro.common import compose
 
-    doc = main(["--requests", "3", "--prompt", "8", "--tokens", "4", "--rank", "4",
-                "--adapters", "2", "--repeats", "1", "--out", str(tmp_path)])  # fmt: skip
+    cfg = compose("lora_bench", ["requests=3", "prompt=8", "tokens=4", "rank=4", "adapters=2",
+                                 "repeats=1"])  # fmt: skip
+    doc = write(cfg, tmp_path)
     assert set(doc["systems"]) == {"base", "lora_unused", "one_adapter", "merged", "mixed",
                                    "serial"}  # fmt: skip
     assert all(s["output_tokens_per_s"] > 0 for s in doc["systems"].values())

@@ -298,10 +298,11 @@ def test_moe_bench_runs_and_agrees(tmp_path):
     """The benchmark's smallest run: its MoE generates transformers' tokens, and it reports
     every system and every layer row."""
     from experiments import moe_bench
+    from paper_repro.common import compose
 
-    doc = moe_bench.main(["--requests", "2", "--prompt", "6", "--tokens", "4", "--experts", "2",
-                          "--top-k", "1", "--repeats", "1", "--layer-tokens", "1,4",
-                          "--check-prompts", "2", "--out", str(tmp_path)])  # fmt: skip
+    cfg = compose("moe_bench", ["requests=2", "prompt=6", "tokens=4", "experts=2", "top_k=1",
+                                "repeats=1", "layer_tokens=[1,4]", "check_prompts=2"])  # fmt: skip
+    doc = moe_bench.write(cfg, tmp_path)
     assert json.loads((tmp_path / "moe_bench.json").read_text())["mode"] == "real"
     assert doc["moe_tokens_equal_transformers"] == 1.0
     assert set(doc["systems"]) == {"moe", "dense_active", "dense_total"}

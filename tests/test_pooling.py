@@ -369,9 +369,10 @@ def test_tensor_parallel_pooling_matches_one_process(qwen3):
 def test_embed_bench_runs_and_agrees(tmp_path):
     """The benchmark's smallest run: transformers' embeddings equal the engine's."""
     from experiments import embed_bench
+    from paper_repro.common import compose
 
-    doc = embed_bench.main(["--prompts", "5", "--mean-len", "8", "--batch", "2", "--repeats",
-                            "1", "--out", str(tmp_path)])  # fmt: skip
+    cfg = compose("embed_bench", ["prompts=5", "mean_len=8", "batch=2", "repeats=1"])
+    doc = embed_bench.write(cfg, tmp_path)
     assert json.loads((tmp_path / "embed_bench.json").read_text())["mode"] == "real"
     assert set(doc["systems"]) == {"paged_llm", "hf_padded", "hf_sorted"}
     for s in doc["systems"].values():

@@ -339,10 +339,11 @@ def test_big_prompt_benchmark(tmp_path):
     under both (400 from its length alone). The small request sent at the same time completes,
     and the server's memory grows by less than 200 MB."""
     from experiments import serve_big_prompt
+    from paper_repro.common import compose
 
-    doc = serve_big_prompt.main(["--prompt-mb", "20", "--under-limit-mb", "6",
-                                 "--body-limit-mb", "16", "32", "--max-model-len", "512",
-                                 "--out", str(tmp_path)])  # fmt: skip
+    cfg = compose("serve_big_prompt", ["prompt_mb=20", "under_limit_mb=6",
+                                       "body_limit_mb=[16,32]", "max_model_len=512"])  # fmt: skip
+    doc = serve_big_prompt.write(cfg, tmp_path)
     assert doc["mode"] == "real" and (tmp_path / "serve_big_prompt.json").is_file()
     over_limit, under_limit = doc["runs"]
     assert over_limit["huge_prompt"]["huge"]["status"] == 413

@@ -62,10 +62,12 @@ def test_bad_layouts_are_refused():
 
 
 def test_the_sweep_reports_goodput_per_gpu(tmp_path):
-    from experiments.disagg_sim import main, parse_layout
+    from experiments.disagg_sim import parse_layout, write
+    from paper_repro.common import compose
 
-    doc = main(["--duration", "20", "--rates", "1", "2", "--layouts", "colocated:2",
-                "disaggregated:1:1", "--out", str(tmp_path)])  # fmt: skip
+    cfg = compose("disagg_sim", ["duration=20", "rates=[1,2]",
+                                 "layouts=[colocated:2,disaggregated:1:1]"])  # fmt: skip
+    doc = write(cfg, tmp_path)
     assert doc["mode"] == "simulated" and doc["hardware"].endswith("A100-40GB per instance")
     assert set(doc["goodput"]) == {"colocated:2", "disaggregated:1:1"}
     assert all(0 <= g["goodput_per_gpu"] <= 1.0 for g in doc["goodput"].values())

@@ -289,9 +289,10 @@ def test_the_sleep_log_says_what_the_driver_got_back_where_it_knows():
 
 
 def test_the_experiment_measures_both_levels(tmp_path):
-    from experiments.sleep_mode import main
+    from experiments.sleep_mode import write
+    from paper_repro.common import compose
 
-    doc = main(["--hidden", "64", "--layers", "1", "--kv-gib", "0.01", "--out", str(tmp_path)])
+    doc = write(compose("sleep_mode", ["hidden=64", "layers=1", "kv_gib=0.01"]), tmp_path)
     assert doc["mode"] == "real" and doc["hardware"]["device"] == "cpu"
     assert (tmp_path / "sleep_mode.json").is_file() and doc["fresh_engine_s"] > 0
     for row in doc["levels"]:
@@ -310,11 +311,12 @@ def test_an_rl_loop_learns_and_the_engine_agrees_with_the_trainer(tmp_path):
     weights, repeat. Every step the engine's logprobs of its samples equal the trainer's under
     the same weights; the reward rises; and sleeping changes nothing (the same run without it
     draws the same samples)."""
-    from experiments.rl_loop import main
+    from experiments.rl_loop import write
+    from paper_repro.common import compose
 
-    args = ["--steps", "6", "--group", "4", "--prompts", "2", "--out", str(tmp_path)]
-    slept = main([*args, "--sleep-level", "2"])["steps"]
-    awake = main([*args, "--sleep-level", "0"])["steps"]
+    args = ["steps=6", "group=4", "prompts=2"]
+    slept = write(compose("rl_loop", [*args, "sleep_level=2"]), tmp_path)["steps"]
+    awake = write(compose("rl_loop", [*args, "sleep_level=0"]), tmp_path)["steps"]
     assert all(row["logprob_gap_max"] < 1e-4 for row in slept)
     rewards = [r["mean_reward"] for r in slept]
     assert sum(rewards[-2:]) > sum(rewards[:2])

@@ -378,11 +378,11 @@ def test_parallel_samples_and_beams_share_blocks_past_the_window(tiny_mistral):
 
 def test_sliding_window_benchmark_writes_json(tmp_path):
     from experiments import sliding_window_bench
+    from paper_repro.common import compose
 
-    doc = sliding_window_bench.main(
-        ["--requests", "3", "--prompt-len", "12", "--output-len", "20", "--window", "8",
-         "--num-blocks", "12", "--block-size", "4", "--repeats", "1", "--out", str(tmp_path)]
-    )  # fmt: skip
+    cfg = compose("sliding_window_bench", ["requests=3", "prompt_len=12", "output_len=20",
+                  "window=8", "num_blocks=12", "block_size=4", "repeats=1"])  # fmt: skip
+    doc = sliding_window_bench.write(cfg, tmp_path)
     assert doc["mode"] == "real" and doc["identical_tokens"]
     free, keep = doc["systems"]["free_behind_window"], doc["systems"]["keep_all_blocks"]
     assert free["max_blocks_per_decoding_seq"] <= -(-(8 + 1) // 4) + 1

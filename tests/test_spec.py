@@ -622,9 +622,10 @@ def test_an_aborted_request_leaves_no_draft_state_behind(tiny_llama):
 
 def test_ngram_scan_benchmark_writes_json(tmp_path):
     from experiments import ngram_scan
+    from paper_repro.common import compose
 
-    doc = ngram_scan.main(["--lengths", "8", "400", "--calls", "2", "--repeats", "1",
-                           "--out", str(tmp_path)])  # fmt: skip
+    cfg = compose("ngram_scan", ["lengths=[8,400]", "calls=2", "repeats=1"])
+    doc = ngram_scan.write(cfg, tmp_path)
     assert (tmp_path / "ngram_scan.json").is_file() and doc["run_info"]["mode"] == "real"
     assert {(r["tokens"], r["context"]) for r in doc["rows"]} == {
         (t, n) for t in ("no_match", "vocab_16") for n in (8, 400)

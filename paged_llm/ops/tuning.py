@@ -3,10 +3,10 @@
 Each kernel takes its tile sizes, warps and pipeline stages from :func:`kernel_config`, which
 picks the row for the GPU's architecture (``sm90`` Hopper, ``sm80`` Ampere) or ``default``
 (other GPUs, and the CPU interpreter, where only correctness matters). Every argument can
-still be overridden per call, which is how ``experiments/gpu_check.py`` sweeps candidates.
+still be overridden per call, which is how ``experiments/gpu/sweeps.py`` sweeps candidates.
 
 Where a row came from is written beside it: a measurement (file and date) or "untuned". To
-tune a new architecture, run the sweep of ``experiments/gpu_check.py`` on it and add a row;
+tune a new architecture, run the sweep of ``experiments/gpu/sweeps.py`` on it and add a row;
 ``experiments/kernel_compile_report.py`` checks registers and spills for any target on a CPU.
 """
 

@@ -18,12 +18,13 @@ import contextlib
 import inspect
 import logging
 import math
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from experiments.common.timing import Deadline, Timer
 
 logger = logging.getLogger(__name__)
 CB_LOGGER = "ContinuousBatchingLogger"  # transformers' continuous batching logs here
@@ -51,25 +52,6 @@ def quiet_cb_logs() -> Iterator[None]:
         cb_logger.removeFilter(noise)
 
 
-class Timer:
-    """Wall-clock and process CPU seconds (all threads) spent inside a ``with`` block.
-
-    CPU time is reported next to wall time because on a shared machine other processes'
-    load stretches wall time a lot more than it stretches the CPU time a run needs.
-    """
-
-    def __init__(self) -> None:
-        self.wall_s = self.cpu_s = 0.0
-
-    def __enter__(self) -> Timer:
-        self._wall, self._cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall_s = time.perf_counter() - self._wall
-        self.cpu_s = time.process_time() - self._cpu
-
-
 @dataclass
 class SystemRun:
     """What one system produced: times, per-request outputs and the tokens it generated."""
@@ -89,7 +71,7 @@ def load_hf_model(path: str, dtype: torch.dtype) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def _greedy_config(max_new_tokens: int, pad_token_id: int) -> Any:
+def greedy_config(max_new_tokens: int, pad_token_id: int) -> Any:
     """Greedy, EOS-free settings: runs exactly max_new_tokens steps, bans no token."""
     from transformers import GenerationConfig
 
@@ -122,7 +104,7 @@ def generate_static_batch(
     """One static batch through ``model.generate``; return (per-request outputs, tokens decoded)."""
     ids, mask = (t.to(model.device) for t in _left_pad(prompts, pad_id))
     steps = max(output_lens)  # a static batch runs until its longest request is done
-    config = _greedy_config(steps, pad_id)
+    config = greedy_config(steps, pad_id)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     new = out[:, ids.shape[1] :].tolist()
     return [row[:n] for row, n in zip(new, output_lens)], steps * len(prompts)
@@ -211,10 +193,11 @@ def run_continuous_batching(
     Otherwise we time one generate_batch call (set-up included) with the maximum length and
     count only each request's own output_len tokens as output.
     """
-    config = _greedy_config(max(output_lens), pad_token_id=0)
+    config = greedy_config(max(output_lens), pad_token_id=0)
     with quiet_cb_logs():
         if per_request_max_tokens:
-            timer, results = _drive_manager(model, prompts, output_lens, config, cb_config)
+            timer, drove = drive_manager(model, prompts, output_lens, config, cb_config)
+            results = [r for r in drove if r is not None]
             note = "transformers continuous batching manager, per-request max_new_tokens"
         else:
             timer, results = _generate_batch(model, prompts, config, cb_config)
@@ -249,14 +232,16 @@ def _generate_batch(
     return timer, [r.generated_tokens for r in raw.values()]  # generate_batch keeps input order
 
 
-def _drive_manager(
+def drive_manager(
     model: Any,
     prompts: Sequence[list[int]],
     output_lens: Sequence[int],
     generation_config: Any,
     cb_config: Any,
-) -> tuple[Timer, list[list[int]]]:
-    """generate_batch's loop with a per-request max_new_tokens; return (timer, outputs)."""
+    deadline: Deadline | None = None,
+) -> tuple[Timer, list[list[int] | None]]:
+    """generate_batch's loop with a per-request max_new_tokens, until every request finishes or
+    the deadline passes; return (timer, outputs in input order, None for an unfinished one)."""
     from transformers.generation.continuous_batching.continuous_api import WorkloadHints
 
     hints = WorkloadHints(
@@ -277,7 +262,8 @@ def _drive_manager(
             manager.add_request(list(p), request_id=f"req_{i}", max_new_tokens=n, eos_token_id=-1)
             for i, (p, n) in enumerate(zip(prompts, output_lens))
         ]
-        while len(results) < len(ids):
+        deadline = deadline or Deadline.never()
+        while len(results) < len(ids) and deadline.left() > 0:
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
                 if result.error is not None:
@@ -285,4 +271,4 @@ def _drive_manager(
                 results[result.request_id] = list(result.generated_tokens)
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching thread stopped early")
-    return timer, [results[i] for i in ids]
+    return timer, [results.get(i) for i in ids]

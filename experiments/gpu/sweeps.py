@@ -1,4 +1,4 @@
-"""Two sections of the GPU check that sweep rather than check (see experiments/gpu_check.py):
+"""Two sections of the GPU check that sweep rather than check (see experiments/gpu/):
 
 * ``kernel_sweep``: the launch configs of the paged decode kernel, the varlen paged prefill
   kernel and the int8 / int4 decode matmuls, timed on LLaMA-7B shapes; the best row per shape
@@ -25,7 +25,10 @@ from typing import Any
 
 import torch
 
-from experiments.gpu_check import Deadline, Plan, decode_setup, kv_bytes_read, time_op
+from experiments.common.timing import Deadline
+from experiments.gpu.decode_bandwidth import decode_setup, kv_bytes_read
+from experiments.gpu.plans import Plan
+from experiments.gpu.timing import time_op
 
 DECODE_FIELDS = ("block_n", "num_warps", "num_stages")  # of the paged decode kernel
 DECODE_CONFIGS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 3)]

@@ -1,4 +1,4 @@
-"""The ``parity`` section of the GPU check (experiments/gpu_check.py): this engine against
+"""The ``parity`` section of the GPU check (experiments/gpu/): this engine against
 transformers on the same device, per architecture and dtype.
 
 For Llama (GQA), Mistral, Qwen2 (q/k/v bias, tied embeddings) and OPT, a tiny model is built with
@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from experiments.gpu_check import Deadline, Plan
+from experiments.common.timing import Deadline
+from experiments.gpu.plans import Plan
 
 PROMPT_LENS = [5, 17, 40, 3]
 NEW_TOKENS = 16
@@ -70,7 +71,7 @@ def _ours(model_dir: Path, prompts: list[list[int]], dtype: str, device: torch.d
 def _theirs(model_dir: Path, prompts: list[list[int]], dtype: str, device: torch.device) -> list:
     from transformers import AutoModelForCausalLM
 
-    from experiments.hf_baselines import generate_static_batch
+    from experiments.common.hf_baselines import generate_static_batch
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     hf = hf.to(device).eval()

@@ -1,4 +1,4 @@
-"""GPU check section ``spec_decode`` (--extras; see experiments/gpu_check.py): speculative
+"""GPU check section ``spec_decode`` (--extras; see experiments/gpu/): speculative
 decoding on the device with the built-in trained target, its draft model, its EAGLE head and
 n-grams, whose device paths (the EAGLE head's block-indexed pools, the runner's kept hidden
 states, verification batches next to CUDA-graph decodes) ran first on an H200 in run 5
@@ -14,7 +14,7 @@ states, verification batches next to CUDA-graph decodes) ran first on an H200 in
 
 The models come from ``--spec-models DIR`` (``target/``, ``draft/``, ``eagle/`` and
 ``prompts.json``), written on a CPU machine before a loan by
-``python -m experiments.gpu_spec_decode --export .gpu_inputs/spec_models`` (the device tool
+``python -m experiments.gpu.spec_decode --export .gpu_inputs/spec_models`` (the device tool
 carries ``.gpu_inputs``); training them on the loan would cost minutes of it. ``--smoke`` uses
 the small test models.
 """
@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from experiments.gpu_check import Deadline, Plan
+from experiments.common.timing import Deadline
+from experiments.gpu.plans import Plan
 
 BUILT_IN = {"target": "target", "draft": "draft", "eagle": "eagle"}  # role -> built-in model
 ROLES = tuple(BUILT_IN)
@@ -75,7 +76,7 @@ def _models(plan: Plan, models_dir: str | None) -> tuple[dict[str, str], list[li
     root = Path(models_dir) if models_dir else DEFAULT_EXPORT
     if not (root / "prompts.json").is_file():
         raise FileNotFoundError(
-            f"no exported models in {root}: run `python -m experiments.gpu_spec_decode --export "
+            f"no exported models in {root}: run `python -m experiments.gpu.spec_decode --export "
             f"{DEFAULT_EXPORT}` before the loan and carry .gpu_inputs"
         )
     return {role: str(root / role) for role in ROLES}, json.loads(
@@ -83,8 +84,11 @@ def _models(plan: Plan, models_dir: str | None) -> tuple[dict[str, str], list[li
     )
 
 
-def _engine(dirs: dict[str, str], method: str | None, k: int, dtype: str, device: torch.device):
-    """An LLM on ``device`` running the target alone (method None) or with a drafter."""
+def _engine(
+    dirs: dict[str, str], method: str | None, k: int, dtype: str, device: torch.device, **extra
+):
+    """An LLM on ``device`` running the target alone (method None) or with a drafter; ``extra``
+    engine arguments on top (plug-ins, say)."""
     from paged_llm import LLM
 
     spec = None
@@ -95,7 +99,7 @@ def _engine(dirs: dict[str, str], method: str | None, k: int, dtype: str, device
     # 16 sequences of <= 512 tokens need 512 blocks; a fixed pool skips sizing a large one
     return LLM(dirs["target"], dtype=dtype, device=str(device), seed=0, block_size=16,
                max_model_len=512, max_num_seqs=16, num_gpu_blocks_override=1024,
-               speculative_config=spec)  # fmt: skip
+               speculative_config=spec, **extra)  # fmt: skip
 
 
 def _greedy(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""GPU check section ``sleep_offload`` (--extras; see experiments/gpu_check.py): the two memory
+"""GPU check section ``sleep_offload`` (--extras; see experiments/gpu/): the two memory
 features whose device paths only a GPU runs, checked and measured on one engine (H200 runs 5-11).
 
 * Sleep mode at levels 1 and 2 with CUDA graphs on: the device memory in use awake, asleep and
@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
-from experiments.gpu_check import Deadline, Plan, save_tiny_llama
+from experiments.common.checkpoints import save_random_llama, save_tiny_llama
+from experiments.common.timing import Deadline
+from experiments.gpu.plans import Plan
 from paged_llm.runner.sleep import pinned_cache_bytes
 
 
@@ -42,16 +44,11 @@ def _checkpoint(plan: Plan, workdir: Path) -> Path:
     path = workdir / "sleep-llama"
     if plan.mode == "smoke":
         return save_tiny_llama(path)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+    arch = dict(
         vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=8192,
-        architectures=["LlamaForCausalLM"],
     )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(path))
+    save_random_llama(arch, path, torch.bfloat16, seed=0)
     return path
 
 
