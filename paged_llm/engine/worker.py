@@ -198,7 +198,7 @@ def _check_layout(backend: Any, policy: Any) -> None:
         return
     cls = target_class("policy", policy, POLICIES)
     if not cls.contiguous_blocks:
-        name = getattr(cls, "name", None) or policy
+        name = cls.name  # KVCacheManager's
         raise ValueError(
             f"attention backend '{backend.name}' needs contiguous per-request caches; use it "
             f"with a reservation policy (orca_max/orca_pow2/orca_oracle/static), not '{name}'"
