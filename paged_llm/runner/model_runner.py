@@ -46,6 +46,7 @@ from paged_llm.runner.logprobs import PromptLogprobs, prompt_logprobs
 from paged_llm.runner.sampler import PendingTokens, Sampler, SampleResult
 from paged_llm.runner.sleep import Sleeper
 from paged_llm.spec.base import Drafter
+from paged_llm.spec.verify import DraftVerifier
 from paged_llm.utils.host import int_tensor, to_device
 
 
@@ -93,11 +94,9 @@ class ModelRunner(RunnerKVPools, RunnerControls):
         # adapters active for the forward, how tokens are chosen, who forgets a request
         self.step_scope = parallel.step if parallel is not None else no_scope
         self.adapters = lora.active if lora is not None else no_scope
-        self.choose_tokens: TokenChooser = self._sample
-        if drafter is not None:
-            from paged_llm.spec.verify import DraftVerifier
-
-            self.choose_tokens = DraftVerifier(self.sampler)
+        self.choose_tokens: TokenChooser = (
+            DraftVerifier(self.sampler) if drafter is not None else self._sample
+        )
         self.forgetters = [self.sampler.forget, self.table_rows.forget]
         self.forgetters += [pooler.forget] if pooler is not None else []
         self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
