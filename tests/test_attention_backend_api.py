@@ -8,14 +8,11 @@ import dataclasses
 import torch
 
 from paged_llm.attention.base import AttentionBackend
-from paged_llm.attention.metadata import (
-    AttentionMetadata,
-    build_attention_metadata,
-    build_metadata_any_order,
-)
+from paged_llm.attention.metadata import AttentionMetadata, build_attention_metadata
 from paged_llm.attention.torch_backend import TorchAttentionBackend
 from paged_llm.attention.triton_backend import TritonAttentionBackend
 from paged_llm.runner.cuda_graphs import capture_sizes, cuda_graph_sizes
+from paged_llm.spec.any_order import build_metadata_any_order
 
 
 class RecordingBackend(AttentionBackend):

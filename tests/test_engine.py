@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from paged_llm import LLM, GuidedDecodingParams, RequestOutputKind, SamplingParams
-from paged_llm.engine.detokenizer import IncrementalDetokenizer, tokenizer_facts
+from paged_llm.engine.detokenizer import IncrementalDetokenizer
+from paged_llm.engine.token_texts import tokenizer_facts
 
 PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(5)]  # lengths 5..25
 
@@ -579,9 +580,10 @@ def test_torch_backend_equals_reference(gqa, dtype):
 def test_metadata_any_order_matches_each_sequence_alone():
     """Prefills and decodes given interleaved run shortest first; ``out[back]`` returns each
     sequence's rows in the caller's order, equal to attention over that sequence alone."""
-    from paged_llm.attention.metadata import build_attention_metadata, build_metadata_any_order
+    from paged_llm.attention.metadata import build_attention_metadata
     from paged_llm.attention.torch_backend import TorchAttentionBackend
     from paged_llm.ops.paged_attention.reference import paged_attention_reference
+    from paged_llm.spec.any_order import build_metadata_any_order
 
     torch.manual_seed(0)
     hkv, d, bs = 2, 16, 4

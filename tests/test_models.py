@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.attention.torch_backend import TorchAttentionBackend
 from paged_llm.layers.attention import ForwardContext
-from paged_llm.layers.rotary import RotaryEmbedding, compute_inv_freq, rope_parameters
+from paged_llm.layers.rope_scaling import compute_inv_freq, rope_parameters
+from paged_llm.layers.rotary import RotaryEmbedding
 from paged_llm.models import presets
 from paged_llm.models.loader import (
     kv_cache_shape_info,

@@ -167,7 +167,7 @@ def test_sampling_that_may_not_wait_reads_nothing_from_the_device(monkeypatch, b
                         bad_words_token_ids=[[7], [8, 4, 9]] if kw.get("bad_words") else [])
                 for i, kw in enumerate(batch * 2)]  # fmt: skip
     s = Sampler()
-    monkeypatch.setattr(s, "_generator", lambda *args: None)  # the meta device has no generator
+    monkeypatch.setattr(s, "generator", lambda *args: None)  # the meta device has no generator
     logits = torch.empty(len(requests), vocab, device="meta")
     previous = torch.empty(len(requests), dtype=torch.int64, device="meta")  # step N's ids
     pending = {r.request_id: previous[i : i + 1] for i, r in enumerate(requests)}.__getitem__
@@ -208,7 +208,7 @@ def test_processing_that_may_not_wait_changes_the_rows_alike(
     ``torch.where`` unasked; every row must come out as the waiting path makes it, including
     rows whose bans, whitelists and grammar leave no token."""
     from paged_llm.core.request import Request
-    from paged_llm.runner.sampler import process_request_rows
+    from paged_llm.runner.logits_processors import process_request_rows
     from paged_llm.sampling_params import SamplingParams
 
     vocab = 12

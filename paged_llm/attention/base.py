@@ -34,16 +34,11 @@ class AttentionBackend(ABC):
     def check_device(self, device: torch.device) -> None:
         """Raise a clear error when this backend cannot run on ``device``."""
 
-    def build_metadata(
-        self,
-        query_lens: list[int],  # [B]
-        seq_lens: list[int],  # [B]
-        block_tables: list[list[int]],  # [B][blocks of sequence b]
-        block_size: int,
-        device: torch.device | str = "cpu",
-    ) -> AttentionMetadata:
-        """This step's metadata from host lists (decodes first); override for another layout."""
-        return build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device)
+    # This step's metadata from host lists (decodes first): (query_lens [B], seq_lens [B],
+    # block_tables [B][blocks of sequence b], block_size, device) -> AttentionMetadata.
+    # metadata.py's builder itself, so a step enters no code of this file; override it (a
+    # method with those arguments) for another layout.
+    build_metadata = staticmethod(build_attention_metadata)
 
     def release_buffers(self) -> None:
         """Drop scratch memory kept between steps (sleep mode frees it); none by default."""

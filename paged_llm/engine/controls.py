@@ -1,5 +1,6 @@
-"""vLLM's LLMEngine methods that run between steps, never in one: LoRA adapters, weight
-updates, calls on every tensor-parallel rank, and sleep mode. ``LLMEngine`` inherits them, so a
+"""vLLM's LLMEngine methods that run between steps, never in one: what other code reads of the
+engine's parts, LoRA adapters, weight updates, calls on every tensor-parallel rank, and sleep
+mode. ``LLMEngine`` inherits them, so a
 reader of the step (engine/llm_engine.py, docs/architecture.md's reading path) need not read
 them."""
 
@@ -21,7 +22,74 @@ logger = logging.getLogger("paged_llm.engine.llm_engine")  # where users look fo
 
 class EngineControls:
     """The between-steps half of ``LLMEngine`` (it sets every attribute these read: ``lora``,
-    ``parallel``, ``scheduler``, ``runner``, ``model``, ``device``, ``sleep_state``)."""
+    ``parallel``, ``scheduler``, ``runner``, ``model``, ``device``, ``sleep_state``, ``core``,
+    ``inputs``, ``text``, ``spec``, ``stats_log``)."""
+
+    # ---- what other code reads of the engine's parts -----------------------------------------
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The time source that stamps arrivals, steps and tokens."""
+        return self.core.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:  # experiments run on their own clocks
+        self.core.clock = self.inputs.clock = clock
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (None without one, or with skip_tokenizer_init)."""
+        return self.text.tokenizer
+
+    @property
+    def spec_stats(self) -> Any:
+        """Draft and acceptance counts (spec.metrics.SpecDecodeStats); empty without drafts."""
+        if self.spec is None:
+            from paged_llm.spec.metrics import SpecDecodeStats
+
+            return SpecDecodeStats()
+        return self.spec.stats
+
+    @spec_stats.setter
+    def spec_stats(self, stats: Any) -> None:
+        if self.spec is not None:
+            self.spec.stats = stats
+
+    @property
+    def iteration_stats(self) -> list[Any]:
+        """One scheduler IterationStats per step (the newest MAX_ITERATION_STATS)."""
+        return self.stats_log.stats
+
+    @property
+    def reasoning(self) -> Any:
+        """The reasoning parser (``reasoning_parser``), or None."""
+        return self.inputs.reasoning
+
+    @property
+    def reasoning_tags(self) -> Any:
+        """The reasoning parser's tags as token ids, or None."""
+        return self.inputs.reasoning_tags
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (needs a tokenizer); decoded once per vocabulary entry, ever."""
+        return self.text.token_text(token_id)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the device KV pool."""
+        return self.scheduler.kv.num_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (e.g. between benchmark runs); False, and nothing dropped,
+        while requests are running."""
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def kv_usage(self) -> float:
+        """Fraction of device KV blocks in use."""
+        return self.scheduler.kv.usage()
+
+    def get_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (None if it has none)."""
+        return self.tokenizer
 
     # ---- LoRA adapters (vLLM's LLMEngine methods) ---------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from paged_llm.core.request import Request
-from paged_llm.engine.detokenizer import TokenTexts
 from paged_llm.engine.inputs import to_token_ids, truncate_prompt, validate_token_ids
 from paged_llm.engine.reasoning import reasoning_parser
 from paged_llm.engine.request_group import RequestGroup, Tracked
 from paged_llm.engine.stop_strings import StopStringChecker
 from paged_llm.engine.structured_output import StructuredOutputCompiler
+from paged_llm.engine.token_texts import TokenTexts
 from paged_llm.lora.request import LoRARequest
 from paged_llm.pooling_params import PoolingParams
 from paged_llm.runner.logits_processors import bad_words_token_ids

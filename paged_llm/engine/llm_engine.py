@@ -18,9 +18,9 @@ from typing import Any
 from paged_llm.config import EngineArgs, EngineConfig
 from paged_llm.core.build import KVPool, build_scheduler
 from paged_llm.core.scheduler import Scheduler, SchedulerLimits
+from paged_llm.engine.async_steps import AsyncStepping
 from paged_llm.engine.controls import EngineControls
 from paged_llm.engine.core import EngineCore, RunnerForward
-from paged_llm.engine.detokenizer import TokenTexts
 from paged_llm.engine.generation_config import load_generation_defaults
 from paged_llm.engine.input_processor import InputProcessor
 from paged_llm.engine.output_processor import OutputProcessor
@@ -28,6 +28,7 @@ from paged_llm.engine.plugins import EnginePlugin, check_plugins
 from paged_llm.engine.request_group import RequestGroup
 from paged_llm.engine.sleep_mode import SleepState
 from paged_llm.engine.stats import IterationStatsLog
+from paged_llm.engine.token_texts import TokenTexts, eos_token_id
 from paged_llm.engine.worker import Worker, load_worker
 from paged_llm.lora.request import LoRARequest
 from paged_llm.models.loader import resolve_dtype
@@ -62,7 +63,7 @@ def engine_scheduler(worker: Worker) -> Scheduler:
     return build_scheduler(sc.policy, pool, limits)
 
 
-class LLMEngine(EngineControls):
+class LLMEngine(EngineControls, AsyncStepping):
     """Owns the scheduler and the model runner; each ``step()`` runs one iteration (the
     methods for between steps, LoRA, weights, sleep, are engine/controls.py's)."""
 
@@ -83,7 +84,7 @@ class LLMEngine(EngineControls):
         self.dtype, self.vocab_size = w.dtype, w.vocab_size
         self.kv_cache_tokens = w.pools.num_blocks * config.cache.block_size
         self.text = TokenTexts(w.tokenizer)
-        self.eos_token_id = _eos_token_id(w.tokenizer, w.hf_config)
+        self.eos_token_id = eos_token_id(w.tokenizer, w.hf_config)
         self.generation_defaults = load_generation_defaults(
             w.model_dir, w.hf_config, mc.generation_config,
             mc.override_generation_config, self.vocab_size,
@@ -104,6 +105,10 @@ class LLMEngine(EngineControls):
         self._counter = itertools.count()
         # async_output_proc / async_scheduling: the step whose outputs come next
         self._pending: Any = None
+        sc = config.scheduler
+        self._step = self._plain_step  # or an overlapped step (engine/async_steps.py)
+        if sc.async_output_proc or sc.async_scheduling:
+            self._step = self._pipelined_step if sc.async_scheduling else self._overlapped_step
         if self.parallel is not None:
             self.parallel.finish_startup(self.runner)  # ranks > 0 serve rank 0's steps here
 
@@ -111,50 +116,6 @@ class LLMEngine(EngineControls):
         """Stop tensor-parallel workers and leave the process group (no-op at size 1)."""
         if self.parallel is not None:
             self.parallel.shutdown()
-
-    # ---- what other code reads of the engine's parts -----------------------------------------
-    @property
-    def clock(self) -> Callable[[], float]:
-        """The time source that stamps arrivals, steps and tokens."""
-        return self.core.clock
-
-    @clock.setter
-    def clock(self, clock: Callable[[], float]) -> None:  # experiments run on their own clocks
-        self.core.clock = self.inputs.clock = clock
-
-    @property
-    def tokenizer(self) -> Any:
-        """The checkpoint's tokenizer (None without one, or with skip_tokenizer_init)."""
-        return self.text.tokenizer
-
-    @property
-    def spec_stats(self) -> Any:
-        """Draft and acceptance counts (spec.metrics.SpecDecodeStats); empty without drafts."""
-        if self.spec is None:
-            from paged_llm.spec.metrics import SpecDecodeStats
-
-            return SpecDecodeStats()
-        return self.spec.stats
-
-    @spec_stats.setter
-    def spec_stats(self, stats: Any) -> None:
-        if self.spec is not None:
-            self.spec.stats = stats
-
-    @property
-    def iteration_stats(self) -> list[Any]:
-        """One scheduler IterationStats per step (the newest MAX_ITERATION_STATS)."""
-        return self.stats_log.stats
-
-    @property
-    def reasoning(self) -> Any:
-        """The reasoning parser (``reasoning_parser``), or None."""
-        return self.inputs.reasoning
-
-    @property
-    def reasoning_tags(self) -> Any:
-        """The reasoning parser's tags as token ids, or None."""
-        return self.inputs.reasoning_tags
 
     # ---- requests ---------------------------------------------------------------------------
     def make_request(
@@ -224,40 +185,15 @@ class LLMEngine(EngineControls):
         """Schedule, run the model, sample, and return outputs of requests that progressed.
         With ``async_output_proc`` the outputs are the previous step's, made while the device
         runs this step's forward (and a last call, with nothing left to run, returns them);
-        with ``async_scheduling`` too, and the previous step's tokens also reach the host then."""
-        if self.config.scheduler.async_scheduling:
-            return self._pipelined_step()
-        if not self.config.scheduler.async_output_proc:
-            step = self.core.step()
-            outputs = self._finish(step)
-            step.marks["outputs"] = time.perf_counter()
-            return outputs
-        pending, self._pending = self._pending, None
-        if not self.scheduler.has_unfinished():
-            return self._finish(pending) if pending is not None else []
-        made: list[list[RequestOutput]] = []  # the previous step's outputs, made once
-        make = (lambda: made.append(self._finish(pending))) if pending is not None else None
-        self._pending = self.core.step(while_running=make)
-        if pending is not None and not made:  # the forward ran nothing, so did not call it
-            make()
-        return made[0] if made else []
+        with ``async_scheduling`` too, and the previous step's tokens also reach the host then
+        (engine/async_steps.py; the engine chose which when it was built)."""
+        return self._step()
 
-    def _pipelined_step(self) -> list[RequestOutput]:
-        """Async scheduling: plan and launch step N + 1 (step N's tokens are placeholders),
-        then, while the device runs it, take step N's tokens, stops and outputs; last, N + 1
-        is recorded with placeholders for the tokens it left on the device."""
-        previous, self._pending = self._pending, None
-        step = self.core.launch() if self.scheduler.has_unfinished() else None
-        outputs: list[RequestOutput] = []
-        if previous is not None:
-            previous.marks["resolving"] = time.perf_counter()
-            self.core.resolve(previous)
-            outputs = self._finish(previous)
-            previous.marks["outputs"] = time.perf_counter()
-        if step is not None:
-            self.core.update(step)
-            # a step that ran nothing (its requests' last tokens were pending) has no outputs
-            self._pending = step if step.out.scheduled else None
+    def _plain_step(self) -> list[RequestOutput]:
+        """One step, its outputs made after it."""
+        step = self.core.step()
+        outputs = self._finish(step)
+        step.marks["outputs"] = time.perf_counter()
         return outputs
 
     def _finish(self, step: Any) -> list[RequestOutput]:
@@ -279,32 +215,10 @@ class LLMEngine(EngineControls):
             self.runner.forget(seq_id)
             self.core.forget(seq_id)
 
-    def token_text(self, token_id: int) -> str:
-        """One token's own text (needs a tokenizer); decoded once per vocabulary entry, ever."""
-        return self.text.token_text(token_id)
-
     def iter_outputs(self) -> Iterator[RequestOutput]:
         """Step until every request finishes, yielding each step's outputs (streaming)."""
         while self.has_unfinished_requests():
             yield from self.step()
-
-    @property
-    def num_kv_blocks(self) -> int:
-        """Blocks in the device KV pool."""
-        return self.scheduler.kv.num_blocks
-
-    def reset_prefix_cache(self) -> bool:
-        """Empty the prefix cache (e.g. between benchmark runs); False, and nothing dropped,
-        while requests are running."""
-        return self.scheduler.kv.reset_prefix_cache()
-
-    def kv_usage(self) -> float:
-        """Fraction of device KV blocks in use."""
-        return self.scheduler.kv.usage()
-
-    def get_tokenizer(self) -> Any:
-        """The checkpoint's tokenizer (None if it has none)."""
-        return self.tokenizer
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs | None = None, **kwargs: Any) -> LLMEngine:
@@ -314,14 +228,6 @@ class LLMEngine(EngineControls):
         elif kwargs:
             raise ValueError("pass EngineArgs or keyword arguments, not both")
         return cls(engine_args.create_engine_config())
-
-
-def _eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
-    """The tokenizer's EOS id, else the model config's (the first of a list)."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, list) else eos
 
 
 __all__ = ["LLMEngine", "resolve_dtype"]

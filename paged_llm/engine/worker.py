@@ -27,7 +27,7 @@ from paged_llm.distributed.sharding import kv_heads_per_rank
 from paged_llm.engine.loading import checkpoint_path, load_model_and_tokenizer, resolve_device
 from paged_llm.kv_transfer import build_kv_connector, checkpoint_identity
 from paged_llm.layers.attention import PagedAttention
-from paged_llm.layers.merged_linear import merge_sibling_linears
+from paged_llm.layers.merge_siblings import merge_sibling_linears
 from paged_llm.lora.manager import LoRAManager
 from paged_llm.models.classification import is_classifier, pools_only
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len
@@ -198,7 +198,7 @@ def _check_layout(backend: Any, policy: Any) -> None:
         return
     cls = target_class("policy", policy, POLICIES)
     if not cls.contiguous_blocks:
-        name = getattr(cls, "name", None) or policy
+        name = cls.name  # KVCacheManager's
         raise ValueError(
             f"attention backend '{backend.name}' needs contiguous per-request caches; use it "
             f"with a reservation policy (orca_max/orca_pow2/orca_oracle/static), not '{name}'"

@@ -6,7 +6,8 @@ LLaMA-7B shape at batch 64, ``paper_repro/gpu_results/2026-12-04-h200-run11-e2e-
 q/k/v/o's 33.5 MB GEMMs took 12.2 us each (2.75 TB/s), gate/up's 90 MB ones 25.7 us (3.5 TB/s).
 
 A module names its groups in ``sibling_linears``. After the model is built (quantized,
-LoRA-wrapped, sharded), :func:`merge_sibling_linears` lays each group's weights side by side
+LoRA-wrapped, sharded), ``merge_sibling_linears`` (layers/merge_siblings.py, once at load)
+lays each group's weights side by side
 in one tensor and makes every layer's own parameters views of its rows. Checkpoint names,
 ``load_weights`` (an in-place copy), sleep mode (storages, shared ones once) and everything else
 that reads a layer's parameters see no change. The forward asks :func:`sibling_outputs`: one GEMM
@@ -27,14 +28,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paged_llm.layers.cpu_linear import OneDnnLinear
-
-_MERGED = "_merged_linears"  # owner.__dict__ entry: names -> _Merged
-_PLAIN = (nn.Linear, OneDnnLinear)  # the classes that merge (subclasses carry other state)
+MERGED_KEY = "_merged_linears"  # owner.__dict__ entry: names -> Merged
 
 
 @dataclass(frozen=True)
-class _Merged:
+class Merged:
+    """One merged group: the GEMM of its layers and how its output splits."""
+
     linear: nn.Linear  # [sum N, K] weights; outside the module tree
     sizes: list[int]  # each layer's N
     layers: list[nn.Module]  # the layers merged, to notice one replaced since
@@ -45,65 +45,13 @@ def sibling_outputs(
 ) -> list[torch.Tensor]:
     """``[owner.<name>(x) for name in names]``: one GEMM (outputs are column views of its
     [..., sum N] result) once the group is merged and none of its layers was replaced since."""
-    merged = owner.__dict__.get(_MERGED, {}).get(names)
+    merged = owner.__dict__.get(MERGED_KEY, {}).get(names)
     layers = [getattr(owner, name) for name in names]
     if merged is None or any(a is not b for a, b in zip(layers, merged.layers)):
         return [layer(x) for layer in layers]  # e.g. a layer wrapped or quantized afterwards
     return list(merged.linear(x).split(merged.sizes, dim=-1))
 
 
-def merge_sibling_linears(model: nn.Module) -> int:
-    """Merge every group a module of ``model`` declares in ``sibling_linears`` whose layers are
-    plain linears of one class, device and dtype, biased alike; return how many merged."""
-    merged = 0
-    for owner in model.modules():
-        for names in getattr(type(owner), "sibling_linears", ()):
-            merged += _merge(owner, tuple(names))
-    return merged
-
-
 def merged_groups(owner: nn.Module) -> list[tuple[str, ...]]:
     """The groups of ``owner`` that run as one GEMM."""
-    return list(owner.__dict__.get(_MERGED, {}))
-
-
-def _mergeable(layers: list[nn.Module]) -> bool:
-    first = layers[0]
-    if type(first) not in _PLAIN:
-        return False
-    return all(
-        type(layer) is type(first)
-        and layer.in_features == first.in_features
-        and layer.weight.dtype == first.weight.dtype
-        and layer.weight.device == first.weight.device
-        and (layer.bias is None) == (first.bias is None)
-        and vars(layer).get("min_rows") == vars(first).get("min_rows")
-        for layer in layers
-    )
-
-
-def _merge(owner: nn.Module, names: tuple[str, ...]) -> bool:
-    if names in owner.__dict__.get(_MERGED, {}):
-        return False  # merged already
-    layers = [getattr(owner, name) for name in names]
-    if not _mergeable(layers):
-        return False
-    first = layers[0]
-    sizes = [layer.out_features for layer in layers]
-    with torch.no_grad():
-        weight = torch.cat([layer.weight for layer in layers])  # [sum N, K]
-        bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
-    merged = type(first)(first.in_features, sum(sizes), bias=bias is not None, device="meta")
-    merged.weight = nn.Parameter(weight, requires_grad=False)
-    merged.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-    if "min_rows" in vars(first):  # OneDnnLinear's per-layer switch
-        merged.min_rows = first.min_rows
-    start = 0
-    for layer, size in zip(layers, sizes):
-        rows = slice(start, start + size)
-        layer.weight = nn.Parameter(weight[rows], requires_grad=layer.weight.requires_grad)
-        if bias is not None:
-            layer.bias = nn.Parameter(bias[rows], requires_grad=layer.bias.requires_grad)
-        start += size
-    owner.__dict__.setdefault(_MERGED, {})[names] = _Merged(merged, sizes, layers)
-    return True
+    return list(owner.__dict__.get(MERGED_KEY, {}))

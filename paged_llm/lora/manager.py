@@ -4,8 +4,10 @@ maps each step's tokens to their adapter's slot before the forward pass."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,7 +57,8 @@ class LoRAManager:
             raise ValueError(f"{type(model).__name__} has no linear layers LoRA could adapt")
         self.modules = {n: m.full_features for n, m in self.layers.items()}
         # a model whose checkpoint fuses q/k/v says how an adapter of the fused layer splits
-        self.split = getattr(model, "lora_tensors", None)
+        # (models.weights.CheckpointWeights.lora_tensors: one to one unless a model overrides it)
+        self.split = model.lora_tensors
         self.registered: dict[int, LoRARequest] = {}
         self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
 
@@ -124,3 +127,12 @@ class LoRAManager:
     def deactivate(self) -> None:
         """Clear the token map after the forward pass."""
         self.batch.set(None)
+
+    @contextlib.contextmanager
+    def active(self, batch: Any) -> Iterator[None]:
+        """The adapters of a runner's HostBatch active for a forward run inside the block."""
+        self.activate(batch.lora_ids, batch.query_lens)
+        try:
+            yield
+        finally:
+            self.deactivate()

@@ -20,7 +20,8 @@ from paged_llm.layers.activation import get_activation
 from paged_llm.layers.attention import ForwardContext, PagedAttention
 from paged_llm.layers.merged_linear import sibling_outputs
 from paged_llm.layers.norms import RMSNorm
-from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary_qk, rope_parameters
+from paged_llm.layers.rope_scaling import rope_parameters
+from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from paged_llm.models.base import CausalLM, head_dim_of, num_kv_heads_of, sliding_window_of
 from paged_llm.ops.elementwise import silu_mul
 

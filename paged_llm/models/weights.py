@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from paged_llm.distributed.sharding import shard_checkpoint
+from paged_llm.lora.layers import LoRALinear
 
 logger = logging.getLogger("paged_llm.models.base")  # where users look for its lines
 
@@ -28,6 +29,13 @@ class CheckpointWeights:
     ) -> Iterable[tuple[str | None, torch.Tensor]]:
         """The checkpoint's tensors under parameter names (see :meth:`checkpoint_name`)."""
         return ((self.checkpoint_name(n), t) for n, t in weights)
+
+    def lora_tensors(
+        self, module: str, a: torch.Tensor, b: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Where a LoRA adapter's A and B for checkpoint ``module`` go: that module itself; a
+        model whose checkpoint fuses layers (GPT-2's ``c_attn``) splits them."""
+        return [(module, a, b)]
 
     def export_name(self, name: str) -> str:
         """The checkpoint name of parameter ``name`` (for writing HF-layout checkpoints)."""
@@ -84,9 +92,8 @@ class CheckpointWeights:
         ``LoRALinear``) -> their names inside the wrapper."""
         out = {}
         for prefix, module in self.named_modules():
-            inner = getattr(module, "base", None)
-            if isinstance(inner, nn.Module):
-                for name, _ in inner.named_parameters():
+            if isinstance(module, LoRALinear):
+                for name, _ in module.base.named_parameters():
                     out[f"{prefix}.{name}"] = f"{prefix}.base.{name}"
         return out
 

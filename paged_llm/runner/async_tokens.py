@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,9 +23,10 @@ from paged_llm.runner.logprobs import (
     PromptLogprobs,
     logprob_rows,
     pack_logprobs,
+    pack_prompt_logprobs,
     unpack_logprobs,
 )
-from paged_llm.runner.sampler import SampleResult
+from paged_llm.runner.sampler import PendingTokens, Sampler, SampleResult
 from paged_llm.utils.host import int_tensor, to_device
 
 
@@ -128,3 +130,21 @@ def feed_placeholders(
     where = to_device(int_tensor([i for i, _ in placeholders] + rows), input_ids.device)
     dst, src = where.split(len(placeholders))
     input_ids[dst] = last.ids[src].to(input_ids.dtype)
+
+
+def sample_deferred(
+    sampler: Sampler,
+    logits: torch.Tensor,  # [R, V]: the step's sample rows, one per request
+    requests: list[Request],
+    prompt_rows: torch.Tensor,  # [P, V]: its prompt-logprob rows
+    batch: Any,  # runner.batch.HostBatch
+    pending: PendingTokens | None,
+) -> DeferredTokens:
+    """Sample the step's tokens and leave them on the device (async scheduling, requests that
+    ``can_defer``): the ids and the logprobs asked for start their copy to the host."""
+    logits = logits.float()
+    # a CPU computes as the host asks, so waiting on it costs nothing (and its top-p path that
+    # may wait is the faster one)
+    ids = sampler.sample_ids(logits, requests, logits.device.type == "cpu", pending)
+    prompt = pack_prompt_logprobs(prompt_rows, batch)  # copied with the ids
+    return DeferredTokens.start(requests, ids, logits, prompt)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,7 @@ from paged_llm.attention.metadata import (
     slot_mapping,
 )
 from paged_llm.layers.attention import ForwardContext
+from paged_llm.runner.async_tokens import feed_placeholders
 from paged_llm.runner.batch import is_decode_batch
 from paged_llm.utils.host import int_tensor, to_device
 
@@ -445,3 +446,20 @@ class CudaGraphRunner:
         num_tokens, index = prepared
         hidden = self.launch(key)
         return hidden[:num_tokens] if index is None else hidden[index]
+
+    def load_step(
+        self, batch: Any, key: tuple[int, int], last_sampled: Any
+    ) -> Callable[[], torch.Tensor]:
+        """The runner's step through the graph of ``key``: load the batch and, under async
+        scheduling, the sampled ids of the step before (``last_sampled``: a DeferredTokens)
+        over its placeholders; return the replay, which gives the batch's hidden states."""
+        prepared = self.prepare(batch, key)
+        if batch.placeholders:  # stride 1 and mixed steps: the batch's tokens lead, in order
+            feed_placeholders(self.input_ids, batch.placeholders, last_sampled)
+        return lambda: self.run(key, prepared)
+
+
+def graph_kind(key: tuple[int, int]) -> str:
+    """How the runner counts a replay of ``key``: "graph" (a decode graph), "graph_mixed", or
+    "graph_q<stride>" (e.g. "graph_q5": query stride 5, k = 4 verifications)."""
+    return {1: "graph", VARLEN: "graph_mixed"}.get(key[1], f"graph_q{key[1]}")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from paged_llm.core.request import PLACEHOLDER_TOKEN
+from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.sampling_params_checks import logits_processor_arity
 from paged_llm.utils.host import int_tensor, to_device
@@ -176,3 +176,57 @@ def _apply_penalties(
         logits -= params.frequency_penalty * counts
     if params.presence_penalty != 0.0:
         logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def process_request_rows(
+    logits: torch.Tensor,  # [R, V] float32 rows of one request, changed in place
+    request: Request,
+    outputs: Sequence[Sequence[int]],  # per row: the output tokens before it
+    may_wait: bool = True,  # False: never read a device value (see below)
+    pending: torch.Tensor | None = None,  # [1] on the device: a placeholder's token (penalties)
+) -> torch.Tensor:
+    """``logits_processors.process_logits`` for a request's rows (skipped when it is a no-op),
+    then its grammar's mask (structured output).
+
+    Every row keeps at least one token, so one request's conflicting constraints can never
+    fail the batch it runs in. The whitelists win over the bans: a row the bans leave without
+    any token (say ``allowed_token_ids=[eos]`` before ``min_tokens``) keeps the whitelists
+    alone. If the two whitelists exclude each other mid-output (the engine refuses requests
+    whose grammar accepts none of ``allowed_token_ids`` first), the grammar alone wins, so the
+    output stays well-formed. Whether a row was left empty is a device value: without
+    ``may_wait`` the weaker constraints are applied by ``torch.where`` without asking."""
+    params = request.sampling_params
+    processed = params.needs_logits_processing(min(len(o) for o in outputs))
+    if request.guide is None and not processed:
+        return logits
+    raw = logits.clone()  # the grammar-only fallback, and the base of the whitelists' one
+    if processed:
+        _process(logits, request, outputs, pending)
+    if request.guide is not None:
+        accepted = request.num_output_tokens  # what the guide has seen; the rest is drafts
+        allowed = torch.stack([request.guide.allowed(o[accepted:]) for o in outputs])  # [R, V]
+        disallowed = ~allowed.to(logits.device)
+        logits.masked_fill_(disallowed, float("-inf"))
+        raw.masked_fill_(disallowed, float("-inf"))
+    empty = ~torch.isfinite(logits).any(-1, keepdim=True)  # [R, 1]
+    if not may_wait or bool(empty.any()):  # rare: build the weaker constraints only now
+        whitelists = apply_allowed_token_ids(raw.clone(), params)
+        for fallback in (whitelists, raw):  # the next-weaker constraint for rows left empty
+            logits.copy_(torch.where(empty, fallback, logits))
+            empty = ~torch.isfinite(logits).any(-1, keepdim=True)
+            if may_wait and not bool(empty.any()):
+                break
+    return logits
+
+
+def _process(
+    logits: torch.Tensor,
+    request: Request,
+    outputs: Sequence[Sequence[int]],
+    pending: torch.Tensor | None = None,
+) -> torch.Tensor:
+    params = request.sampling_params
+    return process_logits(
+        logits, params, request.prompt_token_ids, outputs, request.eos_token_id,
+        request.bad_words_token_ids, pending,
+    )  # fmt: skip

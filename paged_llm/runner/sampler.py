@@ -14,10 +14,7 @@ import torch
 
 from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
 from paged_llm.outputs import LogprobEntry
-from paged_llm.runner.logits_processors import (
-    apply_allowed_token_ids,
-    process_logits,
-)
+from paged_llm.runner.logits_processors import process_request_rows
 from paged_llm.runner.logprobs import logprob_entries, logprob_rows
 from paged_llm.runner.top_k_top_p import sampling_probs
 from paged_llm.sampling_params import SamplingParams
@@ -46,7 +43,8 @@ PendingTokens = Callable[[str], torch.Tensor]
 
 
 class Sampler:
-    """Samples one token per row of logits with that row's SamplingParams."""
+    """Samples one token per row of logits with that row's SamplingParams (draft verification
+    with a drafter is spec/verify.py's)."""
 
     def __init__(self, seed: int = 0) -> None:
         self._seed_rng = torch.Generator().manual_seed(seed)
@@ -54,9 +52,10 @@ class Sampler:
         # device, speculative verification on the CPU
         self._generators: dict[str, dict[str, torch.Generator]] = {}
 
-    def _generator(
+    def generator(
         self, request_id: str, params: SamplingParams, device: torch.device | str = "cpu"
     ) -> torch.Generator:
+        """The request's random generator on ``device``, seeded from its params (or at random)."""
         own = self._generators.setdefault(request_id, {})
         device_type = torch.device(device).type
         gen = own.get(device_type)
@@ -74,61 +73,6 @@ class Sampler:
     def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """The distribution sampling draws from for rows of logits [R, V] (CPU, float32)."""
         return sampling_probs(logits.float().cpu(), [params] * logits.shape[0])
-
-    def verify(
-        self,
-        logits: torch.Tensor,  # [k + 1, V]: after the last token and after each draft
-        request: Request,
-        drafts: list[int],
-        draft_probs: torch.Tensor | None,  # [k, V], or None for deterministic drafts
-    ) -> SampleResult:
-        """Accept a prefix of the drafts exactly (rejection sampling) plus one more token."""
-        from paged_llm.spec.rejection import verify_greedy, verify_sampled
-
-        params = request.sampling_params
-        logits = logits.float()
-        if has_constraints(request, request.num_output_tokens):
-            # row i scores the token after drafts[:i], so its history includes them
-            out = request.output_token_ids
-            histories = [out + drafts[:i] for i in range(len(drafts) + 1)]
-            process_request_rows(logits, request, histories)
-        if params.greedy:
-            tokens = verify_greedy(logits, drafts)
-        else:
-            gen = self._generator(request.request_id, params)
-            tokens = verify_sampled(self.probs(logits, params), draft_probs, drafts, gen)
-        lps = None
-        if params.tracks_logprobs:  # row i is the distribution token i was chosen from
-            rows = logits[: len(tokens)].log_softmax(-1)
-            lps = logprob_entries(rows, tokens, params.logprobs or 0)
-        return SampleResult(tokens[-1], lps, tokens, len(drafts), len(tokens) - 1)
-
-    @staticmethod
-    def verifies_plainly(request: Request) -> bool:
-        """Plain greedy and without logprobs: ``verify_plain_greedy`` can take this request's
-        verification."""
-        return is_plain_greedy(request) and not request.sampling_params.tracks_logprobs
-
-    def verify_plain_greedy(
-        self,
-        logits: torch.Tensor,  # [R, V]: the batch's sample rows
-        entries: list[tuple[Request, int, int]],  # (request, its first row, its k + 1 rows)
-    ) -> dict[str, SampleResult]:
-        """``verify`` for requests that ``verifies_plainly``, with one argmax and one device
-        sync for all of them (on a GPU a sync per request would cost more than the step)."""
-        from paged_llm.spec.rejection import accept_greedy
-
-        rows = [r for _, first, n in entries for r in range(first, first + n)]
-        best = logits[rows].argmax(-1).tolist()
-        results, i = {}, 0
-        for req, _, n in entries:
-            drafts = req.spec_token_ids
-            tokens = accept_greedy(best[i : i + n], drafts)
-            i += n
-            results[req.request_id] = SampleResult(
-                tokens[-1], None, tokens, len(drafts), len(tokens) - 1
-            )
-        return results
 
     def __call__(
         self,
@@ -186,7 +130,7 @@ class Sampler:
             # samples); one fill per row from its generator, one argmax for the batch
             noise = torch.empty_like(probs)
             for i, row in enumerate(drawn):
-                gen = self._generator(requests[row].request_id, params[row], probs.device)
+                gen = self.generator(requests[row].request_id, params[row], probs.device)
                 noise[i].exponential_(generator=gen)
             noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 would make a banned 0 / 0 NaN
             chosen = (probs / noise).argmax(-1)
@@ -206,57 +150,3 @@ def is_plain_greedy(request: Request, num_drafted: int = 0) -> bool:
     ``num_drafted`` drafts: its choice is the plain argmax of the logits."""
     n = request.num_output_tokens + num_drafted
     return request.sampling_params.greedy and not has_constraints(request, n)
-
-
-def process_request_rows(
-    logits: torch.Tensor,  # [R, V] float32 rows of one request, changed in place
-    request: Request,
-    outputs: Sequence[Sequence[int]],  # per row: the output tokens before it
-    may_wait: bool = True,  # False: never read a device value (see below)
-    pending: torch.Tensor | None = None,  # [1] on the device: a placeholder's token (penalties)
-) -> torch.Tensor:
-    """``logits_processors.process_logits`` for a request's rows (skipped when it is a no-op),
-    then its grammar's mask (structured output).
-
-    Every row keeps at least one token, so one request's conflicting constraints can never
-    fail the batch it runs in. The whitelists win over the bans: a row the bans leave without
-    any token (say ``allowed_token_ids=[eos]`` before ``min_tokens``) keeps the whitelists
-    alone. If the two whitelists exclude each other mid-output (the engine refuses requests
-    whose grammar accepts none of ``allowed_token_ids`` first), the grammar alone wins, so the
-    output stays well-formed. Whether a row was left empty is a device value: without
-    ``may_wait`` the weaker constraints are applied by ``torch.where`` without asking."""
-    params = request.sampling_params
-    processed = params.needs_logits_processing(min(len(o) for o in outputs))
-    if request.guide is None and not processed:
-        return logits
-    raw = logits.clone()  # the grammar-only fallback, and the base of the whitelists' one
-    if processed:
-        _process(logits, request, outputs, pending)
-    if request.guide is not None:
-        accepted = request.num_output_tokens  # what the guide has seen; the rest is drafts
-        allowed = torch.stack([request.guide.allowed(o[accepted:]) for o in outputs])  # [R, V]
-        disallowed = ~allowed.to(logits.device)
-        logits.masked_fill_(disallowed, float("-inf"))
-        raw.masked_fill_(disallowed, float("-inf"))
-    empty = ~torch.isfinite(logits).any(-1, keepdim=True)  # [R, 1]
-    if not may_wait or bool(empty.any()):  # rare: build the weaker constraints only now
-        whitelists = apply_allowed_token_ids(raw.clone(), params)
-        for fallback in (whitelists, raw):  # the next-weaker constraint for rows left empty
-            logits.copy_(torch.where(empty, fallback, logits))
-            empty = ~torch.isfinite(logits).any(-1, keepdim=True)
-            if may_wait and not bool(empty.any()):
-                break
-    return logits
-
-
-def _process(
-    logits: torch.Tensor,
-    request: Request,
-    outputs: Sequence[Sequence[int]],
-    pending: torch.Tensor | None = None,
-) -> torch.Tensor:
-    params = request.sampling_params
-    return process_logits(
-        logits, params, request.prompt_token_ids, outputs, request.eos_token_id,
-        request.bad_words_token_ids, pending,
-    )  # fmt: skip

@@ -1,7 +1,7 @@
 """``Drafter``: what the engine asks of a speculative-decoding drafter, and nothing more.
 
 A drafter proposes up to ``k`` tokens per scheduled decode; the target verifies them in one
-forward (``runner/sampler.py``, rejection sampling). The engine calls, in order:
+forward (``spec/verify.py``, rejection sampling). The engine calls, in order:
 
 * at start-up: ``load(context)`` (weights, shapes; a ``DraftContext`` describes the target),
   ``bytes_per_block(block_size)`` (its KV beside each block of the target's pool: the pool

@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
-from paged_llm.attention.metadata import build_metadata_any_order
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import allocate_kv_caches, kv_bytes_per_block
-from paged_llm.runner.sampler import is_plain_greedy, process_request_rows
+from paged_llm.runner.logits_processors import process_request_rows
+from paged_llm.runner.sampler import is_plain_greedy
 from paged_llm.runner.sleep import RankMemory
+from paged_llm.spec.any_order import build_metadata_any_order
 from paged_llm.spec.base import DraftContext, Drafter
 
 
@@ -177,5 +178,5 @@ def choose_draft_token(
     if params.greedy:
         return int(logits.argmax()), None
     q = sampler.probs(logits[None], params)[0]
-    gen = sampler._generator(request.request_id, params)
+    gen = sampler.generator(request.request_id, params)
     return int(torch.multinomial(q, 1, generator=gen)), q

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged_llm.attention.metadata import build_metadata_any_order
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.batch import order_for_backend
 from paged_llm.runner.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from paged_llm.runner.sleep import RankMemory
+from paged_llm.spec.any_order import build_metadata_any_order
 from paged_llm.spec.base import DraftContext, Drafter
 from paged_llm.spec.draft_model import choose_draft_tokens
 
