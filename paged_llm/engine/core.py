@@ -23,13 +23,6 @@ from paged_llm.core.scheduler import Scheduler
 from paged_llm.engine.plugins import EnginePlugin, StepState
 
 Forward = Callable[[StepState], None]  # runs the model on step.out, fills step.sampled
-HOOKS = ("before_forward", "after_update", "forget")  # EnginePlugin's hooks
-
-
-def overrides(plugins: list[EnginePlugin], hook: str) -> list[Callable[..., None]]:
-    """The bound ``hook`` of each plug-in whose class overrides EnginePlugin's default."""
-    default = getattr(EnginePlugin, hook)
-    return [getattr(p, hook) for p in plugins if getattr(type(p), hook) is not default]
 
 
 class RunnerForward:
@@ -78,17 +71,6 @@ class EngineCore:
         self.forward = forward
         self.plugins = plugins  # called in order; see engine/plugins.py
         self.clock = clock
-        self._hooked: list[EnginePlugin] = []  # the plug-ins ``_hooks`` was built from
-        self._hooks: dict[str, list[Callable[..., None]]] = {}
-
-    def _calls(self, hook: str) -> list[Callable[..., None]]:
-        """The plug-ins' overrides of ``hook``, in order: a do-nothing default is not called,
-        so a step enters only the plug-ins that act on it. Rebuilt when the list changed (a
-        plug-in added or removed between steps, as sim/step_recorder.py does)."""
-        if self._hooked != self.plugins:
-            self._hooked = list(self.plugins)
-            self._hooks = {name: overrides(self.plugins, name) for name in HOOKS}
-        return self._hooks[hook]
 
     def step(self, forward: Forward | None = None, while_running: Any = None) -> StepState:
         """One iteration; ``forward`` replaces the core's own for this step (beam search);
@@ -104,8 +86,8 @@ class EngineCore:
         start = time.perf_counter()
         step = StepState(self.scheduler.schedule(self.clock()), while_running=while_running)
         step.marks.update(start=start, scheduled=time.perf_counter())
-        for before_forward in self._calls("before_forward"):
-            before_forward(step)
+        for plugin in self.plugins:
+            plugin.before_forward(step)
         step.marks["prepared"] = time.perf_counter()
         (forward or self.forward)(step)
         step.marks["forwarded"] = time.perf_counter()
@@ -137,10 +119,10 @@ class EngineCore:
         self._after_update(step)
 
     def _after_update(self, step: StepState) -> None:
-        for after_update in self._calls("after_update"):
-            after_update(step)
+        for plugin in self.plugins:
+            plugin.after_update(step)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished or aborted sequence's state in every plug-in."""
-        for forget in self._calls("forget"):
-            forget(request_id)
+        for plugin in self.plugins:
+            plugin.forget(request_id)
