@@ -8,10 +8,10 @@ from pathlib import Path
 from experiments.reading_path import files_run_by, step_files
 
 DOC = Path(__file__).parents[1] / "docs" / "architecture.md"
-# Today's size (2026-12-07: 31 files, 4,339 lines), a ratchet: the target is 20 files
+# Today's size (2026-12-07: 31 files, 4,334 lines), a ratchet: the target is 20 files
 # and 3,500 lines. Lower these as the step gets shorter; raising them needs a reason.
 MAX_FILES = 31
-MAX_LINES = 4_360
+MAX_LINES = 4_334
 
 
 def documented_files() -> set[str]:
