@@ -125,7 +125,7 @@ def test_drafts_after_a_pause_equal_the_reference(pair):
 
     def step_and_count():  # first draft steps observe kept, and whether drafting was paused
         outs = step()
-        firsts.append((len(engine.drafter._first), engine.scheduler.drafts_next_step()))
+        firsts.append((len(engine.drafter._first), engine.scheduler.drafts.drafts_next_step()))
         return outs
 
     engine.step = step_and_count

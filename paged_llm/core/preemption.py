@@ -109,7 +109,7 @@ class SwapPreemption(RecomputePreemption):
             group = sched.swapped[0]
             if len(sched.running) + len(group) > sched.limits.max_num_seqs:
                 break
-            if not sched.lora_fits(group, sched.running_loras()):
+            if not sched.lora_limit.fits_running(group):
                 break
             counts = self._group_token_counts(group, budget)
             if counts is None or not sched.kv.can_swap_in(group, max(counts)):

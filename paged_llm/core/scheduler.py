@@ -5,14 +5,20 @@ computes, under ``max_num_seqs`` and ``max_num_batched_tokens``. Requests join a
 leave the moment they finish. When the KV manager runs out of room, a running request is
 preempted by recomputation or by swapping (``core/preemption.py``, chosen by
 ``preemption_mode``): the most recently admitted one, or with priority scheduling the least
-urgent (``core/queue_policy.py`` holds that choice and the queue order).
+urgent (``core/queue_policy.py`` holds that choice and the queue order). A LoRA limit
+(``core/lora_limit.py``) and speculative decoding's draft slots (``core/draft_slots.py``) are
+chosen when the scheduler is built; async scheduling's placeholders are ``core/placeholders.py``.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
+from paged_llm.core.draft_slots import DraftSlots
 from paged_llm.core.kv.base import KVCacheManager
+from paged_llm.core.lora_limit import LoraLimit
+from paged_llm.core.placeholders import hold_placeholder, resolve_placeholders
 from paged_llm.core.preemption import PREEMPTION_MODES
 from paged_llm.core.queue_policy import queue_policy_class
 from paged_llm.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
@@ -59,6 +65,8 @@ class Scheduler(SequenceGroups):
         self.limits = limits
         self.queue = queue_policy_class(limits.scheduling_policy)()
         self.preemption = PREEMPTION_MODES[limits.preemption_mode](self)  # core/preemption.py
+        self.lora_limit = LoraLimit(self) if limits.max_loras else AnyAdapter()
+        self.drafts = DraftSlots(self) if limits.num_lookahead_slots else NoDrafts(self)
         self.track_memory = track_memory
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; self.queue picks the victim
@@ -139,15 +147,8 @@ class Scheduler(SequenceGroups):
             n = min(n, budget)
         return n if n <= budget else 0
 
-    def drafts_next_step(self) -> bool:
-        """Whether the next schedule reserves draft slots (given lookahead slots at all): not
-        while at least ``spec_disable_batch_size`` requests run. The running set changes only
-        inside schedule and update_from_output (and by aborts), so this predicts the next step."""
-        cap = self.limits.spec_disable_batch_size
-        return cap is None or len(self.running) < cap
-
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        drafting = bool(self.limits.num_lookahead_slots) and self.drafts_next_step()
+        self.drafts.begin()
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop together with its group
@@ -156,33 +157,13 @@ class Scheduler(SequenceGroups):
             n = self.num_new_tokens(req, budget)
             if n == 0:
                 break  # token budget exhausted; the rest wait a step
-            look = self._lookahead(req, n, budget) if drafting else 0
+            look = self.drafts.slots(req, n, budget)
             fits = self.kv.allocate_slots(req, n + look)
             if not fits and not self.preemption.make_room(req, n + look, out):
                 continue  # req's own group was preempted
             out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req), look))
             budget -= n + look
         return budget
-
-    def _lookahead(self, req: Request, n: int, budget: int) -> int:
-        """Draft slots for a decode: all of num_lookahead_slots if the budget and length allow."""
-        look = self.limits.num_lookahead_slots
-        if not look or req.num_tokens - req.num_computed_tokens != 1:
-            return 0
-        room = req.max_total_tokens - req.num_tokens  # never draft past the request's end
-        return max(0, min(look, room, budget - n))
-
-    def running_loras(self) -> set[int]:
-        """The LoRA adapters of the running requests."""
-        return {r.lora_int_id for r in self.running if r.lora_int_id}
-
-    def lora_fits(self, group: list[Request], running_loras: set[int]) -> bool:
-        """False when the group's adapter would make more than max_loras distinct adapters
-        run together (it then waits until one of them finishes, as in vLLM)."""
-        lora = group[0].lora_int_id  # a group shares its prompt, hence its adapter
-        if not lora or not self.limits.max_loras or lora in running_loras:
-            return True
-        return len(running_loras) < self.limits.max_loras
 
     def _may_admit(self) -> bool:
         if not self.kv.static_batching:
@@ -192,11 +173,10 @@ class Scheduler(SequenceGroups):
         return self._batch_open
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        loras = self.running_loras()
-        skipped: set[int] = set()  # adapters with no free slot this step: their requests wait
+        gate = self.lora_limit
+        gate.begin()
         while self.waiting and self._may_admit():
-            # the first waiting request whose adapter may run; later ones keep their order
-            head = next((r for r in self.waiting if r.lora_int_id not in skipped), None)
+            head = gate.next_head(self.waiting)
             if head is None:
                 break
             # a group (samples or beams back from recomputation) is admitted whole, or a part of
@@ -208,8 +188,7 @@ class Scheduler(SequenceGroups):
             if len(self.running) + len(group) > self.limits.max_num_seqs:
                 self._batch_open = False
                 break
-            if not self.lora_fits(group, loras):
-                skipped.add(head.lora_int_id)
+            if not gate.admits(group):
                 continue
             counts = self._admit(group, budget)
             if counts is None:
@@ -223,8 +202,7 @@ class Scheduler(SequenceGroups):
                 if n:
                     out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_table(req)))
                 budget -= n
-            if head.lora_int_id:
-                loras.add(head.lora_int_id)
+            gate.admitted(group)
         if self.kv.static_batching and not self.waiting:
             self._batch_open = False
 
@@ -275,56 +253,75 @@ class Scheduler(SequenceGroups):
             if req.is_finished:  # aborted between schedule and update
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            # Blocks of draft tokens may hold rejected KV: registered only after the truncation
-            # below. Others join the prefix cache now, also when the request ends this step.
-            drafted = bool(s.num_lookahead or req.spec_token_ids)
-            if not drafted:
-                self.kv.on_computed(req)
-            if req.is_pooling and req.num_computed_tokens >= req.num_prompt_tokens:
-                self._finish(req, RequestStatus.FINISHED_STOPPED, now)  # pooled this step
+            self.drafts.update(s, sampled.get(req.request_id, ()), now)
+            if req.is_finished:
                 finished.append(req)
-                continue
-            tokens = sampled.get(req.request_id, ())
-            for token in tokens:
-                if token == PLACEHOLDER_TOKEN:  # still on the device: resolve_placeholders
-                    req.output_token_ids.append(token)
-                    req.final_token_pending = req.num_output_tokens >= req.max_output_tokens
-                    break
-                req.append_token(token, now)
-                status = req.check_stop()
-                if status is not None:
-                    self._finish(req, status, now)
-                    finished.append(req)
-                    break
-            if req.is_finished or not drafted:
-                continue
-            # rejected drafts: their KV is invalid, so the count of computed tokens stops before
-            # the newest token, and blocks past it go back to the pool
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-            req.spec_token_ids = []
-            self.kv.truncate(req, req.num_tokens)
-            self.kv.on_computed(req)
         return finished
 
-    def resolve_placeholders(self, tokens: list[tuple[Request, int]], now: float) -> list[Request]:
-        """Async scheduling: write each request's sampled token over the placeholder that
-        ``update_from_output`` appended (a step later, the next step already planned and
-        launched) and finish requests it stops; return the finished. A request aborted or
-        finished since keeps its outputs as they are."""
-        finished = []
-        for req, token in tokens:
-            if req.is_finished:
-                continue
-            if req.output_token_ids[-1] != PLACEHOLDER_TOKEN:
-                raise RuntimeError(f"request {req.request_id} has no placeholder to resolve")
-            req.output_token_ids.pop()
-            req.final_token_pending = False
+    def take_tokens(self, s: ScheduledRequest, tokens: Sequence[int], now: float) -> None:
+        """Take a request's tokens of this step, its computed count already advanced: its
+        blocks join the prefix cache (also when it ends now), a pooling request finishes."""
+        req = s.request
+        self.kv.on_computed(req)
+        if req.is_pooling and req.num_computed_tokens >= req.num_prompt_tokens:
+            self._finish(req, RequestStatus.FINISHED_STOPPED, now)  # pooled this step
+            return
+        self.append_tokens(req, tokens, now)
+
+    def append_tokens(self, req: Request, tokens: Sequence[int], now: float) -> None:
+        """Append sampled tokens until one stops the request (then finish it)."""
+        for token in tokens:
+            if token == PLACEHOLDER_TOKEN:  # still on the device (core/placeholders.py)
+                hold_placeholder(req)
+                return
             req.append_token(token, now)
             status = req.check_stop()
             if status is not None:
                 self._finish(req, status, now)
-                finished.append(req)
-        return finished
+                return
+
+    def resolve_placeholders(self, tokens: list[tuple[Request, int]], now: float) -> list[Request]:
+        """Async scheduling: write the sampled tokens over their placeholders and finish the
+        requests they stop; return the finished (core/placeholders.py)."""
+        return resolve_placeholders(self, tokens, now)
+
+
+class AnyAdapter:
+    """No LoRA limit: admission takes the waiting queue in order (``core/lora_limit.py`` is
+    the gate under ``max_loras``)."""
+
+    def begin(self) -> None:
+        """Nothing to count."""
+
+    def next_head(self, waiting: deque[Request]) -> Request:
+        """The head of the queue."""
+        return waiting[0]
+
+    def admits(self, group: list[Request]) -> bool:
+        """Every group."""
+        return True
+
+    def admitted(self, group: list[Request]) -> None:
+        """Nothing to count."""
+
+    def fits_running(self, group: list[Request]) -> bool:
+        """Every group."""
+        return True
+
+
+class NoDrafts:
+    """Without speculative decoding: no draft slots, and each step's tokens taken as sampled
+    (``core/draft_slots.py`` is the strategy with lookahead slots)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.update = scheduler.take_tokens
+
+    def begin(self) -> None:
+        """Nothing to decide."""
+
+    def slots(self, req: Request, n: int, budget: int) -> int:
+        """None."""
+        return 0
 
 
 __all__ = ["IterationStats", "ScheduledRequest", "Scheduler", "SchedulerLimits", "SchedulerOutput"]

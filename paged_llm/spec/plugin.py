@@ -48,7 +48,7 @@ class SpecDecoding(EnginePlugin):
             self.stats.record(r.num_drafts, r.num_accepted, self._sources.get(rid, ALL_DRAFTS))
         if self.runner.last_hidden is not None:
             self.drafter.observe(step.out.scheduled, self._starts, self.runner.last_hidden,
-                                 will_draft=self.scheduler.drafts_next_step())  # fmt: skip
+                                 will_draft=self.scheduler.drafts.drafts_next_step())  # fmt: skip
 
     def forget(self, request_id: str) -> None:
         """Drop the drafter's state (else a later request with this id drafts from stale KV)."""
