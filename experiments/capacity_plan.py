@@ -79,6 +79,7 @@ def evaluate(c: dict[str, Any], executor: Any = None) -> dict[str, Any]:
     return {
         **result, "status": "pruned" if pruned else "ok", "num_kv_blocks": blocks,
         "settings": settings.to_dict(), "must_beat": search.must_beat,
+        "bound_per_dollar": bound_rate(prober, search.start) * 3600 / price,
         "busy_bound_share": prober.busy_share(bound.rate) if bound.rate else None,
         "rate": {**bound.to_dict(), "text": bound.text()},
         "at_rate": passing[0].to_dict() if passing else None,

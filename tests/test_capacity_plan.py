@@ -200,6 +200,9 @@ def test_ranking_by_requests_per_dollar_and_the_pareto_front():
                _row("mid", 3.0, 2.0), {"label": "none", "status": "infeasible: x",
                                        "price_per_hour": 1.0, "requests_per_dollar": 0.0,
                                        "deployment": {}}]  # as evaluate: no rate  # fmt: skip
+    pruned = [{**_row(name, 0.0, 1.0), "status": "pruned", "bound_per_dollar": bound}
+              for name, bound in (("low bound", 5.0), ("high bound", 9.0))]  # fmt: skip
+    assert [r["deployment"] for r in ranked(pruned)] == ["high bound", "low bound"]
     rows = ranked(results)
     assert [r["deployment"] for r in rows] == ["mid", "cheap", "fast", "worse", "none"]
     assert {r["deployment"] for r in rows if r["pareto"]} == {"cheap", "mid", "fast"}

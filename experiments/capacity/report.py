@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 RESULT = "capacity_plan.json"
 COLUMNS = ("rank", "deployment", "rate", "rate_kind", "price_per_hour", "requests_per_dollar",
-           "ttft_ms", "tpot_ms", "attainment", "pareto", "status")  # fmt: skip
+           "bound_per_dollar", "ttft_ms", "tpot_ms", "attainment", "pareto", "status")  # fmt: skip
 
 
 def row_of(result: dict[str, Any]) -> dict[str, Any]:
@@ -30,6 +30,7 @@ def row_of(result: dict[str, Any]) -> dict[str, Any]:
         "rate_kind": result["rate"]["kind"] if "rate" in result else "-",
         "price_per_hour": result["price_per_hour"],
         "requests_per_dollar": result["requests_per_dollar"],
+        "bound_per_dollar": result.get("bound_per_dollar"),  # no schedule does better
         "ttft_ms": best.get("ttft_ms"),
         "tpot_ms": best.get("tpot_ms"),
         "attainment": best.get("attainment"),
@@ -53,10 +54,11 @@ def pareto(rows: Sequence[dict[str, Any]]) -> set[int]:
 
 
 def ranked(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows ranked by requests per dollar (ties: the cheaper first), Pareto membership marked;
-    a deployment with no sustained rate or no fit ranks last, as it is."""
+    """Rows ranked by requests per dollar, then (pruned rows: no rate) by the bound on it, then
+    the cheaper first; Pareto membership marked; a deployment with no fit ranks last."""
     rows = sorted((row_of(r) for r in results),
-                  key=lambda r: (-r["requests_per_dollar"], r["price_per_hour"]))  # fmt: skip
+                  key=lambda r: (-r["requests_per_dollar"], -(r["bound_per_dollar"] or 0.0),
+                                 r["price_per_hour"]))  # fmt: skip
     front = pareto(rows)
     for i, r in enumerate(rows):
         r["rank"], r["pareto"] = i + 1, i in front
