@@ -96,6 +96,11 @@ def test_capacity_prunes_what_cannot_reach_the_needed_rate():
     b = capacity(p, search, needed=60.0)
     assert b.kind == "exact" and 60.0 <= b.rate < 80 <= b.upper and b.upper / b.rate <= 1.05
     assert sorted(p.probed) == sorted(set(p.probed)) and 60.0 in p.probed
+    # from a start above it, the probe that let it in still heads the points, once
+    p = _prober(lambda r: r < 80)
+    b = capacity(p, RateSearch(first_guess=None, start=70.0, rel_tol=0.05), needed=60.0)
+    rates = [x.rate for x in b.points]
+    assert rates[0] == 60.0 and len(rates) == len(set(rates)) == len(p.probed)
 
 
 def test_must_beat_and_margin_refuse_bad_values():

@@ -172,8 +172,8 @@ def _lost(late: tuple[int, int], needed: tuple[int, int]) -> bool:
 
 def bound_rate(prober: Prober, rate: float) -> float:
     """The rate at which the least busy time of the (first seed's) workload at ``rate`` would
-    fill its arrival span (bound.busy_time_lower_bound, no simulation): no schedule serves
-    more requests per second than this."""
+    fill its arrival span (bound.busy_time_lower_bound, no simulation): requests arriving
+    faster than this outrun any schedule (up to the lengths drawn at ``rate``)."""
     s = prober.settings
     requests = prober.workloads(rate)[0].requests
     busy = busy_time_lower_bound(prober.executor.cost_model(s.block_size), s, s.num_gpu_blocks,
@@ -200,8 +200,12 @@ def capacity(prober: Prober, search: RateSearch, needed: float | None = None) ->
     if needed is not None and needed > search.floor:
         if prober.busy_share(needed) > 1 + search.bound_margin:
             return RateBound(0.0, needed, "pruned_bound", [])
-        if not prober(needed).meets:
-            return RateBound(0.0, needed, "pruned", [prober(needed)])
+        at_needed = prober(needed)
+        if not at_needed.meets:
+            return RateBound(0.0, needed, "pruned", [at_needed])
         floor, start = needed, max(start, needed)
-    return bracket(prober, start, floor, max(search.ceiling, start), search.growth,
-                   search.rel_tol, search.step)  # fmt: skip
+    found = bracket(prober, start, floor, max(search.ceiling, start), search.growth,
+                    search.rel_tol, search.step)  # fmt: skip
+    if needed in prober.probed and all(p.rate != needed for p in found.points):
+        found.points.insert(0, prober.probed[needed])  # the probe that let it in, run first
+    return found
