@@ -21,6 +21,7 @@ import os
 import random
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +134,7 @@ def timed_search(config: str, sweep_dir: str, overrides: list[str]) -> dict[str,
              "sim_cpu_s": (j.get("simulator") or {}).get("sim_cpu_s", 0.0),
              "requests_per_dollar": j["requests_per_dollar"],
              "busy_bound_share": j.get("busy_bound_share")} for j in jobs]  # fmt: skip
-    kinds: dict[str, int] = {}
-    for r in rows:
-        kinds[str(r["kind"] or r["status"])] = kinds.get(str(r["kind"] or r["status"]), 0) + 1
+    kinds = Counter(str(r["kind"] or r["status"]) for r in rows)
     best = max(rows, key=lambda r: r["requests_per_dollar"])
     shares = [r["busy_bound_share"] for r in rows if r["busy_bound_share"] is not None]
     return {
@@ -144,7 +143,7 @@ def timed_search(config: str, sweep_dir: str, overrides: list[str]) -> dict[str,
         "command": "python -m experiments.capacity_plan --config-name " + " ".join(cmd[4:]),
         "wall_s": wall, "wall_min": wall / 60, "cpu_s": cpu, "target_wall_min": 30.0,
         "load_avg_1_5_15_min_before": load0, "load_avg_1_5_15_min_after": os.getloadavg(),
-        "configs": len(rows), "answers": kinds, "probes": sum(r["probes"] for r in rows),
+        "configs": len(rows), "answers": dict(kinds), "probes": sum(r["probes"] for r in rows),
         "sim_cpu_s": sum(r["sim_cpu_s"] for r in rows), "best": best,
         "busy_bound_share_max": max(shares) if shares else None,
         "jobs": sorted(rows, key=lambda r: -r["sim_cpu_s"]),

@@ -84,6 +84,9 @@ class Prober:
     requests: int = 0
     seconds: float = 0.0
     probed: dict[float, RatePoint] = field(default_factory=dict)  # rate -> its verdict
+    _least_busy: dict[float, list[tuple[float, float, int]]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def workloads(self, rate: float) -> list[Workload]:
         """The workload at ``rate``, once per seed."""
@@ -104,20 +107,27 @@ class Prober:
             self.probed[rate] = self._probe(rate)
         return self.probed[rate]
 
+    def least_busy(self, rate: float) -> list[tuple[float, float, int]]:
+        """Per seed, for the workload at ``rate``: the least busy time any schedule needs to
+        serve it (bound.busy_time_lower_bound, no simulation), its arrival span and its
+        number of requests; computed once per rate."""
+        if rate not in self._least_busy:
+            s = self.settings
+            cost = self.executor.cost_model(s.block_size)
+            self._least_busy[rate] = [
+                (busy_time_lower_bound(cost, s, s.num_gpu_blocks, w.requests),
+                 max(r.arrival_time for r in w.requests), len(w.requests))
+                for w in self.workloads(rate)
+            ]  # fmt: skip
+        return self._least_busy[rate]
+
     def busy_share(self, rate: float) -> float:
-        """The least busy time any schedule needs to serve the workload at ``rate``, as a
-        share of its arrival span (the largest over the seeds; bound.busy_time_lower_bound,
-        no simulation): above 1, requests arrive faster than they can be served. 0 with
-        prefix caching, whose shared prompts the bound does not count."""
-        s = self.settings
-        if s.enable_prefix_caching:
+        """The least busy time of the workload at ``rate`` as a share of its arrival span (the
+        largest over the seeds): above 1, requests arrive faster than they can be served. 0
+        with prefix caching, whose shared prompts the bound does not count."""
+        if self.settings.enable_prefix_caching:
             return 0.0
-        cost = self.executor.cost_model(s.block_size)
-        return max(
-            busy_time_lower_bound(cost, s, s.num_gpu_blocks, w.requests)
-            / max(r.arrival_time for r in w.requests)
-            for w in self.workloads(rate)
-        )
+        return max(busy / span for busy, span, _ in self.least_busy(rate))
 
     def _probe(self, rate: float) -> RatePoint:
         """The seeds' runs at ``rate`` one after another; with
@@ -172,13 +182,10 @@ def _lost(late: tuple[int, int], needed: tuple[int, int]) -> bool:
 
 def bound_rate(prober: Prober, rate: float) -> float:
     """The rate at which the least busy time of the (first seed's) workload at ``rate`` would
-    fill its arrival span (bound.busy_time_lower_bound, no simulation): requests arriving
-    faster than this outrun any schedule (up to the lengths drawn at ``rate``)."""
-    s = prober.settings
-    requests = prober.workloads(rate)[0].requests
-    busy = busy_time_lower_bound(prober.executor.cost_model(s.block_size), s, s.num_gpu_blocks,
-                                 requests)  # fmt: skip
-    return len(requests) / busy
+    fill its arrival span (``Prober.least_busy``): requests arriving faster than this outrun
+    any schedule (up to the lengths drawn at ``rate``)."""
+    busy, _, num_requests = prober.least_busy(rate)[0]
+    return num_requests / busy
 
 
 def start_rate(prober: Prober, search: RateSearch) -> float:

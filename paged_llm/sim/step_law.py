@@ -148,12 +148,12 @@ class LinearCostModel(RooflineCostModel):
         least: a concave row cost (slopes not increasing) is at least that of all the rows in
         one step; otherwise each row costs at least the smallest slope."""
         law = self.law
-        head = law.coefficients()[:4]
-        x = features(total, law.token_knots)[:4]
-        linear = sum(c * v for c, v in zip(head, x)) + (steps - 1) * law.fixed_s
+        x = features(total, law.token_knots)
+        linear = sum(c * v for c, v in zip(law.coefficients()[:4], x[:4]))
+        linear += (steps - 1) * law.fixed_s
         slopes = list(law.per_token_s)
         if slopes == sorted(slopes, reverse=True):
-            rows = sum(c * v for c, v in zip(slopes, features(total, law.token_knots)[4:]))
+            rows = sum(c * v for c, v in zip(slopes, x[4:]))
         else:
             rows = min(slopes) * total.num_new_tokens
         return linear + rows + self._allreduce_over(total, steps)
