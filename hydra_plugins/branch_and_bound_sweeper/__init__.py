@@ -33,9 +33,9 @@ class BranchAndBoundSweeper(BasicSweeper):
 
     def __init__(
         self, bound: str, incumbent: str, batch_size: int = 2,
-        params: dict[str, str] | None = None, max_batch_size: int | None = None,
+        params: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(max_batch_size=max_batch_size, params=params)
+        super().__init__(max_batch_size=None, params=params)  # batches: batch_size, below
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.bound, self.incumbent, self.batch_size = bound, incumbent, batch_size
