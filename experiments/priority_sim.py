@@ -84,8 +84,8 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> dict[str, Any]
         runs = {"fcfs": workload, "priority": with_priorities(workload, classes)}
         result["runs"][str(rate)] = {}
         for policy, requests in runs.items():
-            settings = exp.settings(c["policy"], scheduling_policy=policy)
-            trace = exp.run(requests, c["policy"], settings)
+            settings = exp.settings(c["kv_policy"], scheduling_policy=policy)
+            trace = exp.run(requests, c["kv_policy"], settings)
             per_class = class_metrics(trace, classes)
             result["runs"][str(rate)][policy] = per_class
             for cls, m in per_class.items():

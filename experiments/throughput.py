@@ -65,7 +65,7 @@ def make_engine(model_dir: Path, cfg: DictConfig) -> Any:
     e = OmegaConf.to_container(cfg.engine, resolve=True)
     e["quantization"] = quant_spec(e.get("quantization"))
     e["speculative_config"] = speculative_spec(e.get("speculative_config"))
-    return LLM(model=str(model_dir), dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, **e)
+    return LLM(model=str(model_dir), dtype=cfg.dtype, device=cfg.engine_device, seed=cfg.seed, **e)
 
 
 def run_engine(llm: Any, work: Workload) -> hf_baselines.SystemRun:
@@ -200,7 +200,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict[
         torch.set_num_threads(cfg.num_threads)  # one intra-op pool, shared by every system
     dtype = getattr(torch, cfg.dtype)
     model_dir = resolve_model_dir(cfg.model, dtype, cfg.seed)
-    hf_model = hf_baselines.load_hf_model(str(model_dir), dtype).to(cfg.device)
+    hf_model = hf_baselines.load_hf_model(str(model_dir), dtype).to(cfg.engine_device)
     work = build_workload(cfg.workload, cfg.num_requests, hf_model.config.vocab_size, cfg.seed)
     logger.info("workload %s: %d requests, %d input + %d output tokens", work.source,
                 len(work.prompts), work.input_tokens, work.output_tokens)  # fmt: skip
@@ -242,7 +242,7 @@ def build_result(
         "command": command_line(overrides),
         "argv": list(sys.argv),
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "hardware": host_info(cfg.device),
+        "hardware": host_info(cfg.engine_device),
         "model": {
             "dir": str(model_dir),
             "architecture": hf_model.config.architectures,

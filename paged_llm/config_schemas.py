@@ -86,7 +86,7 @@ class ThroughputSchema:
     num_requests: int = 64
     seed: int = 0
     dtype: str = "float32"
-    device: str = "cpu"
+    engine_device: str = "cpu"
     num_threads: int | None = None
     baselines: list[str] = field(default_factory=lambda: ["generate", "generate_batch"])
     sweep_baselines: bool = False

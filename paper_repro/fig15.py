@@ -117,7 +117,7 @@ def plot(result: dict[str, Any], workloads: list[str], title: str) -> Any:
 def measure_all(exp: Experiment) -> tuple[dict[str, Any], list[dict[str, Any]], list[Any]]:
     """One seed: the saving for every workload and setting (and the beam-parent bounds)."""
     c = exp.cfg
-    policy = c.get("policy", "paged")
+    policy = c.get("kv_policy", "paged")
     result: dict[str, Any] = {}
     rows = []
     used = []
@@ -151,7 +151,7 @@ def run(cfg: DictConfig | dict[str, Any], out_dir: str | Path) -> list[Path]:
     .csv / .png (means and 95% intervals over the seeds)."""
     exp = setup(cfg, out_dir)
     c = exp.cfg
-    policy = c.get("policy", "paged")
+    policy = c.get("kv_policy", "paged")
     workloads = [w for w, base in c["workloads"].items() if base is not None]
     result, rows, used = over_seeds(exp, measure_all)
     result["acceptance"] = acceptance(result)  # on the means

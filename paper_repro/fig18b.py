@@ -22,9 +22,11 @@ def point(exp: Experiment, workload: Any, block_size: int) -> dict[str, Any]:
     """One run at one block size, with the pool's token slots held constant."""
     c = exp.cfg
     settings = exp.settings(
-        c["policy"], block_size=block_size, num_gpu_blocks=int(c["kv_cache_tokens"]) // block_size
+        c["kv_policy"],
+        block_size=block_size,
+        num_gpu_blocks=int(c["kv_cache_tokens"]) // block_size,
     )
-    trace = exp.run(workload, c["policy"], settings, memory_every=0)
+    trace = exp.run(workload, c["kv_policy"], settings, memory_every=0)
     m = serving_metrics(trace)
     return {
         "block_size": block_size,
