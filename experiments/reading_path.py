@@ -3,17 +3,20 @@
 
 A reader who follows one step must read these files; tests/test_reading_path.py keeps their
 count and size within the bound docs/architecture.md states. Usage:
-``python -m experiments.reading_path [--model tiny] [--attention-backend torch] [--json out.json]``
+``python -m experiments.reading_path [checkpoint=tiny] [attention_backend=torch]``
+(configs/reading_path.yaml; writes reading_path.json into the Hydra run directory).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
+
+from experiments.common.cli import hydra_app
+from paged_llm.metrics.run_info import run_info, write_json
 
 PACKAGE = Path(__file__).resolve().parents[1] / "paged_llm"
 
@@ -64,20 +67,21 @@ def step_files(model: str = "tiny", attention_backend: str = "torch") -> dict[st
     return {str(f.relative_to(root)): line_count(f) for f in sorted(files)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Print the step's files with their lines, and the totals; optionally write JSON."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--attention-backend", default="torch")
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
-    files = step_files(args.model, args.attention_backend)
+def write(cfg: Mapping[str, Any], out_dir: str | Path) -> dict[str, Any]:
+    """Print the step's files with their lines and the totals; write reading_path.json."""
+    files = step_files(cfg["checkpoint"], cfg["attention_backend"])
     for name, lines in files.items():
         print(f"{lines:6d}  {name}")
     total = sum(files.values())
     print(f"{total:6d}  lines in {len(files)} files")
-    if args.json:
-        args.json.write_text(json.dumps({"files": files, "lines": total, "count": len(files)}))
+    doc = {**run_info("real"), "files": files, "lines": total, "count": len(files)}
+    print(f"wrote {write_json(out_dir, 'reading_path.json', doc)}")
+    return doc
+
+
+def main() -> None:
+    """``python -m experiments.reading_path [key=value ...]`` (configs/reading_path.yaml)."""
+    hydra_app("reading_path", write)
 
 
 if __name__ == "__main__":
