@@ -3,25 +3,23 @@
 Times one step's masking of a batch of logits rows (vocabularies of real models) for flat rows
 (a random model: the nucleus spans most of the vocabulary, so rows are sorted whole) and
 peaked rows (log-Zipf, like a trained model's: the nucleus fits among the top candidates, so
-no row is sorted whole), both ways interleaved in one process, fastest of ``repeats``; it
+no row is sorted whole), both ways interleaved in one process, fastest of ``--repeats``; it
 also checks that both ways keep the same tokens. A third column times the path that never
 waits for the device (``may_wait=False``, async scheduling on a GPU: top-p rows sorted whole
 instead of checking whether the candidates held the nucleus), which costs most where a wait
-costs least, so ``mask_device=cuda`` is where it matters.
+costs least, so ``--device cuda`` is where it matters.
 
-    python -m experiments.sampler_mask [vocab=[32000,128256]] [rows=64] [mask_device=cuda]
-        (configs/sampler_mask.yaml; results in the Hydra run directory)
+    python -m experiments.sampler_mask [--vocab 32000 128256] [--rows 64] [--device cuda]
+        [--out DIR]
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
+import argparse
 from typing import Any
 
 import torch
 
-from experiments.common.cli import hydra_app
 from experiments.cpu_attention import time_pass
 from paged_llm.metrics.run_info import run_info, write_json
 from paged_llm.runner.top_k_top_p import NUCLEUS_CANDIDATES, apply_top_k_top_p_min_p, mask_rows
@@ -86,16 +84,18 @@ def run(vocabs: list[int], rows: int, repeats: int, device: str = "cpu") -> dict
             **run_info("real", dev.type)}  # fmt: skip
 
 
-def write(cfg: Mapping[str, Any], out_dir: str | Path) -> dict[str, Any]:
-    """Time and print with the config's settings; write sampler_mask.json; return it."""
-    result = run(list(cfg["vocab"]), cfg["rows"], cfg["repeats"], cfg["mask_device"])
-    print(f"wrote {write_json(out_dir, 'sampler_mask.json', result)}")
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Command line: time, print, write sampler_mask.json."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="where the rows are masked (cpu, cuda)")
+    ap.add_argument("--out", default="outputs/sampler_mask")
+    args = ap.parse_args(argv)
+    result = run(args.vocab, args.rows, args.repeats, args.device)
+    print(f"wrote {write_json(args.out, 'sampler_mask.json', result)}")
     return result
-
-
-def main() -> None:
-    """``python -m experiments.sampler_mask [key=value ...]`` (configs/sampler_mask.yaml)."""
-    hydra_app("sampler_mask", write)
 
 
 if __name__ == "__main__":

@@ -70,9 +70,9 @@ def test_a_peaked_nucleus_is_found_among_the_candidates(monkeypatch):
 
 
 def test_sampler_mask_experiment_writes_its_json(tmp_path):
-    from experiments.sampler_mask import write
+    from experiments.sampler_mask import main
 
-    result = write({"vocab": [600], "rows": 4, "repeats": 1, "mask_device": "cpu"}, tmp_path)
+    result = main(["--vocab", "600", "--rows", "4", "--repeats", "1", "--out", str(tmp_path)])
     assert (tmp_path / "sampler_mask.json").exists() and result["mode"] == "real"
     assert len(result["results"]) == 6 and all(r["same_tokens"] for r in result["results"])
 
