@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paged_llm.core.preemption import PREEMPTION_MODES
 from paged_llm.core.queue_policy import queue_policy_class
 
 
@@ -32,9 +33,6 @@ class SchedulerLimits:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        # imported here: preemption.py imports scheduler_output.py, which imports this module
-        from paged_llm.core.preemption import PREEMPTION_MODES
-
         if self.preemption_mode not in PREEMPTION_MODES:
             modes = " or ".join(repr(m) for m in PREEMPTION_MODES)
             raise ValueError(f"preemption_mode must be {modes}, got '{self.preemption_mode}'")
