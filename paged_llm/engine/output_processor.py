@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from paged_llm.engine.core import EnginePlugin, StepState
 from paged_llm.engine.deltas import stop_holdback
-from paged_llm.engine.plugins import EnginePlugin, StepState
 from paged_llm.engine.request_group import RequestGroup, Tracked
 from paged_llm.engine.token_texts import TokenTexts
 from paged_llm.outputs import (
