@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from paged_llm import LLM, GuidedDecodingParams, RequestOutputKind, SamplingParams
-from paged_llm.engine.detokenizer import IncrementalDetokenizer
+from paged_llm.engine.output_processor import IncrementalDetokenizer
 from paged_llm.engine.token_texts import tokenizer_facts
 
 PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(5)]  # lengths 5..25
