@@ -26,7 +26,7 @@ from paged_llm.core.placeholders import hold_placeholder, resolve_placeholders
 from paged_llm.core.preemption import PREEMPTION_MODES
 from paged_llm.core.queue_policy import queue_policy_class
 from paged_llm.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
-from paged_llm.core.scheduler_limits import SchedulerLimits  # re-exported
+from paged_llm.core.scheduler_limits import SchedulerLimits, bind_limits
 from paged_llm.core.sequence_groups import SequenceGroups
 
 # ---- what the scheduler gives each step: what the runner computes and which blocks move ----
@@ -95,30 +95,7 @@ class Scheduler(SequenceGroups):
     beams) are checked and forked by ``SequenceGroups`` (core/sequence_groups.py)."""
 
     def __init__(self, kv: KVCacheManager, limits: SchedulerLimits, track_memory: bool = False):
-        if limits.preemption_mode == "swap" and not kv.supports_swap:
-            raise ValueError(f"policy '{kv.name}' does not support preemption_mode=swap")
-        if not limits.enable_chunked_prefill and limits.max_num_batched_tokens < kv.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({limits.max_num_batched_tokens}) is smaller than "
-                f"max_model_len ({kv.max_model_len}); enable chunked prefill or raise it"
-            )
-        # Chunked prefill bounds what one request computes per step (a decode: 1 + lookahead),
-        # which lets a sliding-window policy hold less than a request's whole length.
-        step = max(limits.max_num_batched_tokens, 1 + limits.num_lookahead_slots)
-        kv.bound_step_tokens(step if limits.enable_chunked_prefill else None)
-        if kv.blocks_at_most(kv.max_model_len) > kv.num_blocks:
-            raise ValueError(
-                f"the KV pool holds {kv.num_slots} tokens, fewer than max_model_len "
-                f"({kv.max_model_len}) needs; enlarge the cache or lower max_model_len"
-            )
-        # A reservation is one buddy run, which may be smaller than the pool.
-        if kv.max_request_slots < kv.blocks_at_most(kv.max_model_len) * kv.block_size:
-            raise ValueError(
-                f"policy '{kv.name}' reserves one power-of-two run of blocks per request, and "
-                f"the largest run of this {kv.num_blocks}-block pool holds "
-                f"{kv.max_request_slots} tokens, fewer than max_model_len ({kv.max_model_len}); "
-                "use a power-of-two number of blocks, enlarge the cache or lower max_model_len"
-            )
+        bind_limits(kv, limits)  # refuses limits the pool cannot serve (core/scheduler_limits.py)
         self.kv = kv
         self.limits = limits
         self.queue = queue_policy_class(limits.scheduling_policy)()
