@@ -28,6 +28,7 @@ from typing import Any
 from paged_llm.core.request import PLACEHOLDER_TOKEN
 from paged_llm.core.scheduler import Scheduler, SchedulerOutput
 
+# IterationStatsLog's (the statistics plug-in, at the end of this file):
 logger = logging.getLogger("paged_llm.engine.llm_engine")  # where users look for the line
 MAX_ITERATION_STATS = 100_000  # ~a few hours of steps; experiments read far fewer
 LOG_EVERY_S = 5.0
