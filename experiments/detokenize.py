@@ -1,5 +1,6 @@
 """What detokenization costs the engine: every sequence's text decoded again in full at every
-step (what the engine did before ``paged_llm/engine/detokenizer.py``) against incremental
+step (what the engine did before ``IncrementalDetokenizer``, now in
+``paged_llm/engine/output_processor.py``) against incremental
 decoding, with no text at all (``detokenize=False``) as the floor, in one process, interleaved,
 fastest of ``repeats``. Checks that both ways give the same texts.
 

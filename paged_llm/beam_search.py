@@ -113,7 +113,8 @@ def beam_search(
     firsts = []
     for i, prompt in enumerate(prompts):  # every prompt is checked before any is added
         lora = lora_requests[i] if lora_requests else None
-        req = engine.make_request(f"beam-{i}", prompt, base, lora_request=lora).members[0].request
+        group = engine.inputs.make_request(f"beam-{i}", prompt, base, lora_request=lora)
+        req = group.members[0].request
         sched.check_group_fits([req] * width, "beam_width")
         firsts.append(req)
     for i, req in enumerate(firsts):

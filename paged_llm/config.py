@@ -206,7 +206,7 @@ class EngineConfig:
     # KVTransferConfig; None: no KV moves between engines (docs/kv_transfer.md)
     kv_transfer_config: Any = None
     log_stats: bool = False
-    # Extra engine plug-ins (engine/plugins.py), each a dotted path or {_target_: ..., args};
+    # Extra engine plug-ins (engine/core.py), each a dotted path or {_target_: ..., args};
     # built with ``engine=`` the LLMEngine, after the built-in ones, and called in this order
     plugins: list[Any] = field(default_factory=list)
 

@@ -327,14 +327,14 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
                 rid = f"offline-{i}-{id(self)}"
-                group = engine.make_request(
+                group = engine.inputs.make_request(
                     rid, prompt, params, priority=priorities[i], lora_request=loras[i]
                 )
                 groups.append(group)
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from err
         for g in groups:
-            engine.enqueue(g)
+            engine.outputs.add(g)
         index = {g.request_id: i for i, g in enumerate(groups)}
         results: list[Any] = [None] * len(groups)
         try:

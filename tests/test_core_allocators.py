@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_llm.core.block_pool import BlockPool
 from paged_llm.core.buddy import BuddyAllocator
 from paged_llm.core.kv import POLICIES
+from paged_llm.core.kv.block_pool import BlockPool
 from paged_llm.core.request import Request
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.utils.registry import build

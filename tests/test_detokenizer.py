@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_llm.engine.detokenizer import IncrementalDetokenizer
+from paged_llm.engine.output_processor import IncrementalDetokenizer
 from paged_llm.engine.token_texts import tokenizer_facts
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from paged_llm import LLM, GuidedDecodingParams, RequestOutputKind, SamplingParams
-from paged_llm.engine.detokenizer import IncrementalDetokenizer
+from paged_llm.engine.output_processor import IncrementalDetokenizer
 from paged_llm.engine.token_texts import tokenizer_facts
 
 PROMPTS = [[5, 9, 17, 33, 2 + i] * (i + 1) for i in range(5)]  # lengths 5..25
@@ -609,9 +609,9 @@ def test_metadata_any_order_matches_each_sequence_alone():
 
 def test_iteration_stats_stay_bounded(tiny_llama, monkeypatch):
     """A long-lived engine keeps at most MAX_ITERATION_STATS steps' statistics (newest kept)."""
-    from paged_llm.engine import stats
+    from paged_llm.engine import core
 
-    monkeypatch.setattr(stats, "MAX_ITERATION_STATS", 8)
+    monkeypatch.setattr(core, "MAX_ITERATION_STATS", 8)
     llm = LLM(str(tiny_llama[0]), seed=0, cpu_kv_cache_gib=0.01)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)

@@ -8,8 +8,7 @@ import pytest
 
 from paged_llm import LLM, SamplingParams
 from paged_llm.beam_search import BeamSearchParams
-from paged_llm.engine.core import EngineCore
-from paged_llm.engine.plugins import EnginePlugin, StepState
+from paged_llm.engine.core import EngineCore, EnginePlugin, StepState
 from paged_llm.engine.profile import HOST_PHASES, PHASES
 
 PROMPTS = [{"prompt_token_ids": [5, 9, 17, 33, 2 + i] * (i + 1)} for i in range(3)]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_llm.attention.metadata import padded_block_tables
-from paged_llm.core.block_allocator import NULL_BLOCK
+from paged_llm.core.kv.base import NULL_BLOCK
 from paged_llm.core.request import Request
 from paged_llm.core.scheduler import ScheduledRequest
 from paged_llm.runner.batch import BlockTableRows, flatten_batch

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from paged_llm.core.block_pool import BlockPool
+from paged_llm.core.kv.block_pool import BlockPool
 from paged_llm.core.kv.connector_lookup import ConnectorLookup
 from paged_llm.core.kv.offload import OffloadedPrefixes, PrefixOffloadTier
 from paged_llm.core.kv.prefix_cache import PrefixCache

@@ -225,7 +225,7 @@ def test_bookkeeping_and_the_simulator_run_without_torch():
 
     code = """
 import sys
-from paged_llm.core.block_pool import BlockPool  # imported to show they need no torch
+from paged_llm.core.kv.block_pool import BlockPool  # imported to show they need no torch
 from paged_llm.core.scheduler import Scheduler
 from paged_llm.metrics.serving import memory_shares, serving_metrics
 from paged_llm.sim.executor import SimulatedExecutor

@@ -11,10 +11,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from paged_llm.core.request import Request
-from paged_llm.core.scheduler_output import ScheduledRequest
 
 if TYPE_CHECKING:
-    from paged_llm.core.scheduler import Scheduler
+    from paged_llm.core.scheduler import ScheduledRequest, Scheduler
 
 
 class DraftSlots:

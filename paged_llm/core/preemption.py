@@ -14,10 +14,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from paged_llm.core.request import Request, RequestStatus
-from paged_llm.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
-    from paged_llm.core.scheduler import Scheduler
+    from paged_llm.core.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("paged_llm.core.scheduler")  # the scheduler's log, as before the split
 
@@ -104,6 +103,8 @@ class SwapPreemption(RecomputePreemption):
     def resume(self, out: SchedulerOutput, budget: int) -> int:
         """Swap groups back in while they fit the sequence limit, the LoRA limit, the token
         budget and the pool; return the budget left."""
+        from paged_llm.core.scheduler import ScheduledRequest  # scheduler.py imports this module
+
         sched = self.sched
         while sched.swapped:
             group = sched.swapped[0]

@@ -8,27 +8,85 @@ preempted by recomputation or by swapping (``core/preemption.py``, chosen by
 urgent (``core/queue_policy.py`` holds that choice and the queue order). A LoRA limit
 (``core/lora_limit.py``) and speculative decoding's draft slots (``core/draft_slots.py``) are
 chosen when the scheduler is built; async scheduling's placeholders are ``core/placeholders.py``.
+A step's result is a ``SchedulerOutput`` (defined here, with its telemetry); the limits are
+``core/scheduler_limits.py``'s.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from paged_llm.core.draft_slots import DraftSlots
 from paged_llm.core.kv.base import KVCacheManager
+from paged_llm.core.kv.stats import MemoryBreakdown
 from paged_llm.core.lora_limit import LoraLimit
 from paged_llm.core.placeholders import hold_placeholder, resolve_placeholders
 from paged_llm.core.preemption import PREEMPTION_MODES
 from paged_llm.core.queue_policy import queue_policy_class
 from paged_llm.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
-from paged_llm.core.scheduler_output import (  # re-exported: most code imports them from here
-    IterationStats,
-    ScheduledRequest,
-    SchedulerLimits,
-    SchedulerOutput,
-)
+from paged_llm.core.scheduler_limits import SchedulerLimits, bind_limits
 from paged_llm.core.sequence_groups import SequenceGroups
+
+# ---- what the scheduler gives each step: what the runner computes and which blocks move ----
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    num_new_tokens: int
+    block_table: list[int]
+    num_lookahead: int = 0  # slots allocated beyond num_new_tokens for draft tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step completes the request's known tokens, so it samples one more
+        (never for a pooling request: it pools instead)."""
+        r = self.request
+        return not r.is_pooling and r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
+
+
+@dataclass
+class IterationStats:
+    """Telemetry of one step, for logs and experiments."""
+
+    now: float
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_batched_tokens: int
+    kv_usage: float
+    num_preemptions: int
+    swap_in_blocks: int
+    swap_out_blocks: int
+    memory: MemoryBreakdown | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner must do this step."""
+
+    scheduled: list[ScheduledRequest]
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    # all block moves above, in the order the runner must apply them (see take_block_ops)
+    block_ops: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    stats: IterationStats | None = None
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed this step."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when no request runs and no blocks move."""
+        return not (self.scheduled or self.swap_in or self.swap_out or self.copy_blocks)
 
 
 class Scheduler(SequenceGroups):
@@ -37,30 +95,7 @@ class Scheduler(SequenceGroups):
     beams) are checked and forked by ``SequenceGroups`` (core/sequence_groups.py)."""
 
     def __init__(self, kv: KVCacheManager, limits: SchedulerLimits, track_memory: bool = False):
-        if limits.preemption_mode == "swap" and not kv.supports_swap:
-            raise ValueError(f"policy '{kv.name}' does not support preemption_mode=swap")
-        if not limits.enable_chunked_prefill and limits.max_num_batched_tokens < kv.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({limits.max_num_batched_tokens}) is smaller than "
-                f"max_model_len ({kv.max_model_len}); enable chunked prefill or raise it"
-            )
-        # Chunked prefill bounds what one request computes per step (a decode: 1 + lookahead),
-        # which lets a sliding-window policy hold less than a request's whole length.
-        step = max(limits.max_num_batched_tokens, 1 + limits.num_lookahead_slots)
-        kv.bound_step_tokens(step if limits.enable_chunked_prefill else None)
-        if kv.blocks_at_most(kv.max_model_len) > kv.num_blocks:
-            raise ValueError(
-                f"the KV pool holds {kv.num_slots} tokens, fewer than max_model_len "
-                f"({kv.max_model_len}) needs; enlarge the cache or lower max_model_len"
-            )
-        # A reservation is one buddy run, which may be smaller than the pool.
-        if kv.max_request_slots < kv.blocks_at_most(kv.max_model_len) * kv.block_size:
-            raise ValueError(
-                f"policy '{kv.name}' reserves one power-of-two run of blocks per request, and "
-                f"the largest run of this {kv.num_blocks}-block pool holds "
-                f"{kv.max_request_slots} tokens, fewer than max_model_len ({kv.max_model_len}); "
-                "use a power-of-two number of blocks, enlarge the cache or lower max_model_len"
-            )
+        bind_limits(kv, limits)  # refuses limits the pool cannot serve (core/scheduler_limits.py)
         self.kv = kv
         self.limits = limits
         self.queue = queue_policy_class(limits.scheduling_policy)()

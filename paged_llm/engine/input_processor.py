@@ -4,7 +4,8 @@ anything is queued, so bad input raises ValueError and changes nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -14,6 +15,7 @@ from paged_llm.core.request import Request
 from paged_llm.engine.inputs import to_token_ids, truncate_prompt, validate_token_ids
 from paged_llm.engine.reasoning import reasoning_parser
 from paged_llm.engine.request_group import RequestGroup, Tracked
+from paged_llm.engine.sleep_mode import SleepState
 from paged_llm.engine.stop_strings import StopStringChecker
 from paged_llm.engine.structured_output import StructuredOutputCompiler
 from paged_llm.engine.token_texts import TokenTexts
@@ -36,10 +38,12 @@ class InputProcessor:
         eos_token_id: int | None,
         load_lora: Callable[[LoRARequest], bool],  # loads an adapter on every rank
         clock: Callable[[], float],
+        sleep_state: SleepState,  # sleep mode: no request while the engine's memory is asleep
     ) -> None:
         self.worker, self.scheduler, self.texts = worker, scheduler, texts
         self.generation_defaults, self.eos_token_id = generation_defaults, eos_token_id
-        self.load_lora, self.clock = load_lora, clock
+        self.load_lora, self.clock, self.sleep_state = load_lora, clock, sleep_state
+        self._ids = itertools.count()  # ids of requests added without one
         self.vocab_size, self.max_model_len = worker.vocab_size, worker.max_model_len
         self._structured: StructuredOutputCompiler | None = None  # built on first guided request
         # with a reasoning parser, grammars wait for the end of the thought (tags as token ids)
@@ -56,7 +60,9 @@ class InputProcessor:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> RequestGroup:
-        """Validate a prompt and its parameters; the request group to queue."""
+        """Validate a prompt and its parameters; the request group to queue. Raise ValueError
+        before any work is done (EngineAsleepError while sleep mode has the engine's memory)."""
+        self.sleep_state.check_awake()
         parallel = self.worker.parallel
         if parallel is not None and not parallel.is_driver:
             raise ValueError(
@@ -108,6 +114,14 @@ class InputProcessor:
         prompt_lps = None if params.prompt_logprobs is None else [None] * len(ids)
         return RequestGroup(request_id, members, unforked=[], prompt_logprobs=prompt_lps,
                             lora_request=lora_request)  # fmt: skip
+
+    def request_id(self, request_id: str | None, taken: Collection[str]) -> str:
+        """The id of a request being added: the next number for None; one in ``taken``
+        refused."""
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in taken:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        return request_id
 
     def _check_sampling(self, params: SamplingParams) -> None:
         """Token ids and top-k counts within the vocabulary; stop strings need a tokenizer."""

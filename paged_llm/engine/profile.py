@@ -2,7 +2,7 @@
 ``LLM(..., plugins=["paged_llm.engine.profile.StepPhaseProfile"])``, then read
 ``engine.core.plugins[-1].summary()`` (experiments write it beside their timings).
 
-Phases, from the step's marks (engine/plugins.StepState):
+Phases, from the step's marks (engine/core.StepState):
 
 * ``schedule``: the scheduler;
 * ``plugins``: plug-ins before the forward (sample forks, drafting);
@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from paged_llm.engine.plugins import EnginePlugin, StepState
+from paged_llm.engine.core import EnginePlugin, StepState
 
 # (phase, from mark, to mark); a phase whose marks a step lacks is skipped for that step
 PHASES = (("schedule", "start", "scheduled"), ("plugins", "scheduled", "prepared"),

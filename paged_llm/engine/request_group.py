@@ -8,7 +8,7 @@ from typing import Any
 
 from paged_llm.core.request import Request
 from paged_llm.engine.deltas import DeltaCursor
-from paged_llm.engine.detokenizer import IncrementalDetokenizer
+from paged_llm.engine.output_processor import IncrementalDetokenizer
 from paged_llm.engine.stop_strings import StopStringChecker
 from paged_llm.lora.request import LoRARequest
 from paged_llm.outputs import LogprobEntry

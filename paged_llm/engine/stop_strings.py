@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from paged_llm.engine.detokenizer import IncrementalDetokenizer
+from paged_llm.engine.output_processor import IncrementalDetokenizer
 from paged_llm.sampling_params import SamplingParams
 
 

@@ -1,6 +1,7 @@
 """The engine's tokenizer side, shared by its input and output processing: what incremental
 detokenization needs to know of a tokenizer (``tokenizer_facts``, once per engine), each
-sequence's text keeper (engine/detokenizer.py), and each token's own text, decoded once."""
+sequence's text keeper (``IncrementalDetokenizer``, engine/output_processor.py), and each
+token's own text, decoded once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from paged_llm.engine.detokenizer import IncrementalDetokenizer
+from paged_llm.engine.output_processor import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

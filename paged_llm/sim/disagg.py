@@ -20,8 +20,7 @@ from typing import Any
 
 from paged_llm.core.request import Request
 from paged_llm.core.scheduler import Scheduler
-from paged_llm.engine.core import EngineCore
-from paged_llm.engine.plugins import StepState
+from paged_llm.engine.core import EngineCore, StepState
 from paged_llm.kv_transfer.shared_storage import chain_keys
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.sim.executor import quiet_preemption_warnings, step_shape

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_llm.core.scheduler import SchedulerOutput
-from paged_llm.engine.core import EngineCore
-from paged_llm.engine.plugins import EnginePlugin, StepState
+from paged_llm.engine.core import EngineCore, EnginePlugin, StepState
 from paged_llm.metrics.serving import IterationRecord, RequestRecord, RunTrace
 from paged_llm.sim.calibration import calibrate
 from paged_llm.sim.cost_model import RooflineCostModel, StepShape

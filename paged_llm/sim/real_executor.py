@@ -289,7 +289,7 @@ class _BeamSearches:
     def add(self, tr: TimedRequest, prompt: list[int], arrival: float) -> None:
         """Queue the request's first sequence (it prefills; the beams fork off it)."""
         params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
-        group = self.engine.make_request(
+        group = self.engine.inputs.make_request(
             tr.request_id, {"prompt_token_ids": prompt}, params, arrival, tr.priority
         )
         req = group.members[0].request

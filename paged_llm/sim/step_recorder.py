@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from paged_llm.engine.plugins import EnginePlugin, StepState
+from paged_llm.engine.core import EnginePlugin, StepState
 from paged_llm.sim.cost_model import StepShape
 from paged_llm.sim.executor import step_shape
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paged_llm.engine.plugins import EnginePlugin, StepState
+from paged_llm.engine.core import EnginePlugin, StepState
 from paged_llm.spec.base import Drafter
 from paged_llm.spec.metrics import ALL_DRAFTS, SpecDecodeStats
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from paged_llm.core.block_allocator import NULL_BLOCK
-from paged_llm.core.kv.base import KVCacheStats
+from paged_llm.core.kv.base import NULL_BLOCK, KVCacheStats
 from paged_llm.core.kv.connector_lookup import ConnectorLookup
 from paged_llm.core.kv.offload import OffloadedPrefixes, PrefixOffloadTier
 from paged_llm.core.kv.prefix_cache import PrefixCache, TierLoad, TierLookup

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from paged_llm.core.block_allocator import NULL_BLOCK
-from paged_llm.core.block_pool import BlockPool
+from paged_llm.core.kv.base import NULL_BLOCK
+from paged_llm.core.kv.block_pool import BlockPool
 from paged_llm.core.kv.prefix_cache import TierLookup
 from paged_llm.core.request import Request
 

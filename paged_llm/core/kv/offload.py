@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from paged_llm.core.block_pool import BlockPool
+from paged_llm.core.kv.block_pool import BlockPool
 
 
 class PrefixOffloadTier:

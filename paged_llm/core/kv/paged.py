@@ -19,17 +19,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from paged_llm.core.block_allocator import NULL_BLOCK, BlockAllocator, live_blocks
-from paged_llm.core.block_pool import BlockPool
-from paged_llm.core.kv.base import KVCacheManager, KVCacheStats, MemoryBreakdown
+from paged_llm.core.kv.base import NULL_BLOCK, BlockAllocator, KVCacheManager, live_blocks
+from paged_llm.core.kv.block_pool import BlockPool
 from paged_llm.core.kv.cached_prefixes import CachedPrefixes
 from paged_llm.core.kv.paged_memory import paged_memory_breakdown
 from paged_llm.core.kv.sliding_window import WindowRelease
+from paged_llm.core.kv.stats import KVCacheStats, MemoryBreakdown
 from paged_llm.core.kv.swap import SwapSpace
 from paged_llm.core.request import Request
 from paged_llm.utils.checks import check_window
 
-# NULL_BLOCK and live_blocks live in block_allocator.py; importing them from here still works
+# NULL_BLOCK and live_blocks live in kv/base.py; importing them from here still works
 __all__ = ["NULL_BLOCK", "PagedKVCacheManager", "live_blocks"]
 
 

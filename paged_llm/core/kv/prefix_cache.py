@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from paged_llm.core.block_pool import BlockPool
+from paged_llm.core.kv.block_pool import BlockPool
 from paged_llm.core.request import Request
 
 # What the walk found for one prompt block: a cached device block, (tier, id) in a lower tier

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from paged_llm.core.block_allocator import NULL_BLOCK
+from paged_llm.core.kv.base import NULL_BLOCK
 from paged_llm.core.request import Request
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from paged_llm.core.block_allocator import NULL_BLOCK, BlockAllocator, live_blocks
+from paged_llm.core.kv.base import NULL_BLOCK, BlockAllocator, live_blocks
 from paged_llm.core.request import Request
 
 

@@ -1,6 +1,6 @@
 """The pool of physical KV blocks with the prefix cache's index (no torch): the allocator's
-free list and reference counts (core/block_allocator.py), plus which full block holds which
-tokens, by hash.
+free list and reference counts (``BlockAllocator``, core/kv/base.py), plus which full block
+holds which tokens, by hash.
 
 A block whose last reference drops goes to the back of the free list but keeps its hash, so a
 later request with the same prefix can take it back; blocks are reused from the front, which
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from paged_llm.core.block_allocator import NULL_BLOCK, BlockAllocator, live_blocks
+from paged_llm.core.kv.base import NULL_BLOCK, BlockAllocator, live_blocks
 
 __all__ = ["NULL_BLOCK", "BlockPool", "live_blocks"]  # the table helpers: re-exported
 
