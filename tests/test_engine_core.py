@@ -206,3 +206,10 @@ def test_a_deferred_steps_plugins_run_when_its_tokens_are_resolved():
     assert step.finished == [req] and step.deferred is None
     core.resolve(step)  # resolved once only
     assert log[7:] == []
+
+
+def test_plugins_written_against_the_old_import_path_still_load():
+    """engine/plugins.py was the plug-in interface's home until 2026-12-07; it re-exports it."""
+    from paged_llm.engine import plugins
+
+    assert plugins.EnginePlugin is EnginePlugin and plugins.StepState is StepState
