@@ -29,7 +29,9 @@ from paged_llm.runner.batch import (
     BlockTableRows,
     HostBatch,
     flatten_batch,
+    int_tensor,
     is_decode_batch,
+    to_device,
     to_step_inputs,
 )
 from paged_llm.runner.collaborators import (
@@ -47,7 +49,6 @@ from paged_llm.runner.sampler import PendingTokens, Sampler, SampleResult
 from paged_llm.runner.sleep import Sleeper
 from paged_llm.spec.base import Drafter
 from paged_llm.spec.verify import DraftVerifier
-from paged_llm.utils.host import int_tensor, to_device
 
 
 def no_scope(*_: Any) -> contextlib.nullcontext[None]:
@@ -168,7 +169,7 @@ class ModelRunner(RunnerKVPools, RunnerControls):
         # Every host-to-device copy comes before the model is launched: a copy from pageable
         # memory waits for the stream, so one after the launch would wait for the whole
         # forward (and leave nothing for async output processing to overlap). The step's
-        # own inputs go through pinned memory (utils.host.to_device), so under async
+        # own inputs go through pinned memory (runner.batch.to_device), so under async
         # scheduling they queue behind the previous step's forward instead of waiting for it.
         key = self.cuda_graphs.key_for(batch) if self.cuda_graphs is not None else None
         if key is not None:

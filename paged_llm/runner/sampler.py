@@ -14,11 +14,11 @@ import torch
 
 from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
 from paged_llm.outputs import LogprobEntry
+from paged_llm.runner.batch import int_tensor, to_device
 from paged_llm.runner.logits_processors import process_request_rows
 from paged_llm.runner.logprobs import logprob_entries, logprob_rows
 from paged_llm.runner.top_k_top_p import sampling_probs
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.utils.host import int_tensor, to_device
 
 
 @dataclass
