@@ -1,16 +1,17 @@
 """Torch reference for paged attention: gather each sequence's K/V through its block table,
 then plain causal softmax attention in float32. Readable first; every kernel is tested
-against this. The gathering and the causal / sliding-window mask are paged_kv.py's.
+against this. The gathering and the causal / sliding-window mask are the torch backend's
+(attention/torch_backend.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from paged_llm.ops.paged_attention.paged_kv import attention_mask, gather_kv
+from paged_llm.attention.torch_backend import attention_mask, gather_kv
 from paged_llm.quant.kv_cache import KVCacheSpec
 
-__all__ = [  # attention_mask and gather_kv are read from here too (paged_kv.py has them)
+__all__ = [  # attention_mask and gather_kv are read from here too (torch_backend.py has them)
     "attention_mask", "attention_one_sequence", "gather_kv", "paged_attention_reference",
     "paged_decode_attention_batched",
 ]  # fmt: skip
