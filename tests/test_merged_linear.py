@@ -1,4 +1,4 @@
-"""Sibling linears (q/k/v, gate/up) merged into one GEMM (paged_llm/layers/merged_linear.py):
+"""Sibling linears (q/k/v, gate/up) merged into one GEMM (paged_llm/layers/linear.py):
 every architecture still matches transformers, the layers' parameters become views that
 loading writes through, unlike layers stay apart, and the engine's outputs do not change."""
 
@@ -14,8 +14,8 @@ from torch import nn
 
 import paged_llm.layers.rotary as rotary_module
 from paged_llm import LLM, SamplingParams
-from paged_llm.layers.merge_siblings import merge_sibling_linears
-from paged_llm.layers.merged_linear import merged_groups, sibling_outputs
+from paged_llm.layers.linear import merged_groups, sibling_outputs
+from paged_llm.layers.linear_setup import merge_sibling_linears
 from paged_llm.layers.rotary import apply_rotary, apply_rotary_qk
 from paged_llm.models.base import load_named_weights
 from paged_llm.models.loader import load_model

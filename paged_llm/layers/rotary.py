@@ -67,7 +67,7 @@ def apply_rotary_qk(
     sin: torch.Tensor,  # [T, R]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hk, D]
     """``apply_rotary`` to q and k: one launch when k's heads follow q's in memory (columns of
-    one merged q/k/v projection, ``layers/merged_linear.py``), two otherwise."""
+    one merged q/k/v projection, ``layers/linear.py``), two otherwise."""
     both = _heads_side_by_side(q, k)
     if both is None:
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
