@@ -1,14 +1,11 @@
 """The readable reference backend: gather paged K/V with torch indexing, then attention.
 
-Below the backend, the plain-torch paged-cache code it runs, which the reference attention
-(ops/paged_attention/reference.py), the contiguous backend and the kernel tests share: storing
-this step's K/V in their slots (``store_kv_reference``, the reference of the Triton store),
-reading one sequence's K/V through its block table (dequantized when the cache is quantized),
-and which context positions its queries see (causal, within a sliding window when there is one).
-
-Sliding window (Mistral, Qwen2/3 with ``use_sliding_window``): with ``sliding_window=W`` the
-query at position p attends to the W positions p - W + 1 ... p (itself included), as
-transformers' ``sliding_window_causal_mask_function`` and vLLM define it. ``None`` = no window.
+Below it, the plain-torch paged-cache code it runs, shared with the reference attention, the
+contiguous backend and the kernel tests: storing a step's K/V in their slots (the Triton store's
+reference), reading a sequence's K/V from its blocks (dequantized for a quantized cache), and
+which positions its queries see: causal, and with ``sliding_window=W`` (None: no window) the
+query at position p sees p - W + 1 ... p, as transformers' ``sliding_window_causal_mask_function``
+and vLLM define it.
 """
 
 from __future__ import annotations
@@ -203,19 +200,6 @@ def store_kv_reference(
         scale.view(-1, scale.shape[-1])[slots] = s
 
 
-def gather_kv(
-    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    block_table: torch.Tensor,  # [max_blocks] int
-    seq_len: int,
-    scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
-    dtype: torch.dtype | None = None,  # dequantize into this dtype (default float32)
-) -> torch.Tensor:
-    """Return the first ``seq_len`` cached vectors of one sequence: [seq_len, Hkv, D]
-    (dequantized when the cache comes with scales)."""
-    num_blocks = (seq_len + cache.shape[1] - 1) // cache.shape[1]
-    return gather_blocks(cache, block_table[:num_blocks].long(), seq_len, scale, dtype)
-
-
 def gather_blocks(
     cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     ids: torch.Tensor,  # [ceil(seq_len / block_size)] int64: exactly the sequence's blocks
@@ -224,8 +208,9 @@ def gather_blocks(
     dtype: torch.dtype | None = None,  # dequantize (or cast) into this dtype
     out: torch.Tensor | None = None,  # [len(ids), block_size, Hkv, D]: a reused gather buffer
 ) -> torch.Tensor:
-    """``gather_kv`` from the sequence's block ids as an int64 tensor (no table slicing or
-    conversion: the torch backend's per-layer hot path): [seq_len, Hkv, D]."""
+    """The first ``seq_len`` cached vectors of one sequence, from exactly its block ids as an
+    int64 tensor: [seq_len, Hkv, D] (dequantized when the cache comes with scales; no table
+    slicing or conversion: the torch backend's per-layer hot path)."""
     vectors = torch.index_select(cache, 0, ids, out=out).flatten(0, 1)[:seq_len]
     if scale is None:
         return vectors if dtype is None else vectors.to(dtype)
