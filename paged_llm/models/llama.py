@@ -1,10 +1,11 @@
 """LLaMA-family decoder (LLaMA 1/2/3, Mistral, Qwen2, Qwen3): RMSNorm, RoPE, grouped-query
 attention over the paged KV cache, and a SwiGLU MLP. The variants differ in which projections
 carry a bias, whether q and k are RMS-normed per head (Qwen3), and which MLP a layer has (the
-mixture-of-experts models in ``moe.py``); the subclasses at the bottom pick.
+mixture-of-experts models in ``moe.py``); the subclasses (``llama_variants.py``: Mistral,
+Qwen2, Qwen3) pick.
 
 Sliding-window attention (Mistral v0.1, Qwen2/3 with ``use_sliding_window``) is a per-layer
-argument of the attention layer (``base.sliding_window_of``); every backend honours it.
+argument of the attention layer (``loader.sliding_window_of``); every backend honours it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from paged_llm.layers.linear import sibling_outputs
 from paged_llm.layers.norms import RMSNorm
 from paged_llm.layers.rope_scaling import rope_parameters
 from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary_qk
-from paged_llm.models.base import CausalLM, head_dim_of, num_kv_heads_of, sliding_window_of
+from paged_llm.models.base import CausalLM
+from paged_llm.models.loader import head_dim_of, num_kv_heads_of, sliding_window_of
 from paged_llm.ops.elementwise import BindsElementwiseOps, device_of, rotary_for, silu_mul_for
 
 
@@ -192,27 +194,3 @@ class LlamaForCausalLM(CausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         """Drop RoPE frequency buffers that older checkpoints saved; other names are HF's own."""
         return None if name.endswith("rotary_emb.inv_freq") else name
-
-
-class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: LLaMA without any biases (and, in v0.1, a sliding window on every layer)."""
-
-    @staticmethod
-    def bias_flags(config: Any) -> tuple[bool, bool, bool]:
-        """Mistral has no bias anywhere."""
-        return False, False, False
-
-
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2: LLaMA with biases on the q/k/v projections only."""
-
-    @staticmethod
-    def bias_flags(config: Any) -> tuple[bool, bool, bool]:
-        """Qwen2 biases q/k/v but not o_proj or the MLP."""
-        return True, False, False
-
-
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Qwen3: LLaMA with per-head RMSNorm on q and k (biases as LLaMA: ``attention_bias``)."""
-
-    qk_norm = True
