@@ -42,11 +42,10 @@ from paged_llm.runner.collaborators import (
     TokenChooser,
 )
 from paged_llm.runner.controls import RunnerControls
-from paged_llm.runner.cuda_graphs import CudaGraphRunner, graph_kind
+from paged_llm.runner.cuda_graphs import graph_kind
 from paged_llm.runner.kv_cache import RunnerKVPools
 from paged_llm.runner.logprobs import PromptLogprobs, prompt_logprobs
 from paged_llm.runner.sampler import PendingTokens, Sampler, SampleResult
-from paged_llm.runner.sleep import Sleeper
 from paged_llm.spec.base import Drafter
 from paged_llm.spec.verify import DraftVerifier
 
@@ -100,17 +99,7 @@ class ModelRunner(RunnerKVPools, RunnerControls):
         )
         self.forgetters = [self.sampler.forget, self.table_rows.forget]
         self.forgetters += [pooler.forget] if pooler is not None else []
-        self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
-        # capture_cuda_graphs' arguments (sizes, max_model_len, strides, mixed tokens): wake_up
-        # redoes it
-        self._graph_args: tuple[list[int], int, tuple[int, ...], tuple[int, ...]] = (
-            [], 0, (1,), ()
-        )  # fmt: skip
-        self.sleeper = Sleeper()
-        # other owners of this rank's device memory (a draft model): ``device_memory()``; their
-        # weights and KV sleep with the target's and their graphs are captured beside its own
-        self.memory_owners: list[Drafter] = [drafter] if drafter and drafter.runs_model else []
-        self.cuda_graph_error: str | None = None  # why capturing failed, if it did
+        self._init_controls(drafter)  # CUDA graphs and sleep mode: runner/controls.py
         # How each forward ran (``cuda_graphs.graph_kind`` of a replay, "eager_decode",
         # "eager_prefill": any other batch, a verification included),
         # counted and last: benchmarks attribute step time by kind.
