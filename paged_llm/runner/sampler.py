@@ -143,10 +143,3 @@ def has_constraints(request: Request, num_output_tokens: int) -> bool:
     processing or a grammar (most requests have neither)."""
     params = request.sampling_params
     return request.guide is not None or params.needs_logits_processing(num_output_tokens)
-
-
-def is_plain_greedy(request: Request, num_drafted: int = 0) -> bool:
-    """Greedy, with no logits processing and no grammar for the token after its outputs and
-    ``num_drafted`` drafts: its choice is the plain argmax of the logits."""
-    n = request.num_output_tokens + num_drafted
-    return request.sampling_params.greedy and not has_constraints(request, n)
