@@ -35,7 +35,7 @@ def fused_on(device: torch.device | str) -> bool:
 
 
 def device_of(module: nn.Module) -> torch.device:
-    """Where a module's first parameter (else buffer) lives; meta while it is being built."""
+    """Where a module's first parameter (else buffer) lives (meta for a module without any)."""
     first = next(itertools.chain(module.parameters(), module.buffers()), None)
     return torch.device("meta") if first is None else first.device
 
@@ -50,6 +50,7 @@ class BindsElementwiseOps(nn.Module):
         raise NotImplementedError
 
     def _apply(self, fn, recurse=True):
+        # Every move of a module's tensors (.to, .to_empty, .cuda, .half) comes through here.
         super()._apply(fn, recurse)
         self.bind_ops(device_of(self))
         return self
