@@ -3,7 +3,7 @@ a CUDA graph's static buffers loaded for a decode step at batch 256 and a mixed 
 decodes beside a 257-token prompt, the 512-token graph), and the eager path's metadata for the
 same mixed step; contexts 200-1800 tokens, block size 16, max_model_len 2048 (LLaMA-7B's end-
 to-end workload on the GPU). The peer, measured in the same run: the list-to-tensor conversion
-both paths make, by ``torch.tensor`` (before) and by ``utils.host.int_tensor`` (now).
+both paths make, by ``torch.tensor`` (before) and by ``runner.batch.int_tensor`` (now).
 
     python -m experiments.bench_step_inputs [reps=30]   # JSON in the Hydra run directory
 
@@ -25,9 +25,8 @@ from experiments.common.cli import command, hydra_app, settings
 from experiments.common.hardware import host_info
 from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.metrics.run_info import write_json
-from paged_llm.runner.batch import BlockTableRows
+from paged_llm.runner.batch import BlockTableRows, int_tensor
 from paged_llm.runner.cuda_graphs import CudaGraphRunner, mixed_capture_tokens
-from paged_llm.utils.host import int_tensor
 
 BLOCK_SIZE, MAX_MODEL_LEN = 16, 2048
 

@@ -3,7 +3,7 @@
 Times every linear layer of a Llama shape once per pass (weights streamed from memory as in a
 real step, not one hot matrix), for each row count and thread count, both paths interleaved in
 the same process; the fastest of ``repeats`` passes counts. This is the measurement behind
-``cpu_onednn_min_rows`` (``paged_llm/layers/cpu_linear.py``).
+``cpu_onednn_min_rows`` (``paged_llm/layers/linear_setup.py``).
 
     python -m experiments.cpu_matmul [shape=throughput|target|draft] [threads=[1,2]]
         # configs/cpu_matmul.yaml; JSON in the Hydra run directory
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from experiments.common.cli import hydra_app, settings
-from paged_llm.layers.cpu_linear import onednn_available
+from paged_llm.layers.linear_setup import onednn_available
 from paged_llm.metrics.run_info import run_info, write_json
 
 # (hidden, intermediate, layers, q heads, kv heads, head dim, vocab): experiments/throughput's

@@ -48,10 +48,10 @@ class ModelConfig:
     # paged_llm/runner/sleep.py). Costs nothing until sleep() is called.
     enable_sleep_mode: bool = False
     # CPU: linear layers send inputs of at least this many rows to oneDNN's matmul, faster than
-    # torch's default (MKL) there; None keeps torch's default. See paged_llm/layers/cpu_linear.py
+    # torch's default (MKL) there; None keeps torch's default. See paged_llm/layers/linear_setup.py
     cpu_onednn_min_rows: int | None = 1
     # Sibling linears (q/k/v, gate/up) as one GEMM over side-by-side weights, where they are
-    # plain linears (not quantized, LoRA-wrapped or sharded); paged_llm/layers/merged_linear.py
+    # plain linears (not quantized, LoRA-wrapped or sharded); paged_llm/layers/linear.py
     merge_sibling_linears: bool = True
     # vLLM's. Where default sampling settings and extra EOS ids come from: "auto" (the model's
     # generation_config.json), "vllm" (paged-llm's own sampling defaults) or a directory; see

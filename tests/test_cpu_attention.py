@@ -10,8 +10,7 @@ from paged_cache_helpers import paged_setup
 from paged_llm.attention.cpu_backend import CpuAttentionBackend
 from paged_llm.attention.metadata import build_attention_metadata
 from paged_llm.attention.registry import auto_backend_name
-from paged_llm.attention.torch_backend import TorchAttentionBackend
-from paged_llm.ops.kv_store.reference import store_kv_reference
+from paged_llm.attention.torch_backend import TorchAttentionBackend, store_kv_reference
 from paged_llm.ops.paged_attention import cpu_native
 from paged_llm.ops.paged_attention.reference import paged_attention_reference
 from paged_llm.quant.kv_cache import kv_cache_spec

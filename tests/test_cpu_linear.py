@@ -7,12 +7,8 @@ import torch
 from torch import nn
 
 from paged_llm import LLM, SamplingParams
-from paged_llm.layers.cpu_linear import (
-    OneDnnLinear,
-    onednn_available,
-    onednn_dtypes,
-    use_onednn_linears,
-)
+from paged_llm.layers.linear import OneDnnLinear
+from paged_llm.layers.linear_setup import onednn_available, onednn_dtypes, use_onednn_linears
 from paged_llm.quant.layers import Int8Linear
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")

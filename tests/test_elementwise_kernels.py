@@ -76,11 +76,46 @@ def test_bad_shapes_are_refused():
         silu_mul_triton(torch.randn(2, 4), torch.randn(2, 5))
 
 
-def test_layers_use_the_reference_on_the_cpu():
-    """The dispatch: CPU tensors never reach a kernel (the model tests cover their results)."""
+def test_the_op_is_chosen_by_device():
+    """CPU tensors never reach a kernel; CUDA ones do unless PAGED_LLM_FUSED_ELEMENTWISE=0."""
     from paged_llm.ops import elementwise
+    from paged_llm.ops.elementwise import triton as fused
 
     x = torch.randn(3, 8)
-    assert not elementwise._use_triton(x)
+    assert elementwise.rms_norm_for(x.device) is rms_norm_reference
     torch.testing.assert_close(elementwise.rms_norm(x, torch.ones(8), 1e-6),
                                rms_norm_reference(x, torch.ones(8), 1e-6))  # fmt: skip
+    chosen = [elementwise.rms_norm_for("cuda"), elementwise.rotary_for("cuda"),
+              elementwise.silu_mul_for("cuda")]  # fmt: skip
+    assert chosen == [fused.rms_norm_fused, fused.rotary_fused, fused.silu_mul_fused]
+    os.environ["PAGED_LLM_FUSED_ELEMENTWISE"] = "0"
+    try:
+        assert elementwise.silu_mul_for("cuda") is silu_mul_reference
+    finally:
+        del os.environ["PAGED_LLM_FUSED_ELEMENTWISE"]
+
+
+def test_layers_bind_their_op_when_placed_and_the_fused_one_matches(monkeypatch):
+    """A layer picks its op when built and again when its tensors move (``_apply``), and calls
+    it directly; bound to the fused ops (here in Triton's interpreter), the layers' outputs
+    equal the reference's."""
+    from types import SimpleNamespace
+
+    from paged_llm.layers.norms import RMSNorm
+    from paged_llm.models.llama import LlamaMLP
+    from paged_llm.ops import elementwise
+    from paged_llm.ops.elementwise import triton as fused
+
+    torch.manual_seed(0)
+    config = SimpleNamespace(hidden_size=16, intermediate_size=24, hidden_act="silu")
+    norm, mlp = RMSNorm(16), LlamaMLP(config, bias=False)
+    assert (norm._rms_norm, mlp._silu_mul) == (rms_norm_reference, silu_mul_reference)
+    x = torch.randn(5, 16)
+    expected = norm(x), mlp(x)
+    monkeypatch.setattr(elementwise, "fused_on", lambda device: True)  # as on CUDA
+    norm, mlp = norm.to(torch.float32), mlp.to(torch.float32)  # a move re-binds
+    assert (norm._rms_norm, mlp._silu_mul) == (fused.rms_norm_fused, fused.silu_mul_fused)
+    torch.testing.assert_close((norm(x), mlp(x)), expected, **TOL[torch.float32])
+    with torch.device("meta"):
+        built = RMSNorm(16)
+    assert built.to_empty(device="cpu")._rms_norm is fused.rms_norm_fused  # as the loader does

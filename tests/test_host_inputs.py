@@ -12,9 +12,8 @@ from paged_llm.attention.metadata import padded_block_tables
 from paged_llm.core.kv.base import NULL_BLOCK
 from paged_llm.core.request import Request
 from paged_llm.core.scheduler import ScheduledRequest
-from paged_llm.runner.batch import BlockTableRows, flatten_batch
+from paged_llm.runner.batch import BlockTableRows, flatten_batch, padded_int_rows
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.utils.host import padded_int_rows
 
 tokens = st.lists(st.integers(0, 1000), max_size=12)
 

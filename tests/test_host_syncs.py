@@ -65,7 +65,7 @@ def test_no_host_to_device_copy_between_launch_and_sampling(
 def test_int_tensor_matches_torch_tensor_and_outlives_its_buffer():
     import gc
 
-    from paged_llm.utils.host import int_tensor
+    from paged_llm.runner.batch import int_tensor
 
     values = [0, -1, 2**40, 7] * 1000
     view = int_tensor(values)[1:5]
@@ -113,7 +113,7 @@ def test_to_device_copies_through_pinned_memory_only_to_a_gpu(monkeypatch):
     """On a GPU the step's inputs go through pinned memory, non-blocking (a pageable copy
     waits for the stream: under async scheduling, for the previous step's forward); on the CPU
     the tensor is used as it is."""
-    from paged_llm.utils.host import int_tensor, to_device
+    from paged_llm.runner.batch import int_tensor, to_device
 
     host = int_tensor([3, 1, 4])
     assert to_device(host, torch.device("cpu")) is host and to_device(host, "cpu") is host

@@ -15,12 +15,14 @@ import torch  # noqa: E402
 from paged_cache_helpers import paged_setup, random_cache  # noqa: E402
 
 from paged_llm.attention.metadata import build_attention_metadata  # noqa: E402
-from paged_llm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from paged_llm.attention.torch_backend import (
+    TorchAttentionBackend,  # noqa: E402
+    store_kv_reference,  # noqa: E402
+)
 from paged_llm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from paged_llm.ops.copy_blocks import copy_blocks  # noqa: E402
 from paged_llm.ops.copy_blocks.reference import copy_blocks_reference  # noqa: E402
 from paged_llm.ops.copy_blocks.triton import copy_blocks_triton  # noqa: E402
-from paged_llm.ops.kv_store.reference import store_kv_reference  # noqa: E402
 from paged_llm.ops.kv_store.triton import store_kv_triton  # noqa: E402
 from paged_llm.ops.paged_attention.reference import paged_attention_reference  # noqa: E402
 from paged_llm.ops.paged_attention.triton_decode import paged_decode_attention_triton  # noqa: E402

@@ -1,4 +1,4 @@
-"""Sibling linears (q/k/v, gate/up) merged into one GEMM (paged_llm/layers/merged_linear.py):
+"""Sibling linears (q/k/v, gate/up) merged into one GEMM (paged_llm/layers/linear.py):
 every architecture still matches transformers, the layers' parameters become views that
 loading writes through, unlike layers stay apart, and the engine's outputs do not change."""
 
@@ -14,12 +14,12 @@ from torch import nn
 
 import paged_llm.layers.rotary as rotary_module
 from paged_llm import LLM, SamplingParams
-from paged_llm.layers.merge_siblings import merge_sibling_linears
-from paged_llm.layers.merged_linear import merged_groups, sibling_outputs
+from paged_llm.layers.linear import merged_groups, sibling_outputs
+from paged_llm.layers.linear_setup import merge_sibling_linears
 from paged_llm.layers.rotary import apply_rotary, apply_rotary_qk
 from paged_llm.models.base import load_named_weights
 from paged_llm.models.loader import load_model
-from paged_llm.ops.elementwise.reference import silu_mul_reference
+from paged_llm.ops.elementwise.reference import rotary_reference, silu_mul_reference
 from paged_llm.ops.elementwise.triton import rotary_triton, silu_mul_triton
 
 
@@ -129,10 +129,13 @@ def test_quantized_and_lora_layers_are_not_merged(tiny_llama):
     assert generate_ids(llm, _prompts([4]), 2)  # the wrapped layers run one by one
 
 
-def test_rotary_of_adjacent_q_and_k_is_one_launch(monkeypatch):
+def test_rotary_of_adjacent_q_and_k_is_one_launch():
     calls = []
-    real = rotary_module.rotary
-    monkeypatch.setattr(rotary_module, "rotary", lambda *a: calls.append(1) or real(*a))
+
+    def rotate(*args):  # the layer's rotary op, counted
+        calls.append(1)
+        return rotary_reference(*args)
+
     t, hq, hk, d = 5, 4, 2, 8
     qkv = torch.randn(t, (hq + 2 * hk) * d)
     q = qkv[:, : hq * d].view(t, hq, d)
@@ -141,19 +144,18 @@ def test_rotary_of_adjacent_q_and_k_is_one_launch(monkeypatch):
     angles = torch.rand(t, d // 2) * 6
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     expected = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    calls.clear()
-    out = apply_rotary_qk(q, k, cos, sin)
+    out = apply_rotary_qk(q, k, cos, sin, rotate)
     assert len(calls) == 1
     assert all(torch.equal(a, b) for a, b in zip(out, expected))
     for not_adjacent in ((q, v), (q, k.clone()), (q.clone(), k)):
         calls.clear()
-        out = apply_rotary_qk(*not_adjacent, cos, sin)
+        out = apply_rotary_qk(*not_adjacent, cos, sin, rotate)
         assert len(calls) == 2
         assert torch.equal(out[0], apply_rotary(not_adjacent[0], cos, sin))
     # partial rotary (GPT-NeoX): the first R channels of both in one launch
     part = cos[:, : d // 2], sin[:, : d // 2]
     calls.clear()
-    out = apply_rotary_qk(q, k, *part)
+    out = apply_rotary_qk(q, k, *part, rotate)
     assert len(calls) == 1 and torch.equal(out[1], apply_rotary(k, *part))
 
 

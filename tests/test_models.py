@@ -566,7 +566,7 @@ def test_kv_cache_shape_and_context_len():
     ],
 )
 def test_sliding_window_per_layer(case, windows):
-    from paged_llm.models.base import sliding_window_of
+    from paged_llm.models.loader import sliding_window_of
 
     config = _config(case)
     assert [sliding_window_of(config, i) for i in range(2)] == windows

@@ -12,12 +12,14 @@ import torch  # noqa: E402
 
 from paged_llm import LLM, SamplingParams  # noqa: E402
 from paged_llm.attention.metadata import build_attention_metadata  # noqa: E402
-from paged_llm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from paged_llm.attention.torch_backend import (
+    TorchAttentionBackend,  # noqa: E402
+    store_kv_reference,  # noqa: E402
+)
 from paged_llm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from paged_llm.layers.attention import ForwardContext  # noqa: E402
 from paged_llm.models import trained  # noqa: E402
 from paged_llm.models.loader import kv_cache_shape_info, load_model  # noqa: E402
-from paged_llm.ops.kv_store.reference import store_kv_reference  # noqa: E402
 from paged_llm.ops.kv_store.triton import store_kv_triton  # noqa: E402
 from paged_llm.ops.paged_attention.reference import (  # noqa: E402
     gather_kv,

@@ -14,10 +14,9 @@ from paged_llm import LLM, SamplingParams
 from paged_llm.attention.contiguous_backend import ContiguousAttentionBackend
 from paged_llm.attention.cpu_backend import CpuAttentionBackend
 from paged_llm.attention.metadata import build_attention_metadata
-from paged_llm.attention.torch_backend import TorchAttentionBackend
+from paged_llm.attention.torch_backend import TorchAttentionBackend, store_kv_reference
 from paged_llm.attention.triton_backend import TritonAttentionBackend
 from paged_llm.core.kv.paged import live_blocks
-from paged_llm.ops.kv_store.reference import store_kv_reference
 from paged_llm.ops.paged_attention import cpu_native
 from paged_llm.ops.paged_attention.reference import (
     attention_mask,

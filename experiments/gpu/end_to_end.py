@@ -185,7 +185,7 @@ def bandwidth_bound(
 
 def bound_bytes(hf_config: Any, dtype: torch.dtype) -> dict[str, float]:
     """The bound's terms: the weights' bytes and the K/V bytes of one token (all layers)."""
-    from paged_llm.models.base import head_dim_of, num_kv_heads_of
+    from paged_llm.models.loader import head_dim_of, num_kv_heads_of
     from paged_llm.models.presets import count_parameters
 
     elem = torch.empty((), dtype=dtype).element_size()

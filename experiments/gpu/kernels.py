@@ -63,7 +63,7 @@ def kernel_checks(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[
 
 def check_store_kv(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """KV store: bit-exact, padding slots (-1) skipped."""
-    from paged_llm.ops.kv_store.reference import store_kv_reference
+    from paged_llm.attention.torch_backend import store_kv_reference
     from paged_llm.ops.kv_store.triton import store_kv_triton
 
     _, hkv, d = plan.kernel_heads
@@ -80,7 +80,7 @@ def check_store_kv(plan: Plan, device: torch.device, dtype: torch.dtype) -> list
 
 def check_store_kv_quantized(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Quantizing KV store (int8, and fp8 e4m3 where the GPU has it): dequantized values."""
-    from paged_llm.ops.kv_store.reference import store_kv_reference
+    from paged_llm.attention.torch_backend import store_kv_reference
     from paged_llm.ops.kv_store.triton import store_kv_triton
     from paged_llm.quant.kv_cache import KV_CACHE_DTYPES
 

@@ -8,8 +8,7 @@ import torch
 
 from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata
-from paged_llm.ops.kv_store.reference import store_kv_reference
-from paged_llm.ops.paged_attention.paged_kv import window_start
+from paged_llm.attention.torch_backend import store_kv_reference, window_start
 from paged_llm.ops.paged_attention.reference import attention_one_sequence
 from paged_llm.quant.kv_cache import KVCacheSpec
 

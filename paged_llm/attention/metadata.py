@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged_llm.utils.host import int_tensor, padded_int_rows, to_device
+from paged_llm.runner.batch import int_tensor, padded_int_rows, to_device
 
 
 @dataclass

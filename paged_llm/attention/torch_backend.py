@@ -1,4 +1,12 @@
-"""The readable reference backend: gather paged K/V with torch indexing, then attention."""
+"""The readable reference backend: gather paged K/V with torch indexing, then attention.
+
+Below it, the plain-torch paged-cache code it runs, shared with the reference attention, the
+contiguous backend and the kernel tests: storing a step's K/V in their slots (the Triton store's
+reference), reading a sequence's K/V from its blocks (dequantized for a quantized cache), and
+which positions its queries see: causal, and with ``sliding_window=W`` (None: no window) the
+query at position p sees p - W + 1 ... p, as transformers' ``sliding_window_causal_mask_function``
+and vLLM define it.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +15,7 @@ import torch.nn.functional as F
 
 from paged_llm.attention.base import AttentionBackend
 from paged_llm.attention.metadata import AttentionMetadata, context_blocks
-from paged_llm.ops.kv_store.reference import store_kv_reference
-from paged_llm.ops.paged_attention.paged_kv import attention_mask, gather_blocks, window_start
+from paged_llm.quant.kv_cache import KVCacheSpec, spec_for_cache
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -165,3 +172,68 @@ def decode_one_sequence_into(
     else:
         p = torch.softmax(scores.float() * scale, dim=-1).to(v.dtype)
     torch.bmm(p, v.transpose(0, 1), out=out)
+
+
+def store_kv_reference(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, flat slot index; negative = skip (padding)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] float32: quantized cache
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Scatter each token's K and V into ``cache.view(-1, Hkv, D)[slot]`` in place; with scale
+    pools (int8 / fp8 cache) each vector is quantized and its scale stored in the same slot."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    if k_scale is None:
+        flat_k.index_copy_(0, slots, key[valid].to(k_cache.dtype))
+        flat_v.index_copy_(0, slots, value[valid].to(v_cache.dtype))
+        return
+    spec = spec_for_cache(k_cache)
+    for x, flat, scale in ((key, flat_k, k_scale), (value, flat_v, v_scale)):
+        codes, s = spec.quantize(x[valid])
+        flat[slots] = codes  # index_put: index_copy_ has no float8 kernel on the CPU
+        scale.view(-1, scale.shape[-1])[slots] = s
+
+
+def gather_blocks(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    ids: torch.Tensor,  # [ceil(seq_len / block_size)] int64: exactly the sequence's blocks
+    seq_len: int,
+    scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
+    dtype: torch.dtype | None = None,  # dequantize (or cast) into this dtype
+    out: torch.Tensor | None = None,  # [len(ids), block_size, Hkv, D]: a reused gather buffer
+) -> torch.Tensor:
+    """The first ``seq_len`` cached vectors of one sequence, from exactly its block ids as an
+    int64 tensor: [seq_len, Hkv, D] (dequantized when the cache comes with scales; no table
+    slicing or conversion: the torch backend's per-layer hot path)."""
+    vectors = torch.index_select(cache, 0, ids, out=out).flatten(0, 1)[:seq_len]
+    if scale is None:
+        return vectors if dtype is None else vectors.to(dtype)
+    scales = scale.index_select(0, ids).flatten(0, 1)[:seq_len]
+    return KVCacheSpec.dequantize(vectors, scales, dtype or torch.float32)
+
+
+def attention_mask(
+    lq: int, lk: int, sliding_window: int | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[Lq, Lk] bool, True where a query (the last Lq of Lk positions) may attend to a key:
+    causal, and within the sliding window when there is one."""
+    q_pos = torch.arange(lk - lq, lk, device=device)[:, None]
+    k_pos = torch.arange(lk, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def window_start(seq_len: int, first_query_pos: int, sliding_window: int | None) -> int:
+    """First context position any query at or after ``first_query_pos`` can see (0 without a
+    window); earlier positions are never read again."""
+    if sliding_window is None:
+        return 0
+    return min(seq_len, max(0, first_query_pos - sliding_window + 1))

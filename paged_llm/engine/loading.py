@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from paged_llm.config import ModelConfig
-from paged_llm.layers.cpu_linear import use_onednn_linears
+from paged_llm.layers.linear_setup import use_onednn_linears
 from paged_llm.models import presets
 from paged_llm.models.loader import resolve_dtype
 from paged_llm.quant.checkpoint import load_checkpoint

@@ -27,7 +27,7 @@ from paged_llm.distributed.sharding import kv_heads_per_rank
 from paged_llm.engine.loading import checkpoint_path, load_model_and_tokenizer, resolve_device
 from paged_llm.kv_transfer import build_kv_connector, checkpoint_identity
 from paged_llm.layers.attention import PagedAttention
-from paged_llm.layers.merge_siblings import merge_sibling_linears
+from paged_llm.layers.linear_setup import merge_sibling_linears
 from paged_llm.lora.manager import LoRAManager
 from paged_llm.models.classification import is_classifier, pools_only
 from paged_llm.models.loader import kv_cache_shape_info, max_context_len

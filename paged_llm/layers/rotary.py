@@ -10,6 +10,7 @@ precomputed table, so positions are exact for any context length and nothing lar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,13 +51,14 @@ def apply_rotary(
     x: torch.Tensor,  # [T, H, D]
     cos: torch.Tensor,  # [T, R], R <= D
     sin: torch.Tensor,  # [T, R]
+    rotate: Callable[..., torch.Tensor] = rotary,  # a layer's op (ops/elementwise.rotary_for)
 ) -> torch.Tensor:  # [T, H, D]
     """Rotate the first R channels of every head of ``x`` by its token's angles (a fused
     kernel on CUDA); the other D - R channels pass through (partial rotary)."""
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:
-        return rotary(x, cos, sin)
-    rotated = rotary(x[..., :rotary_dim].contiguous(), cos, sin)
+        return rotate(x, cos, sin)
+    rotated = rotate(x[..., :rotary_dim].contiguous(), cos, sin)
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
@@ -65,13 +67,14 @@ def apply_rotary_qk(
     k: torch.Tensor,  # [T, Hk, D]
     cos: torch.Tensor,  # [T, R]
     sin: torch.Tensor,  # [T, R]
+    rotate: Callable[..., torch.Tensor] = rotary,  # a layer's op (ops/elementwise.rotary_for)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hk, D]
     """``apply_rotary`` to q and k: one launch when k's heads follow q's in memory (columns of
-    one merged q/k/v projection, ``layers/merged_linear.py``), two otherwise."""
+    one merged q/k/v projection, ``layers/linear.py``), two otherwise."""
     both = _heads_side_by_side(q, k)
     if both is None:
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    out = apply_rotary(both, cos, sin)
+        return apply_rotary(q, cos, sin, rotate), apply_rotary(k, cos, sin, rotate)
+    out = apply_rotary(both, cos, sin, rotate)
     return out[:, : q.shape[1]], out[:, q.shape[1] :]
 
 

@@ -1,5 +1,6 @@
-"""What every causal LM here shares: config helpers, tied embeddings, logits, and (from
-models/weights.py) weight loading.
+"""What every causal LM here shares: tied embeddings, logits, and (from models/weights.py)
+weight loading. The helpers that read an HF config (head width, KV heads, sliding windows) are
+models/loader.py's.
 
 The model runner relies on exactly this interface::
 
@@ -20,31 +21,7 @@ from torch import nn
 # load_named_weights is also read from here by the models that load their own way
 from paged_llm.models.weights import CheckpointWeights, load_named_weights
 
-__all__ = ["CausalLM", "head_dim_of", "load_named_weights", "num_kv_heads_of", "sliding_window_of"]
-
-
-def head_dim_of(config: Any) -> int:
-    """Per-head width: ``config.head_dim`` when set (Mistral/Qwen variants), else hidden / heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def num_kv_heads_of(config: Any) -> int:
-    """Number of K/V heads (grouped-query attention); plain multi-head models have one per query."""
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def sliding_window_of(config: Any, layer_idx: int) -> int | None:
-    """Sliding window of layer ``layer_idx`` (None: full attention), read as transformers does:
-    ``sliding_window`` when set and not switched off by ``use_sliding_window`` (Qwen), on the
-    layers ``layer_types`` marks "sliding_attention", or on every layer without ``layer_types``
-    (Mistral, Mixtral, Qwen3-MoE)."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
-        return None
-    return int(window)
+__all__ = ["CausalLM", "load_named_weights"]
 
 
 class CausalLM(CheckpointWeights, nn.Module):

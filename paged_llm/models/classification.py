@@ -25,12 +25,8 @@ from paged_llm.distributed.sharding import shard_checkpoint
 from paged_llm.models.base import load_named_weights
 from paged_llm.models.gpt2 import GPT2LMHeadModel
 from paged_llm.models.gpt_neox import GPTNeoXForCausalLM
-from paged_llm.models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from paged_llm.models.llama import LlamaForCausalLM
+from paged_llm.models.llama_variants import MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from paged_llm.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from paged_llm.models.opt import OPTForCausalLM
 

@@ -29,8 +29,9 @@ from paged_llm.layers.attention import ForwardContext
 from paged_llm.layers.norms import RMSNorm
 from paged_llm.layers.rope_scaling import rope_parameters
 from paged_llm.layers.rotary import RotaryEmbedding
-from paged_llm.models.base import head_dim_of, load_named_weights
+from paged_llm.models.base import load_named_weights
 from paged_llm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from paged_llm.models.loader import head_dim_of
 
 ARCHITECTURE = "EagleLlamaHead"
 

@@ -19,7 +19,7 @@ from paged_llm.distributed.layers import column_linear, lm_head, row_linear, voc
 from paged_llm.distributed.sharding import shard_heads
 from paged_llm.layers.activation import get_activation
 from paged_llm.layers.attention import ForwardContext, PagedAttention
-from paged_llm.layers.merged_linear import sibling_outputs
+from paged_llm.layers.linear import sibling_outputs
 from paged_llm.models.base import CausalLM
 
 # Conv1D modules: their 2-D weights are [in, out] in the checkpoint

@@ -18,7 +18,7 @@ from paged_llm.distributed.layers import column_linear, lm_head, row_linear, voc
 from paged_llm.distributed.sharding import shard_heads
 from paged_llm.layers.activation import get_activation
 from paged_llm.layers.attention import ForwardContext, PagedAttention
-from paged_llm.layers.merged_linear import sibling_outputs
+from paged_llm.layers.linear import sibling_outputs
 from paged_llm.layers.rope_scaling import rope_parameters
 from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from paged_llm.models.base import CausalLM

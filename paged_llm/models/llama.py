@@ -1,10 +1,11 @@
 """LLaMA-family decoder (LLaMA 1/2/3, Mistral, Qwen2, Qwen3): RMSNorm, RoPE, grouped-query
 attention over the paged KV cache, and a SwiGLU MLP. The variants differ in which projections
 carry a bias, whether q and k are RMS-normed per head (Qwen3), and which MLP a layer has (the
-mixture-of-experts models in ``moe.py``); the subclasses at the bottom pick.
+mixture-of-experts models in ``moe.py``); the subclasses (``llama_variants.py``: Mistral,
+Qwen2, Qwen3) pick.
 
 Sliding-window attention (Mistral v0.1, Qwen2/3 with ``use_sliding_window``) is a per-layer
-argument of the attention layer (``base.sliding_window_of``); every backend honours it.
+argument of the attention layer (``loader.sliding_window_of``); every backend honours it.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ from paged_llm.distributed.layers import column_linear, lm_head, row_linear, voc
 from paged_llm.distributed.sharding import shard_heads
 from paged_llm.layers.activation import get_activation
 from paged_llm.layers.attention import ForwardContext, PagedAttention
-from paged_llm.layers.merged_linear import sibling_outputs
+from paged_llm.layers.linear import sibling_outputs
 from paged_llm.layers.norms import RMSNorm
 from paged_llm.layers.rope_scaling import rope_parameters
 from paged_llm.layers.rotary import RotaryEmbedding, apply_rotary_qk
-from paged_llm.models.base import CausalLM, head_dim_of, num_kv_heads_of, sliding_window_of
-from paged_llm.ops.elementwise import silu_mul
+from paged_llm.models.base import CausalLM
+from paged_llm.models.loader import head_dim_of, num_kv_heads_of, sliding_window_of
+from paged_llm.ops.elementwise import BindsElementwiseOps, device_of, rotary_for, silu_mul_for
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(BindsElementwiseOps):
     """q/k/v projections, RoPE on q and k, paged attention, output projection.
 
     Under tensor parallelism each rank owns a slice of the heads (num_heads / num_kv_heads are
@@ -58,6 +60,11 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx,
             sliding_window=sliding_window_of(config, layer_idx),
         )  # fmt: skip
+        self.bind_ops(device_of(self))
+
+    def bind_ops(self, device: torch.device) -> None:
+        """The fused rotary kernel on CUDA, the torch reference elsewhere (ops/elementwise)."""
+        self._rotate = rotary_for(device)
 
     def forward(
         self,
@@ -73,12 +80,12 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin, self._rotate)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, ctx)  # [T, Hq * D]
         return self.o_proj(out)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(BindsElementwiseOps):
     """Gated MLP: down(act(gate(x)) * up(x)); gate/up column-, down row-parallel under TP."""
 
     sibling_linears = (("gate_proj", "up_proj"),)  # one GEMM where they merge
@@ -91,12 +98,17 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_linear(inter, hidden, bias)
         self.act_fn = get_activation(config.hidden_act)
         self.silu = config.hidden_act in ("silu", "swish")  # one fused kernel on CUDA
+        self.bind_ops(device_of(self))
+
+    def bind_ops(self, device: torch.device) -> None:
+        """The fused SwiGLU-gate kernel on CUDA, the torch reference elsewhere (ops/elementwise)."""
+        self._silu_mul = silu_mul_for(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         """Apply the gated MLP row-wise."""
         gate, up = sibling_outputs(self, self.sibling_linears[0], x)
         if self.silu:
-            return self.down_proj(silu_mul(gate, up))
+            return self.down_proj(self._silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -182,27 +194,3 @@ class LlamaForCausalLM(CausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         """Drop RoPE frequency buffers that older checkpoints saved; other names are HF's own."""
         return None if name.endswith("rotary_emb.inv_freq") else name
-
-
-class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: LLaMA without any biases (and, in v0.1, a sliding window on every layer)."""
-
-    @staticmethod
-    def bias_flags(config: Any) -> tuple[bool, bool, bool]:
-        """Mistral has no bias anywhere."""
-        return False, False, False
-
-
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2: LLaMA with biases on the q/k/v projections only."""
-
-    @staticmethod
-    def bias_flags(config: Any) -> tuple[bool, bool, bool]:
-        """Qwen2 biases q/k/v but not o_proj or the MLP."""
-        return True, False, False
-
-
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Qwen3: LLaMA with per-head RMSNorm on q and k (biases as LLaMA: ``attention_bias``)."""
-
-    qk_norm = True

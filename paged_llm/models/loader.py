@@ -1,4 +1,5 @@
-"""Load an HF checkpoint directory (config.json + weights) into one of our models.
+"""Load an HF checkpoint directory (config.json + weights) into one of our models, and read
+its config (per-head width, K/V heads, sliding windows: what the models and the KV cache need).
 
 Everything is read from the local directory: the config goes through
 ``AutoConfig.from_pretrained(..., local_files_only=True)`` and a missing directory is refused
@@ -13,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged_llm.models.base import head_dim_of, num_kv_heads_of
 from paged_llm.models.checkpoint import find_weight_files, iter_weight_files
 from paged_llm.models.registry import get_model_class
 
@@ -82,6 +82,30 @@ def load_model(
     model = instantiate_model(hf_config, resolve_dtype(dtype, hf_config), device)
     model.load_weights(iter_weight_files(files))
     return model.eval(), hf_config
+
+
+def head_dim_of(config: Any) -> int:
+    """Per-head width: ``config.head_dim`` when set (Mistral/Qwen variants), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config: Any) -> int:
+    """Number of K/V heads (grouped-query attention); plain multi-head models have one per query."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def sliding_window_of(config: Any, layer_idx: int) -> int | None:
+    """Sliding window of layer ``layer_idx`` (None: full attention), read as transformers does:
+    ``sliding_window`` when set and not switched off by ``use_sliding_window`` (Qwen), on the
+    layers ``layer_types`` marks "sliding_attention", or on every layer without ``layer_types``
+    (Mistral, Mixtral, Qwen3-MoE)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+        return None
+    return int(window)
 
 
 def kv_cache_shape_info(hf_config: Any) -> tuple[int, int, int]:

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from paged_llm.layers.moe import SparseMoeBlock, stack_expert_weights
-from paged_llm.models.llama import LlamaForCausalLM, LlamaMLP, MistralForCausalLM
+from paged_llm.models.llama import LlamaForCausalLM, LlamaMLP
+from paged_llm.models.llama_variants import MistralForCausalLM
 
 
 class MoECausalLM(LlamaForCausalLM):

@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from paged_llm.layers.norms import RMSNorm
-from paged_llm.models.base import head_dim_of, num_kv_heads_of
-from paged_llm.models.loader import instantiate_model
+from paged_llm.models.loader import head_dim_of, instantiate_model, num_kv_heads_of
 from paged_llm.models.tokenizer_builder import CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, build_tokenizer
 from paged_llm.recipes.cache import cache_root
 

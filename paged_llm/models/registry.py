@@ -11,9 +11,9 @@ from paged_llm.utils.registry import check_import_path, import_target
 # Import paths, not classes, so looking up one architecture does not import every model file.
 MODEL_ARCHITECTURES: dict[str, str | type[nn.Module]] = {
     "LlamaForCausalLM": "paged_llm.models.llama.LlamaForCausalLM",
-    "MistralForCausalLM": "paged_llm.models.llama.MistralForCausalLM",
-    "Qwen2ForCausalLM": "paged_llm.models.llama.Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "paged_llm.models.llama.Qwen3ForCausalLM",
+    "MistralForCausalLM": "paged_llm.models.llama_variants.MistralForCausalLM",
+    "Qwen2ForCausalLM": "paged_llm.models.llama_variants.Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "paged_llm.models.llama_variants.Qwen3ForCausalLM",
     "MixtralForCausalLM": "paged_llm.models.moe.MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "paged_llm.models.moe.Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "paged_llm.models.moe.Qwen3MoeForCausalLM",

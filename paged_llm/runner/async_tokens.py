@@ -18,6 +18,7 @@ import torch
 
 from paged_llm.core.request import Request
 from paged_llm.outputs import LogprobEntry
+from paged_llm.runner.batch import int_tensor, to_device
 from paged_llm.runner.logprobs import (
     PackedPromptLogprobs,
     PromptLogprobs,
@@ -27,7 +28,6 @@ from paged_llm.runner.logprobs import (
     unpack_logprobs,
 )
 from paged_llm.runner.sampler import PendingTokens, Sampler, SampleResult
-from paged_llm.utils.host import int_tensor, to_device
 
 
 def can_defer(requests: Sequence[Request]) -> bool:

@@ -16,18 +16,35 @@ from paged_llm.runner.kv_cache import KVCaches
 from paged_llm.runner.sleep import (
     HeldFreeSpace,
     RankMemory,
+    Sleeper,
     SleepReport,
     device_free_bytes,
     trim_host_heap,
 )
+from paged_llm.spec.base import Drafter
 
 logger = logging.getLogger("paged_llm.runner.model_runner")  # where users look for its lines
 WAKE_MARGIN_BYTES = 256 * 2**20  # for the CUDA graphs captured again after waking
 
 
 class RunnerControls:
-    """The between-steps half of ``ModelRunner`` (it sets every attribute these read: ``model``,
-    ``backend``, ``device``, ``kv_caches``, ``cuda_graphs``, ``memory_owners``, ``sleeper``...)."""
+    """The between-steps half of ``ModelRunner`` (it sets the attributes these read: ``model``,
+    ``backend``, ``device``, ``kv_caches``...; those of its own, ``_init_controls``)."""
+
+    def _init_controls(self, drafter: Drafter | None) -> None:
+        """The state of CUDA graphs and sleep mode, none captured and awake (ModelRunner's
+        construction calls it)."""
+        self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
+        # capture_cuda_graphs' arguments (sizes, max_model_len, strides, mixed tokens): wake_up
+        # redoes it
+        self._graph_args: tuple[list[int], int, tuple[int, ...], tuple[int, ...]] = (
+            [], 0, (1,), ()
+        )  # fmt: skip
+        self.sleeper = Sleeper()
+        # other owners of this rank's device memory (a draft model): ``device_memory()``; their
+        # weights and KV sleep with the target's and their graphs are captured beside its own
+        self.memory_owners: list[Drafter] = [drafter] if drafter and drafter.runs_model else []
+        self.cuda_graph_error: str | None = None  # why capturing failed, if it did
 
     def capture_cuda_graphs(
         self,

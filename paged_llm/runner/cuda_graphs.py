@@ -65,8 +65,7 @@ from paged_llm.attention.metadata import (
 )
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.async_tokens import feed_placeholders
-from paged_llm.runner.batch import is_decode_batch
-from paged_llm.utils.host import int_tensor, to_device
+from paged_llm.runner.batch import int_tensor, is_decode_batch, to_device
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
+from paged_llm.runner.batch import int_tensor, to_device
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.sampling_params_checks import logits_processor_arity
-from paged_llm.utils.host import int_tensor, to_device
 
 
 def min_tokens_ban(params: SamplingParams, eos_token_id: int | None) -> list[int]:

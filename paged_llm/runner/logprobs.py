@@ -7,16 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from paged_llm.outputs import Logprob, LogprobEntry
+from paged_llm.runner.batch import HostBatch, int_tensor, to_device
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.utils.host import int_tensor, to_device
-
-if TYPE_CHECKING:
-    from paged_llm.runner.batch import HostBatch
 
 
 def logprob_rows(params: Sequence[SamplingParams]) -> tuple[list[int], list[int]]:

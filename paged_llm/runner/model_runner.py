@@ -29,7 +29,9 @@ from paged_llm.runner.batch import (
     BlockTableRows,
     HostBatch,
     flatten_batch,
+    int_tensor,
     is_decode_batch,
+    to_device,
     to_step_inputs,
 )
 from paged_llm.runner.collaborators import (
@@ -40,14 +42,12 @@ from paged_llm.runner.collaborators import (
     TokenChooser,
 )
 from paged_llm.runner.controls import RunnerControls
-from paged_llm.runner.cuda_graphs import CudaGraphRunner, graph_kind
+from paged_llm.runner.cuda_graphs import graph_kind
 from paged_llm.runner.kv_cache import RunnerKVPools
 from paged_llm.runner.logprobs import PromptLogprobs, prompt_logprobs
 from paged_llm.runner.sampler import PendingTokens, Sampler, SampleResult
-from paged_llm.runner.sleep import Sleeper
 from paged_llm.spec.base import Drafter
 from paged_llm.spec.verify import DraftVerifier
-from paged_llm.utils.host import int_tensor, to_device
 
 
 def no_scope(*_: Any) -> contextlib.nullcontext[None]:
@@ -99,17 +99,7 @@ class ModelRunner(RunnerKVPools, RunnerControls):
         )
         self.forgetters = [self.sampler.forget, self.table_rows.forget]
         self.forgetters += [pooler.forget] if pooler is not None else []
-        self.cuda_graphs: CudaGraphRunner | None = None  # see capture_cuda_graphs
-        # capture_cuda_graphs' arguments (sizes, max_model_len, strides, mixed tokens): wake_up
-        # redoes it
-        self._graph_args: tuple[list[int], int, tuple[int, ...], tuple[int, ...]] = (
-            [], 0, (1,), ()
-        )  # fmt: skip
-        self.sleeper = Sleeper()
-        # other owners of this rank's device memory (a draft model): ``device_memory()``; their
-        # weights and KV sleep with the target's and their graphs are captured beside its own
-        self.memory_owners: list[Drafter] = [drafter] if drafter and drafter.runs_model else []
-        self.cuda_graph_error: str | None = None  # why capturing failed, if it did
+        self._init_controls(drafter)  # CUDA graphs and sleep mode: runner/controls.py
         # How each forward ran (``cuda_graphs.graph_kind`` of a replay, "eager_decode",
         # "eager_prefill": any other batch, a verification included),
         # counted and last: benchmarks attribute step time by kind.
@@ -168,7 +158,7 @@ class ModelRunner(RunnerKVPools, RunnerControls):
         # Every host-to-device copy comes before the model is launched: a copy from pageable
         # memory waits for the stream, so one after the launch would wait for the whole
         # forward (and leave nothing for async output processing to overlap). The step's
-        # own inputs go through pinned memory (utils.host.to_device), so under async
+        # own inputs go through pinned memory (runner.batch.to_device), so under async
         # scheduling they queue behind the previous step's forward instead of waiting for it.
         key = self.cuda_graphs.key_for(batch) if self.cuda_graphs is not None else None
         if key is not None:

@@ -14,11 +14,11 @@ import torch
 
 from paged_llm.core.request import PLACEHOLDER_TOKEN, Request
 from paged_llm.outputs import LogprobEntry
+from paged_llm.runner.batch import int_tensor, to_device
 from paged_llm.runner.logits_processors import process_request_rows
 from paged_llm.runner.logprobs import logprob_entries, logprob_rows
 from paged_llm.runner.top_k_top_p import sampling_probs
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.utils.host import int_tensor, to_device
 
 
 @dataclass
@@ -143,10 +143,3 @@ def has_constraints(request: Request, num_output_tokens: int) -> bool:
     processing or a grammar (most requests have neither)."""
     params = request.sampling_params
     return request.guide is not None or params.needs_logits_processing(num_output_tokens)
-
-
-def is_plain_greedy(request: Request, num_drafted: int = 0) -> bool:
-    """Greedy, with no logits processing and no grammar for the token after its outputs and
-    ``num_drafted`` drafts: its choice is the plain argmax of the logits."""
-    n = request.num_output_tokens + num_drafted
-    return request.sampling_params.greedy and not has_constraints(request, n)

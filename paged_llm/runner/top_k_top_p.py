@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from paged_llm.runner.batch import int_tensor, to_device
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.utils.host import int_tensor, to_device
 
 
 def apply_top_k_top_p_min_p(

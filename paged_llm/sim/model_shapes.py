@@ -180,7 +180,7 @@ def get_model_shape(name: str, **overrides: Any) -> ModelShape:
 
 def from_hf_config(config: Any, name: str | None = None, dtype_bytes: int = 2) -> ModelShape:
     """The shape of a transformers config (OPT or LLaMA family), parameters counted exactly."""
-    from paged_llm.models.base import sliding_window_of  # imports torch; only on this path
+    from paged_llm.models.loader import sliding_window_of  # imports torch; only on this path
     from paged_llm.models.presets import count_parameters
 
     experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0)

@@ -16,10 +16,10 @@ import torch
 from paged_llm.layers.attention import ForwardContext
 from paged_llm.runner.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from paged_llm.runner.logits_processors import process_request_rows
-from paged_llm.runner.sampler import is_plain_greedy
 from paged_llm.runner.sleep import RankMemory
 from paged_llm.spec.any_order import build_metadata_any_order
 from paged_llm.spec.base import DraftContext, Drafter
+from paged_llm.spec.verify import is_plain_greedy
 
 
 class DraftModelDrafter(Drafter):

@@ -19,7 +19,6 @@ from paged_llm.runner.sampler import (
     Sampler,
     SampleResult,
     has_constraints,
-    is_plain_greedy,
 )
 from paged_llm.spec.rejection import accept_greedy, verify_greedy, verify_sampled
 
@@ -88,6 +87,14 @@ class DraftVerifier:
             rows = logits[: len(tokens)].log_softmax(-1)
             lps = logprob_entries(rows, tokens, params.logprobs or 0)
         return SampleResult(tokens[-1], lps, tokens, len(drafts), len(tokens) - 1)
+
+
+def is_plain_greedy(request: Request, num_drafted: int = 0) -> bool:
+    """Greedy, with no logits processing and no grammar for the token after its outputs and
+    ``num_drafted`` drafts: its choice is the plain argmax of the logits (the
+    drafters and the verification skip sampling for it)."""
+    n = request.num_output_tokens + num_drafted
+    return request.sampling_params.greedy and not has_constraints(request, n)
 
 
 def verifies_plainly(request: Request) -> bool:

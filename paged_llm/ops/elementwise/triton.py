@@ -17,6 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_llm.ops.elementwise.reference import (
+    rms_norm_reference,
+    rotary_reference,
+    silu_mul_reference,
+)
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -138,3 +144,28 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, block: int = 1024) -> 
             gate, up, out, gate.shape[1], gate.stride(0), up.stride(0), out.stride(0), BLOCK=block
         )
     return out
+
+
+# What the layers call on CUDA (ops/elementwise/__init__.py chooses them once per device): the
+# kernels above where the inputs' layout allows, else the torch reference.
+
+
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the last dim of ``x`` [..., H] with weight [H]: the kernel over its rows."""
+    if x.stride(-1) != 1:
+        return rms_norm_reference(x, weight, eps)
+    return rms_norm_triton(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def rotary_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [T, NH, D] by cos / sin [T, D]: the kernel."""
+    if x.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
+        return rotary_reference(x, cos, sin)
+    return rotary_triton(x, cos, sin)
+
+
+def silu_mul_fused(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up over [T, I]: the kernel."""
+    if gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return silu_mul_reference(gate, up)
+    return silu_mul_triton(gate, up)

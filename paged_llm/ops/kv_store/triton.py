@@ -1,6 +1,6 @@
 """Triton KV store: scatter this step's K/V vectors into their paged cache slots.
 
-Same contract as ``reference.store_kv_reference``: token t goes to flat slot
+Same contract as ``attention.torch_backend.store_kv_reference``: token t goes to flat slot
 ``slot_mapping[t] = block_id * block_size + offset``; a negative slot (padding) is skipped.
 With scale pools (an int8 / fp8 cache) each head vector is quantized by its absmax on the way
 in and its scale stored in the same slot of the scale pool.

@@ -1,19 +1,33 @@
 """Torch reference for paged attention: gather each sequence's K/V through its block table,
 then plain causal softmax attention in float32. Readable first; every kernel is tested
-against this. The gathering and the causal / sliding-window mask are paged_kv.py's.
+against this. The block gather and the causal / sliding-window mask are the torch
+backend's (attention/torch_backend.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from paged_llm.ops.paged_attention.paged_kv import attention_mask, gather_kv
+from paged_llm.attention.torch_backend import attention_mask, gather_blocks
 from paged_llm.quant.kv_cache import KVCacheSpec
 
-__all__ = [  # attention_mask and gather_kv are read from here too (paged_kv.py has them)
+__all__ = [  # attention_mask is read from here too (torch_backend.py has it)
     "attention_mask", "attention_one_sequence", "gather_kv", "paged_attention_reference",
     "paged_decode_attention_batched",
 ]  # fmt: skip
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [max_blocks] int
+    seq_len: int,
+    scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv]: quantized cache
+    dtype: torch.dtype | None = None,  # dequantize into this dtype (default float32)
+) -> torch.Tensor:
+    """Return the first ``seq_len`` cached vectors of one sequence: [seq_len, Hkv, D]
+    (dequantized when the cache comes with scales)."""
+    num_blocks = (seq_len + cache.shape[1] - 1) // cache.shape[1]
+    return gather_blocks(cache, block_table[:num_blocks].long(), seq_len, scale, dtype)
 
 
 def attention_one_sequence(

@@ -1,4 +1,6 @@
-"""Sibling linear layers (q/k/v, gate/up) computed as one GEMM.
+"""The linear layers a forward runs beyond ``nn.Linear``: ``OneDnnLinear`` (oneDNN's matmul on
+the CPU; why and where it is switched on: layers/linear_setup.py) and sibling layers (q/k/v,
+gate/up) computed as one GEMM.
 
 Siblings read the same input. Run one by one, each costs a launch, and at decode batch sizes
 the small ones run well below the memory bandwidth: in the H200's decode graph steps (run 11,
@@ -6,7 +8,7 @@ LLaMA-7B shape at batch 64, ``paper_repro/gpu_results/2026-12-04-h200-run11-e2e-
 q/k/v/o's 33.5 MB GEMMs took 12.2 us each (2.75 TB/s), gate/up's 90 MB ones 25.7 us (3.5 TB/s).
 
 A module names its groups in ``sibling_linears``. After the model is built (quantized,
-LoRA-wrapped, sharded), ``merge_sibling_linears`` (layers/merge_siblings.py, once at load)
+LoRA-wrapped, sharded), ``merge_sibling_linears`` (layers/linear_setup.py, once at load)
 lays each group's weights side by side
 in one tensor and makes every layer's own parameters views of its rows. Checkpoint names,
 ``load_weights`` (an in-place copy), sleep mode (storages, shared ones once) and everything else
@@ -26,7 +28,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+class OneDnnLinear(nn.Linear):
+    """``nn.Linear`` whose inference forward on inputs of >= ``min_rows`` rows calls oneDNN."""
+
+    min_rows: int = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        """``x @ W.T + b``; oneDNN for large inputs, torch's default otherwise (and for
+        autograd, which oneDNN's op does not support)."""
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows < self.min_rows or (
+            torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        ):
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
 
 MERGED_KEY = "_merged_linears"  # owner.__dict__ entry: names -> Merged
 
