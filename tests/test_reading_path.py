@@ -8,10 +8,10 @@ from pathlib import Path
 from experiments.reading_path import files_run_by, step_files
 
 DOC = Path(__file__).parents[1] / "docs" / "architecture.md"
-# Today's size (2026-12-07: 30 files, 3,789 lines), a ratchet: the target is 20 files
+# Today's size (2026-12-07: 20 files, 3,443 lines), a ratchet: the target is 20 files
 # and 3,500 lines. Lower these as the step gets shorter; raising them needs a reason.
-MAX_FILES = 30
-MAX_LINES = 3_809
+MAX_FILES = 20
+MAX_LINES = 3_463
 
 
 def documented_files() -> set[str]:
